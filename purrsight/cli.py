@@ -1,0 +1,55 @@
+"""Shared command-line plumbing: logging format and the user-error -> exit code mapping."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+EXIT_USAGE = 2  # bad config, data, arguments or checkpoint: the user can fix it
+T = TypeVar("T")
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean 'your input is wrong': one line, no traceback, exit 2."""
+    from purrsight.config import ConfigError
+    from purrsight.data.index import IndexFileError
+    from purrsight.data.media import SampleError
+    from purrsight.model.encoders import ModelLoadError
+    from purrsight.training.module import CheckpointMismatchError
+    from purrsight.training.run import ResumeError
+
+    return ConfigError, IndexFileError, SampleError, ModelLoadError, CheckpointMismatchError, ResumeError
+
+
+def setup_logging() -> None:
+    rank = os.environ.get("RANK")
+    where = f" [rank {rank}]" if rank is not None else ""
+    level = logging.DEBUG if os.environ.get("LOG_LEVEL", "INFO").upper() == "DEBUG" else logging.INFO
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s{where} %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        stream=sys.stderr,
+    )
+    for noisy in ("httpx", "urllib3", "filelock", "fsspec"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run_guarded(command: Callable[[T], int], args: T) -> int:
+    """Run ``command``; a user error becomes one line on stderr and exit 2.
+
+    With LOG_LEVEL=DEBUG the traceback is printed too, for bug reports.
+    """
+    errors = user_errors()
+    try:
+        return command(args)
+    except errors as err:
+        if os.environ.get("LOG_LEVEL", "").upper() == "DEBUG":
+            logging.getLogger("purrsight").exception("user error")
+        lines = getattr(err, "problems", None) or [str(err)]
+        for line in lines:
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_USAGE

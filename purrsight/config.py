@@ -1,0 +1,372 @@
+"""The one place that defines a setting and its default.
+
+A run is described by one YAML file validated against the typed schema below.
+Precedence, lowest to highest: the defaults here < the YAML file < CLI overrides
+(``section.key=value``). Validation collects every problem and reports them together,
+one per line, so a user fixes a config in one round trip instead of ten.
+
+Command line::
+
+    python -m purrsight.config check config/train_config.yaml trainer.max_steps=20
+
+exits 0 when the config is valid and 2 (one line per problem) when it is not.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+EXIT_CONFIG_ERROR = 2
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-3`` as a float.
+
+    PyYAML follows YAML 1.1, where a float needs a dot (``1.0e-3``); ``lr: 1e-3`` would
+    arrive as the string "1e-3" and be refused by the strict schema. Users write the
+    short form, so the float resolver is widened; everything else stays SafeLoader.
+    """
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def safe_yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; ``problems`` holds one readable line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors (a typo must not silently fall back to a default), and
+    # values are not coerced across types ("8" is not an int) except int -> float.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("phase2-tiny", description="Run name; the run folder is output_dir/name.")
+    output_dir: str = Field("runs", description="Parent folder of run folders (checkpoints, logs, resolved config).")
+    seed: int = Field(1234, description="Seeds python, numpy and torch; each rank derives its own stream.")
+    deterministic: bool = Field(False, description="torch deterministic algorithms; exact resume on CPU, slower on GPU.")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+class EncoderConfig(_Section):
+    """A frozen modality encoder: a local Hugging Face directory or a config dict."""
+
+    enabled: bool = Field(True, description="False drops the modality: its samples train without a prefix.")
+    path: str | None = Field(None, description="Local Hugging Face model directory (AutoModel + its processor).")
+    config: dict[str, Any] | None = Field(None, description="Config dict for a random-init encoder (tiny default).")
+    model_type: Literal["vit", "wav2vec2"] | None = Field(None, description="Architecture of `config` (needed with config).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EncoderConfig:
+        if self.enabled and (self.path is None) == (self.config is None):
+            raise ValueError("set exactly one of path or config")
+        if self.config is not None and self.model_type is None:
+            raise ValueError("model_type is required with config (vit or wav2vec2)")
+        return self
+
+
+class LoRAConfig(_Section):
+    r: int = Field(8, gt=0, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator; the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Names of the LLM's linear modules that get LoRA adapters.",
+    )
+
+
+class LLMConfig(_Section):
+    path: str | None = Field(None, description="Local directory of a causal LM (e.g. models/Qwen2.5-0.5B-Instruct).")
+    config: dict[str, Any] | None = Field(None, description="Qwen2 config dict for a random-init LLM (tiny default).")
+    tokenizer: str | None = Field(None, description="Tokenizer directory; default: the LLM path, or the synthetic set's tokenizer.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory in the LLM.")
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> LLMConfig:
+        if (self.path is None) == (self.config is None):
+            raise ValueError("set exactly one of path or config")
+        return self
+
+
+class ModelConfig(_Section):
+    llm: LLMConfig = Field(default_factory=lambda: LLMConfig(config={}))
+    image_encoder: EncoderConfig = Field(default_factory=lambda: EncoderConfig(enabled=False))
+    audio_encoder: EncoderConfig = Field(default_factory=lambda: EncoderConfig(enabled=False))
+    aligner_checkpoint: str | None = Field(None, description="Frozen Phase 1 aligner (.pt); none: projectors read encoders.")
+    aligner_dim: int = Field(256, gt=0, description="Width of the aligner's shared space.")
+    prefix_tokens: int = Field(4, gt=0, description="Prefix embeddings per modality fed to the LLM.")
+    projector_hidden: int = Field(256, gt=0, description="Hidden width of each projector MLP.")
+
+
+class SyntheticConfig(_Section):
+    num_train: int = Field(512, gt=0, description="Training samples generated.")
+    num_val: int = Field(64, gt=0, description="Validation samples generated.")
+    seed: int = Field(0, description="The set is a pure function of this seed.")
+    image_size: int = Field(32, gt=7, description="Side of the generated PNGs in pixels.")
+
+
+class DataConfig(_Section):
+    train_index: str = Field("data/synthetic/train.jsonl", description="JSONL index; media paths are relative to its folder.")
+    val_index: str | None = Field("data/synthetic/val.jsonl", description="Validation index; none: no validation.")
+    synthetic_dir: str | None = Field("data/synthetic", description="Generate the synthetic set here when absent; none: never.")
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
+    max_length: int = Field(64, gt=0, description="Text tokens per sample (prompt + response), truncated beyond.")
+    image_size: int = Field(32, gt=0, description="Resize side for the tiny default's fixed image transform.")
+    audio_sample_rate: int = Field(16000, gt=0, description="Sample rate the audio encoder expects.")
+    audio_seconds: float = Field(0.25, gt=0, description="Clips are cropped or zero-padded to this length.")
+    resample: bool = Field(True, description="Resample audio at another rate (true) or refuse it (false).")
+    on_bad_sample: Literal["error", "skip"] = Field("error", description="A sample that fails to decode: stop, or skip and count.")
+    max_bad_samples: int = Field(16, ge=0, description="With skip: more skipped samples than this stops the run.")
+    batch_size: int = Field(8, gt=0, description="Samples per process per step (before accumulation).")
+    num_workers: int = Field(0, ge=0, description="Loader worker processes per rank; 0 decodes in the training process.")
+    pin_memory: bool | Literal["auto"] = Field("auto", description="Pinned host memory; auto: on when training on GPUs.")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(2e-3, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.999], min_length=2, max_length=2, description="AdamW betas.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup from 0 to lr, in optimizer steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of lr.")
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> OptimConfig:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must each lie in [0, 1), got {self.betas}")
+        return self
+
+
+class TrainerConfig(_Section):
+    max_steps: int = Field(150, gt=0, description="Optimizer steps to train.")
+    accumulate_grad_batches: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    gradient_clip_val: float | None = Field(1.0, description="Clip the global grad norm; none: no clipping.")
+    precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
+        "auto", description="auto: bf16-mixed on GPUs that support it, 32-true otherwise."
+    )
+    accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="auto: gpu when CUDA is available.")
+    val_every_n_steps: int = Field(50, gt=0, description="Validate every N optimizer steps and at the end.")
+    limit_val_batches: int | None = Field(None, description="Cap validation batches; none: the whole set.")
+
+
+class CheckpointConfig(_Section):
+    every_n_steps: int = Field(50, gt=0, description="Save every N optimizer steps (and at the end).")
+    keep_last: int = Field(3, gt=0, description="Newest step checkpoints kept; last.ckpt is kept besides.")
+
+
+class DistributedConfig(_Section):
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPUs, gloo on CPU.")
+    timeout_s: int = Field(600, gt=0, description="Process-group timeout for a collective that never completes.")
+    bucket_cap_mb: int = Field(25, gt=0, description="DDP gradient bucket size.")
+    gradient_as_bucket_view: bool = Field(True, description="Gradients alias DDP buckets: saves one copy of them.")
+    static_graph: bool = Field(False, description="DDP static graph; every step uses the same parameters.")
+    find_unused_parameters: bool = Field(False, description="Not needed: every trainable parameter is used each step.")
+
+
+class LoggingConfig(_Section):
+    csv: bool = Field(True, description="CSV metrics in the run folder.")
+    tensorboard: bool = Field(False, description="TensorBoard event files too (needs the tensorboard package).")
+    every_n_steps: int = Field(10, gt=0, description="Metrics and progress lines every N optimizer steps.")
+    progress: Literal["auto", "bar", "lines"] = Field("auto", description="auto: a bar on a terminal, lines in a log file.")
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    def tokenizer_dir(self) -> Path:
+        """model.llm.tokenizer, else the LLM directory, else the synthetic set's tokenizer."""
+        llm = self.model.llm
+        chosen = llm.tokenizer or llm.path or (self.data.synthetic_dir and f"{self.data.synthetic_dir}/tokenizer")
+        if chosen is None:
+            raise ConfigError(
+                ["model.llm.tokenizer: required when the LLM is built from a config dict and data.synthetic_dir is unset"]
+            )
+        return Path(chosen)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
+    """``a.b=value`` -> (["a", "b"], value); the value is parsed as YAML so types survive."""
+    parsed, problems = [], []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            problems.append(f"override {item!r}: expected section.key=value")
+            continue
+        try:
+            value = safe_yaml_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw  # an unparsable value stays a string; the schema judges it
+        parsed.append((key.split("."), value))
+    if problems:
+        raise ConfigError(problems)
+    return parsed
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each dotted key in a nested dict; the schema later judges names and types."""
+    for keys, value in parse_overrides(overrides):
+        node = data
+        for part in keys[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: config file not found"]) from None
+    except OSError as err:
+        raise ConfigError([f"{path}: cannot read config file ({err.strerror})"]) from None
+    try:
+        data = safe_yaml_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise ConfigError([f"{path}:{where}: YAML syntax error: {problem}"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping of sections"])
+    return data
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The schema class that owns the field at ``loc`` (for did-you-mean suggestions)."""
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _describe(error: Any, source: str) -> str:
+    loc = tuple(error["loc"])
+    dotted = ".".join(str(p) for p in loc)
+    if error["type"] == "extra_forbidden":
+        owner = _model_at(loc[:-1])
+        hint = ""
+        if owner is not None:
+            close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1)
+            known = ", ".join(owner.model_fields)
+            hint = f"; did you mean {'.'.join(map(str, (*loc[:-1], close[0])))}?" if close else f"; known keys: {known}"
+        return f"{source}: unknown key {dotted}{hint}"
+    message = error["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    got = error.get("input")
+    shown = "" if error["type"] == "missing" or isinstance(got, dict) else f" (got {got!r})"
+    return f"{source}: {dotted or 'config'}: {message}{shown}"
+
+
+def _check_paths(config: Config, source: str) -> list[str]:
+    """Local model files must exist: nothing is ever downloaded at run time."""
+    problems = []
+    candidates = {
+        "model.llm.path": config.model.llm.path,
+        "model.llm.tokenizer": config.model.llm.tokenizer,
+        "model.image_encoder.path": config.model.image_encoder.path if config.model.image_encoder.enabled else None,
+        "model.audio_encoder.path": config.model.audio_encoder.path if config.model.audio_encoder.enabled else None,
+        "model.aligner_checkpoint": config.model.aligner_checkpoint,
+    }
+    for key, value in candidates.items():
+        if value is not None and not Path(value).exists():
+            problems.append(f"{source}: {key}: path {value} does not exist (models are never downloaded; point it at a local copy)")
+    if config.data.synthetic_dir is None:
+        for key, value in {"data.train_index": config.data.train_index, "data.val_index": config.data.val_index}.items():
+            if value is not None and not Path(value).is_file():
+                problems.append(f"{source}: {key}: index file {value} does not exist")
+    return problems
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
+    """Read, override, validate. Raises ConfigError listing every problem."""
+    path = Path(path)
+    data = apply_overrides(read_yaml(path), list(overrides or []))
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError([_describe(e, str(path)) for e in err.errors()]) from None
+    problems = _check_paths(config, str(path)) if check_paths else []
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def dump_config(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def write_resolved(config: Config, folder: Path) -> Path:
+    """The config actually used, beside the checkpoints, so a run can be reproduced."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / "resolved_config.yaml"
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(dump_config(config))
+    tmp.replace(target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help"} or argv[0] != "check" or len(argv) < 2:
+        print(
+            "usage: python -m purrsight.config check CONFIG.yaml [section.key=value ...]\n"
+            "Validates the config with its overrides; exit 0 when valid, 2 with one line per problem."
+        )
+        return 0 if argv and argv[0] in {"-h", "--help"} else EXIT_CONFIG_ERROR
+    try:
+        load_config(argv[1], argv[2:])
+    except ConfigError as err:
+        for line in err.problems:
+            print(f"config error: {line}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(f"config OK: {argv[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""The map-style dataset of decoded samples and the collate function that pads them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import Dataset
+
+from purrsight.data.index import SampleIndex
+from purrsight.data.media import AudioDecoder, ImageDecoder, SampleError
+from purrsight.data.text import IGNORE_INDEX, PromptTooLongError, TextEncoder
+
+log = logging.getLogger(__name__)
+
+# With on_bad_sample=skip a failed sample is replaced by the next index's sample, so
+# every rank still yields full, equally sized batches (a short batch on one DDP rank
+# would desynchronise the collectives). Give up after this many bad neighbours in a row.
+MAX_CONSECUTIVE_BAD = 8
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    labels: list[int]
+    image: torch.Tensor | None
+    audio: torch.Tensor | None
+    skipped: int  # bad samples replaced to produce this one
+
+
+class MultiModalDataset(Dataset[Sample]):
+    def __init__(
+        self,
+        index: SampleIndex,
+        text: TextEncoder,
+        image: ImageDecoder | None,
+        audio: AudioDecoder | None,
+        on_bad_sample: Literal["error", "skip"] = "error",
+    ) -> None:
+        self.index = index
+        self.text = text
+        self.image = image
+        self.audio = audio
+        self.on_bad_sample = on_bad_sample
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _media(self, decoder: ImageDecoder | AudioDecoder | None, relative: str | None) -> torch.Tensor | None:
+        if decoder is None or relative is None:
+            return None  # modality disabled in the config, or absent from this sample
+        return decoder(Path(self.index.root) / relative)
+
+    def _decode(self, i: int) -> Sample:
+        record = self.index.records[i]
+        try:
+            text = self.text(record["prompt"], record["response"])
+            image = self._media(self.image, record["image"])
+            audio = self._media(self.audio, record["audio"])
+        except (SampleError, PromptTooLongError) as err:
+            raise SampleError(f"sample {record['id']!r} ({self.index.path}): {err}") from None
+        return Sample(text.input_ids, text.labels, image, audio, skipped=0)
+
+    def __getitem__(self, i: int) -> Sample:
+        if self.on_bad_sample == "error":
+            return self._decode(i)
+        for attempt in range(MAX_CONSECUTIVE_BAD):
+            try:
+                sample = self._decode((i + attempt) % len(self))
+            except SampleError as err:
+                log.warning("skipping bad sample: %s", err)
+                continue
+            sample.skipped = attempt
+            return sample
+        raise SampleError(f"{MAX_CONSECUTIVE_BAD} consecutive bad samples from index {i} in {self.index.path}")
+
+
+class Collator:
+    """Pads text to the longest in the batch; absent media become blanks plus a mask."""
+
+    def __init__(self, pad_id: int, blank_image: torch.Tensor | None, blank_audio: torch.Tensor | None) -> None:
+        self.pad_id = pad_id
+        self.blank_image = blank_image
+        self.blank_audio = blank_audio
+
+    @staticmethod
+    def _stack_media(items: list[torch.Tensor | None], blank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        present = torch.tensor([item is not None for item in items])
+        stacked = torch.stack([blank if item is None else item for item in items])
+        return stacked, present
+
+    def __call__(self, samples: list[Sample]) -> dict[str, Any]:
+        longest = max(len(s.input_ids) for s in samples)
+        input_ids = torch.full((len(samples), longest), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(samples), longest), dtype=torch.long)
+        for row, sample in enumerate(samples):
+            n = len(sample.input_ids)
+            input_ids[row, :n] = torch.tensor(sample.input_ids)
+            labels[row, :n] = torch.tensor(sample.labels)
+            attention_mask[row, :n] = 1
+        batch: dict[str, Any] = {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": attention_mask,
+            "num_skipped": sum(s.skipped for s in samples),
+        }
+        if self.blank_image is not None:
+            batch["image"], batch["has_image"] = self._stack_media([s.image for s in samples], self.blank_image)
+        if self.blank_audio is not None:
+            batch["audio"], batch["has_audio"] = self._stack_media([s.audio for s in samples], self.blank_audio)
+        return batch
+
+
+def check_prompt_lengths(index: SampleIndex, prompt_length: Callable[[str], int], max_length: int) -> None:
+    """Fail before training when a prompt leaves no room for its response."""
+    for number, record in enumerate(index.records, start=1):
+        length = prompt_length(record["prompt"])
+        if length >= max_length:
+            raise SampleError(
+                f"{index.path}: sample {record['id']!r} (record {number}): prompt is {length} tokens, "
+                f"data.max_length is {max_length}; raise data.max_length or shorten the prompt"
+            )

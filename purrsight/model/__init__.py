@@ -1,0 +1,1 @@
+"""Tensors only: encoders, the Phase 1 aligner, projectors, the LLM with LoRA, the assembled model."""

@@ -1,0 +1,137 @@
+"""Frozen image and audio encoders, from a local Hugging Face directory or a config dict.
+
+A directory brings its own processor (AutoImageProcessor / AutoFeatureExtractor); a
+config dict (the tiny default) builds a random-initialised model with a fixed seed,
+so every rank and every restart builds the same frozen weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoFeatureExtractor,
+    AutoImageProcessor,
+    AutoModel,
+    PretrainedConfig,
+    ViTConfig,
+    ViTModel,
+    Wav2Vec2Config,
+    Wav2Vec2Model,
+)
+
+from purrsight.config import EncoderConfig
+
+Modality = Literal["image", "audio"]
+TINY_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[nn.Module]]] = {
+    "vit": (ViTConfig, ViTModel),
+    "wav2vec2": (Wav2Vec2Config, Wav2Vec2Model),
+}
+
+
+class ModelLoadError(ValueError):
+    """A model source that cannot be used; the message names the path or key."""
+
+
+def _tower(model: nn.Module) -> nn.Module:
+    """The part of a checkpoint that encodes one modality.
+
+    CLIP/SigLIP checkpoints load as dual-tower models (take ``vision_model``); Whisper
+    loads as an encoder-decoder (take its encoder). ViT, wav2vec2 and HuBERT are towers.
+    """
+    if hasattr(model, "vision_model"):
+        return model.vision_model
+    if getattr(model.config, "is_encoder_decoder", False) and hasattr(model, "get_encoder"):
+        return model.get_encoder()
+    return model
+
+
+def _width(config: PretrainedConfig) -> int:
+    config = getattr(config, "vision_config", None) or config
+    for name in ("hidden_size", "d_model"):
+        if isinstance(getattr(config, name, None), int):
+            return int(getattr(config, name))
+    raise ModelLoadError(f"cannot tell the output width of {type(config).__name__}")
+
+
+class FrozenEncoder(nn.Module):
+    """An encoder whose weights never train: no grads, always eval mode, mean-pooled output."""
+
+    def __init__(self, tower: nn.Module, input_name: str, width: int) -> None:
+        super().__init__()
+        self.tower = tower
+        self.input_name = input_name
+        self.width = width
+        self.tower.requires_grad_(False)
+        self.tower.eval()
+
+    def train(self, mode: bool = True) -> FrozenEncoder:
+        # Lightning calls model.train() before every epoch; a frozen encoder must keep
+        # dropout and normalisation in inference behaviour regardless.
+        super().train(mode)
+        self.tower.eval()
+        return self
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.tower(**{self.input_name: inputs}).last_hidden_state
+        return hidden.mean(dim=1)
+
+
+@dataclass
+class LoadedEncoder:
+    encoder: FrozenEncoder
+    source: str  # a description for the frozen-source fingerprint
+
+
+def _config_digest(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_encoder(cfg: EncoderConfig, modality: Modality, seed: int) -> LoadedEncoder:
+    if cfg.path is not None:
+        return _from_directory(Path(cfg.path), modality, load_processor(cfg, modality))
+    assert cfg.config is not None and cfg.model_type is not None  # guaranteed by the schema
+    config_cls, model_cls = TINY_ARCHITECTURES[cfg.model_type]
+    try:
+        config = config_cls(**cfg.config)
+    except (TypeError, ValueError) as err:
+        raise ModelLoadError(f"model.{modality}_encoder.config: {err}") from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    input_name = "pixel_values" if modality == "image" else "input_values"
+    source = f"{cfg.model_type}-config:{_config_digest(cfg.config)}:seed{seed}"
+    return LoadedEncoder(FrozenEncoder(model, input_name, _width(config)), source)
+
+
+def load_processor(cfg: EncoderConfig, modality: Modality) -> Any | None:
+    """The directory's image processor or feature extractor; None for a config-dict encoder."""
+    if cfg.path is None:
+        return None
+    path = Path(cfg.path)
+    loader = AutoImageProcessor if modality == "image" else AutoFeatureExtractor
+    try:
+        return loader.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{path}: cannot load the {modality} processor ({err})") from None
+
+
+def _from_directory(path: Path, modality: Modality, processor: Any) -> LoadedEncoder:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        model = AutoModel.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{path}: cannot load the {modality} encoder ({err})") from None
+    input_name = "pixel_values" if modality == "image" else processor.model_input_names[0]
+    source = f"dir:{path.resolve()}:{_config_digest(config.to_dict())}"
+    return LoadedEncoder(FrozenEncoder(_tower(model), input_name, _width(config)), source)

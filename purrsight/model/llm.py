@@ -1,0 +1,86 @@
+"""The causal LM with LoRA adapters, and its tokenizer.
+
+A local directory (``from_pretrained(..., local_files_only=True)``) is the real path;
+a Qwen2 config dict builds a tiny random-initialised LM with a fixed seed. Either way
+the base weights are frozen and only the LoRA adapters train.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
+
+from purrsight.config import LLMConfig
+from purrsight.model.encoders import ModelLoadError, _config_digest
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: tokenizer directory does not exist")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({err})") from None
+    if tokenizer.pad_token_id is None:  # many base LMs ship without one; eos is the convention
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _linear_names(model: nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+
+def _base_llm(cfg: LLMConfig, vocab_size: int, seed: int) -> tuple[PreTrainedModel, str]:
+    if cfg.path is not None:
+        path = Path(cfg.path)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, attn_implementation=cfg.attn_implementation, dtype=torch.float32
+            )
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"{path}: cannot load the LLM ({err})") from None
+        return model, f"dir:{path.resolve()}:{_config_digest(model.config.to_dict())}"
+    options = {"vocab_size": vocab_size, **(cfg.config or {})}
+    try:
+        config = Qwen2Config(**options)
+    except (TypeError, ValueError) as err:
+        raise ModelLoadError(f"model.llm.config: {err}") from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+    return model, f"qwen2-config:{_config_digest(options)}:seed{seed}"
+
+
+def load_llm(cfg: LLMConfig, vocab_size: int, seed: int) -> tuple[PeftModel, str]:
+    """The LM wrapped with LoRA, and a description of its frozen source for fingerprints."""
+    base, source = _base_llm(cfg, vocab_size, seed)
+    missing = sorted(set(cfg.lora.target_modules) - _linear_names(base))
+    if missing:
+        available = ", ".join(sorted(_linear_names(base)))
+        raise ModelLoadError(
+            f"model.llm.lora.target_modules: {', '.join(missing)} not found in the LLM; its linear layers are: {available}"
+        )
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs and with DDP.
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.config.use_cache = False  # no KV cache while training
+    lora = LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)  # LoRA A matrices are random; same on every rank
+        model = get_peft_model(base, lora)
+    return model, source

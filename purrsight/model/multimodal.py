@@ -1,0 +1,82 @@
+"""The assembled Phase 2 model: [image prefix][audio prefix][prompt][response] -> LLM.
+
+Missing modalities. A batch always carries a tensor per enabled modality plus a
+``has_<modality>`` mask; a sample without an image gets a blank image. Its projected
+prefix is multiplied by 0 and masked out of attention and the loss, so it cannot affect
+the sample, yet every projector parameter stays in the autograd graph every step. That
+matters under DDP: a projector left out of one rank's graph would hang or fail the
+gradient all-reduce ("parameters that were not used in producing loss"), and
+``find_unused_parameters=True`` would cost a graph walk per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft import PeftModel
+from torch import nn
+
+from purrsight.data.text import IGNORE_INDEX
+from purrsight.model.aligner import Phase1Aligner
+from purrsight.model.encoders import FrozenEncoder
+from purrsight.model.projector import Projector
+
+MODALITIES = ("image", "audio")
+
+
+class PurrSightModel(nn.Module):
+    def __init__(
+        self,
+        llm: PeftModel,
+        encoders: dict[str, FrozenEncoder],
+        aligner: Phase1Aligner | None,
+        prefix_tokens: int,
+        projector_hidden: int,
+    ) -> None:
+        super().__init__()
+        self.llm = llm
+        self.encoders = nn.ModuleDict(encoders)
+        self.aligner = aligner
+        hidden = llm.get_input_embeddings().embedding_dim
+        self.projectors = nn.ModuleDict(
+            {
+                name: Projector(aligner.dim if aligner else enc.width, projector_hidden, hidden, prefix_tokens)
+                for name, enc in encoders.items()
+            }
+        )
+
+    def _prefix(self, modality: str, inputs: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        encoder = self.encoders[modality]
+        features = torch.zeros(inputs.shape[0], encoder.width, device=inputs.device)
+        if present.any():  # encode only the samples that have this modality
+            features[present] = encoder(inputs[present]).to(features.dtype)
+        if self.aligner is not None:
+            features = self.aligner(modality, features)
+        prefix = self.projectors[modality](features)
+        return prefix * present.to(prefix.dtype)[:, None, None]
+
+    def build_inputs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """inputs_embeds, attention_mask and labels with the modality prefixes in front."""
+        text = self.llm.get_input_embeddings()(batch["input_ids"])
+        embeds, masks, labels = [], [], []
+        for modality in self.encoders:
+            present = batch[f"has_{modality}"].bool()
+            prefix = self._prefix(modality, batch[modality], present)
+            embeds.append(prefix.to(text.dtype))
+            masks.append(present.long()[:, None].expand(-1, prefix.shape[1]))
+            labels.append(torch.full(prefix.shape[:2], IGNORE_INDEX, device=text.device, dtype=torch.long))
+        return {
+            "inputs_embeds": torch.cat([*embeds, text], dim=1),
+            "attention_mask": torch.cat([*masks, batch["attention_mask"]], dim=1),
+            "labels": torch.cat([*labels, batch["labels"]], dim=1),
+        }
+
+    def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, logits, labels) with logits and labels aligned to the full sequence."""
+        inputs = self.build_inputs(batch)
+        out = self.llm(**inputs)
+        return out.loss, out.logits, inputs["labels"]
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]

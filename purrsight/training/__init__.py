@@ -1,0 +1,1 @@
+"""Wiring: LightningModule, DataModule, callbacks, checkpoints, trainer factory, export."""

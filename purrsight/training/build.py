@@ -1,0 +1,64 @@
+"""Build the Phase 2 model described by a config, and fingerprint its frozen sources."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from purrsight.config import Config
+from purrsight.model.aligner import load_aligner
+from purrsight.model.encoders import FrozenEncoder, load_encoder
+from purrsight.model.llm import load_llm, load_tokenizer
+from purrsight.model.multimodal import MODALITIES, PurrSightModel
+
+
+@dataclass
+class BuiltModel:
+    model: PurrSightModel
+    tokenizer: Any
+    fingerprint: str
+
+
+def _tensor_sample_digest(model: torch.nn.Module) -> str:
+    """Hash names, shapes and a strided sample of every frozen tensor.
+
+    Hashing every byte of a 7B model would add a minute to each start; a strided sample
+    of up to 4096 values per tensor still changes when weights are swapped or re-initialised.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name or name.startswith("projectors."):
+            continue
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        digest.update(f"{name}:{list(tensor.shape)}".encode())
+        digest.update(flat[::step].to(torch.float32).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def build_model(config: Config) -> BuiltModel:
+    seed = config.run.seed
+    tokenizer = load_tokenizer(config.tokenizer_dir())
+    llm, llm_source = load_llm(config.model.llm, vocab_size=len(tokenizer), seed=seed)
+    encoders: dict[str, FrozenEncoder] = {}
+    sources = [llm_source]
+    for offset, modality in enumerate(MODALITIES, start=2):
+        cfg = getattr(config.model, f"{modality}_encoder")
+        if not cfg.enabled:
+            continue
+        loaded = load_encoder(cfg, modality, seed=seed + offset)  # type: ignore[arg-type]
+        encoders[modality] = loaded.encoder
+        sources.append(loaded.source)
+    aligner = None
+    if config.model.aligner_checkpoint is not None:
+        widths = {name: enc.width for name, enc in encoders.items()}
+        aligner = load_aligner(config.model.aligner_checkpoint, widths, config.model.aligner_dim)
+        sources.append(f"aligner:{config.model.aligner_checkpoint}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 10)  # projector init: identical on every rank and restart
+        model = PurrSightModel(llm, encoders, aligner, config.model.prefix_tokens, config.model.projector_hidden)
+    fingerprint = hashlib.sha256(("|".join(sources) + _tensor_sample_digest(model)).encode()).hexdigest()
+    return BuiltModel(model, tokenizer, fingerprint)

@@ -1,0 +1,148 @@
+"""When and how checkpoints are written, and which one a run resumes from.
+
+Layout in ``<run_dir>/checkpoints``: ``step-00000050.ckpt`` ... (the newest
+``keep_last``), and ``last.ckpt``, a hard link to the newest (a copy where the
+filesystem has no hard links). Every file is written to a temporary name, flushed
+and renamed, so a process killed mid-write leaves the previous checkpoint whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+
+log = logging.getLogger(__name__)
+STEP_PATTERN = re.compile(r"^step-(\d+)\.ckpt$")
+LAST_NAME = "last.ckpt"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save to a temp file in the target folder, fsync, then rename over the target."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(handle, "wb") as stream:
+                torch.save(checkpoint, stream)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(tmp_name, target)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        # Checkpoints hold tensors, numbers, strings and the loops' plain dicts: no pickled
+        # objects, so the safe unpickler is enough, and a malicious file is refused.
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
+def step_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the step checkpoints in ``folder``, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_PATTERN.match(p.name))]
+    return sorted(found)
+
+
+def newest_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint a resume takes: the newest step file, else last.ckpt, else none."""
+    steps = step_checkpoints(folder)
+    if steps:
+        return steps[-1][1]
+    last = folder / LAST_NAME
+    return last if last.is_file() else None
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    tmp = target.with_name(f".{target.name}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
+
+
+class StopRequest:
+    """Records SIGTERM/SIGINT instead of dying mid-step; the saver acts on it at step end."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.signum is None:
+            log.warning("received %s: finishing this step, then saving a checkpoint", signal.Signals(signum).name)
+        self.signum = signum
+
+
+class CheckpointSaver(pl.Callback):
+    """Saves every N optimizer steps, at the end, and when a stop signal arrives."""
+
+    def __init__(self, folder: Path, every_n_steps: int, keep_last: int) -> None:
+        self.folder = folder
+        self.every_n_steps = every_n_steps
+        self.keep_last = keep_last
+        self.last_saved_step = -1
+        self.last_saved_path: Path | None = None
+        self.stop = StopRequest()
+        self.stopped_by_signal: int | None = None
+
+    def save(self, trainer: pl.Trainer) -> Path:
+        step = trainer.global_step
+        path = self.folder / f"step-{step:08d}.ckpt"
+        trainer.save_checkpoint(path)  # every rank calls; rank 0 writes, then all meet at a barrier
+        if trainer.is_global_zero:
+            _link_or_copy(path, self.folder / LAST_NAME)
+            for _, old in step_checkpoints(self.folder)[: -self.keep_last]:
+                old.unlink(missing_ok=True)
+            log.info("checkpoint saved: %s (step %d)", path, step)
+        self.last_saved_step, self.last_saved_path = step, path
+        return path
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Installed here, after Lightning registered its own SIGTERM handler (which
+        # abandons the run without a checkpoint), so ours wins for the whole fit.
+        self.stop.install()
+        self.last_saved_step = trainer.global_step  # a resumed run's start is already saved
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        stop = trainer.strategy.reduce_boolean_decision(self.stop.signum is not None, all=False)
+        due = step != self.last_saved_step and step % self.every_n_steps == 0
+        if (stop or due) and step != self.last_saved_step:
+            self.save(trainer)
+        if stop:
+            self.stopped_by_signal = self.stop.signum or signal.SIGTERM
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step != self.last_saved_step:
+            self.save(trainer)
+        self.stop.restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.stop.restore()

@@ -1,0 +1,105 @@
+"""Turn the config (and the launch environment) into a configured pl.Trainer."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
+from pytorch_lightning.plugins.environments import TorchElasticEnvironment
+from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+
+from purrsight.config import Config
+from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
+from purrsight.training.progress import LineProgress, use_progress_bar
+
+
+def resolve_accelerator(config: Config) -> str:
+    wanted = config.trainer.accelerator
+    if wanted == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    return wanted
+
+
+def resolve_precision(config: Config, accelerator: str) -> str:
+    if config.trainer.precision != "auto":
+        return config.trainer.precision
+    if accelerator == "gpu" and torch.cuda.is_bf16_supported():
+        return "bf16-mixed"
+    return "32-true"
+
+
+def launch_world() -> tuple[int, int]:
+    """(processes on this node, nodes) as torchrun set them; (1, 1) in a plain process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return local, max(1, world // max(1, local))
+
+
+def build_strategy(config: Config, accelerator: str) -> Strategy:
+    local, nodes = launch_world()
+    io = AtomicCheckpointIO()
+    if local * nodes == 1:
+        device = torch.device("cuda", 0) if accelerator == "gpu" else torch.device("cpu")
+        return SingleDeviceStrategy(device=device, checkpoint_io=io)
+    dist = config.distributed
+    backend = dist.backend if dist.backend != "auto" else ("nccl" if accelerator == "gpu" else "gloo")
+    # torchrun started us: Lightning must take torchrun's ranks, even inside a SLURM
+    # allocation where it would otherwise read SLURM's (one task per node, not per GPU).
+    return DDPStrategy(
+        cluster_environment=TorchElasticEnvironment(),
+        process_group_backend=backend,
+        timeout=timedelta(seconds=dist.timeout_s),
+        bucket_cap_mb=dist.bucket_cap_mb,
+        gradient_as_bucket_view=dist.gradient_as_bucket_view,
+        static_graph=dist.static_graph,
+        find_unused_parameters=dist.find_unused_parameters,
+        checkpoint_io=io,
+    )
+
+
+def build_loggers(config: Config, run_dir: Path) -> list[Logger]:
+    loggers: list[Logger] = []
+    if config.logging.csv:
+        loggers.append(CSVLogger(save_dir=str(run_dir), name="metrics", version=""))
+    if config.logging.tensorboard:
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
+    return loggers
+
+
+def build_trainer(config: Config, saver: CheckpointSaver, extra_callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
+    accelerator = resolve_accelerator(config)
+    local, nodes = launch_world()
+    run_dir = config.run.run_dir
+    bar = use_progress_bar(config.logging.progress)
+    callbacks: list[pl.Callback] = [saver, *(extra_callbacks or [])]
+    if not bar:
+        callbacks.append(LineProgress(config.logging.every_n_steps))
+    trainer_cfg = config.trainer
+    return pl.Trainer(
+        accelerator=accelerator,
+        devices=local,
+        num_nodes=nodes,
+        strategy=build_strategy(config, accelerator),
+        precision=resolve_precision(config, accelerator),  # type: ignore[arg-type]
+        max_steps=trainer_cfg.max_steps,
+        max_epochs=-1,  # max_steps decides; epochs just repeat the (re-shuffled) data
+        accumulate_grad_batches=trainer_cfg.accumulate_grad_batches,
+        gradient_clip_val=trainer_cfg.gradient_clip_val,
+        val_check_interval=trainer_cfg.val_every_n_steps * trainer_cfg.accumulate_grad_batches,
+        check_val_every_n_epoch=None,
+        limit_val_batches=trainer_cfg.limit_val_batches,
+        num_sanity_val_steps=0,
+        deterministic=config.run.deterministic,
+        use_distributed_sampler=False,  # the DataModule builds its own DistributedSampler
+        enable_checkpointing=False,  # CheckpointSaver owns checkpointing
+        enable_progress_bar=bar,
+        enable_model_summary=False,
+        log_every_n_steps=config.logging.every_n_steps,
+        logger=build_loggers(config, run_dir) or False,
+        callbacks=callbacks,
+        default_root_dir=str(run_dir),
+    )

@@ -1,0 +1,137 @@
+"""The LightningModule: loss, metrics, optimiser and schedule, checkpoint contents."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from purrsight.config import Config, dump_config
+from purrsight.data.text import IGNORE_INDEX
+from purrsight.model.multimodal import PurrSightModel
+from purrsight.training.build import build_model
+
+CHECKPOINT_META_KEY = "purrsight"
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint made for another model; the message names the difference."""
+
+
+def warmup_cosine(step: int, warmup: int, total: int, floor: float) -> float:
+    """LR multiplier: linear 0 -> 1 over ``warmup`` steps, then cosine 1 -> ``floor`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def response_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per sample: 1.0 when every response token is the argmax prediction (teacher forced)."""
+    predicted = logits[:, :-1].argmax(dim=-1)
+    targets = labels[:, 1:]
+    scored = targets != IGNORE_INDEX
+    return ((predicted == targets) | ~scored).all(dim=1).float()
+
+
+class Phase2Module(pl.LightningModule):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model: PurrSightModel | None = None  # built in configure_model, after the data is prepared
+        self.fingerprint = ""
+        self.skipped_samples = 0
+        # Checkpoints hold trainable weights only; frozen ones are rebuilt from their source.
+        self.strict_loading = False
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            built = build_model(self.config)
+            self.model, self.fingerprint = built.model, built.fingerprint
+
+    # ------------------------------------------------------------------ steps
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The RNG stream (LoRA dropout and the like) is a pure function of seed, position
+        # and rank, so a resumed run draws the same numbers as an uninterrupted one
+        # without storing RNG state in checkpoints.
+        key = f"{self.config.run.seed}:{self.current_epoch}:{batch_idx}:{self.global_rank}"
+        torch.manual_seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        assert self.model is not None
+        self.skipped_samples += int(batch["num_skipped"])
+        if self.skipped_samples > self.config.data.max_bad_samples:
+            raise RuntimeError(
+                f"{self.skipped_samples} bad samples skipped on rank {self.global_rank}, "
+                f"above data.max_bad_samples={self.config.data.max_bad_samples}; fix the data or raise the cap"
+            )
+        loss, _, _ = self.model(batch)
+        size = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=size)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, batch_size=size)
+        if batch["num_skipped"]:
+            self.log("train/skipped_samples", float(self.skipped_samples), on_step=True, batch_size=size)
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        assert self.model is not None
+        loss, logits, labels = self.model(batch)
+        size = batch["input_ids"].shape[0]
+        self.log("val/loss", loss, sync_dist=True, batch_size=size, prog_bar=True)
+        self.log("val/accuracy", response_accuracy(logits, labels).mean(), sync_dist=True, batch_size=size)
+
+    # ------------------------------------------------------------------ optimiser
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        assert self.model is not None
+        optim = self.config.optim
+        optimizer = torch.optim.AdamW(
+            self.model.trainable_parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+        )
+        total = self.config.trainer.max_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, optim.warmup_steps, total, optim.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def trainable_shapes(self) -> dict[str, list[int]]:
+        assert self.model is not None
+        return {f"model.{n}": list(p.shape) for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        keep = self.trainable_shapes()
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+        checkpoint[CHECKPOINT_META_KEY] = {
+            "fingerprint": self.fingerprint,
+            "trainable_shapes": keep,
+            "config": dump_config(self.config),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        verify_checkpoint(checkpoint, self.fingerprint, self.trainable_shapes())
+
+
+def verify_checkpoint(checkpoint: dict[str, Any], fingerprint: str, shapes: dict[str, list[int]]) -> None:
+    """Refuse a checkpoint whose frozen sources or trainable shapes differ from this model."""
+    meta = checkpoint.get(CHECKPOINT_META_KEY)
+    if not isinstance(meta, dict):
+        raise CheckpointMismatchError("not a PurrSight Phase 2 checkpoint (no 'purrsight' section)")
+    if meta.get("fingerprint") != fingerprint:
+        raise CheckpointMismatchError(
+            "frozen-source fingerprint differs: the checkpoint was trained on other frozen weights "
+            "(LLM, encoders, aligner or their config/seed changed)"
+        )
+    saved = {k: list(v.shape) for k, v in checkpoint.get("state_dict", {}).items()}
+    for key in sorted(set(shapes) | set(saved)):
+        if key not in saved:
+            raise CheckpointMismatchError(f"trainable parameter {key} is missing from the checkpoint")
+        if key not in shapes:
+            raise CheckpointMismatchError(f"checkpoint parameter {key} does not exist in this model")
+        if saved[key] != shapes[key]:
+            raise CheckpointMismatchError(f"{key}: checkpoint shape {saved[key]}, model shape {shapes[key]}")

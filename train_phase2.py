@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Train the PurrSight Phase 2 multi-modal LLM (frozen encoders, projectors, LoRA).
+
+Runbook
+-------
+One CPU (the embedded default: tiny model, generated data, about a minute)::
+
+    python train_phase2.py --config config/train_config.yaml
+
+One GPU node, all its GPUs (or through the launcher, which adds health checks and logs)::
+
+    torchrun --nproc-per-node 8 train_phase2.py --config config/qwen2.5-0.5b.yaml
+    ./cluster_train.sh config/qwen2.5-0.5b.yaml
+
+Two nodes (run on each; node 0's address is the master)::
+
+    ./cluster_train.sh config/qwen2.5-0.5b.yaml 2 0 10.0.0.1 29500   # on node 0
+    ./cluster_train.sh config/qwen2.5-0.5b.yaml 2 1 10.0.0.1 29500   # on node 1
+
+Overrides (``section.key=value``) win over the file::
+
+    python train_phase2.py --config config/train_config.yaml trainer.max_steps=20 data.batch_size=4
+
+Resume from the newest checkpoint of the run, or from a given one::
+
+    python train_phase2.py --config config/train_config.yaml --resume
+    python train_phase2.py --config config/train_config.yaml --resume runs/phase2-tiny/checkpoints/step-00000050.ckpt
+
+Export (LoRA merged, Hugging Face directory, projectors beside it)::
+
+    python train_phase2.py export --checkpoint runs/phase2-tiny/checkpoints/last.ckpt --out exported/phase2-tiny
+
+Exit codes: 0 done; 2 bad config, data, checkpoint or arguments (one line says which);
+128+N stopped by signal N after saving a checkpoint (143 for SIGTERM); 1 training failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import warnings
+
+from purrsight.cli import EXIT_USAGE, run_guarded, setup_logging
+
+DEFAULT_CONFIG = "config/train_config.yaml"
+
+
+def parse_train_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="train_phase2.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: %(default)s)")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="newest",
+        default=None,
+        metavar="PATH",
+        help="resume from PATH, or from the newest checkpoint of the run when PATH is omitted",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    return parser.parse_args(argv)
+
+
+def parse_export_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="train_phase2.py export", description="Merge LoRA and write a Hugging Face directory plus the projectors."
+    )
+    parser.add_argument("--checkpoint", required=True, help="a .ckpt written by training")
+    parser.add_argument("--out", required=True, help="output directory")
+    return parser.parse_args(argv)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    from purrsight.config import load_config
+    from purrsight.training.run import train
+
+    config = load_config(args.config, args.overrides)
+    outcome = train(config, args.resume)
+    if outcome.stopped_by_signal is not None:
+        name = signal.Signals(outcome.stopped_by_signal).name
+        logging.getLogger("purrsight").warning(
+            "stopped by %s at step %d; checkpoint: %s (resume with --resume)", name, outcome.final_step, outcome.checkpoint
+        )
+        return 128 + outcome.stopped_by_signal
+    if int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("purrsight").info(
+            "done: step %d; checkpoint %s; run folder %s", outcome.final_step, outcome.checkpoint, outcome.run_dir
+        )
+    return 0
+
+
+def export_command(args: argparse.Namespace) -> int:
+    from purrsight.training.export import export
+
+    out = export(args.checkpoint, args.out)
+    print(f"exported to {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    if argv[:1] == ["export"]:
+        return run_guarded(export_command, parse_export_args(argv[1:]))
+    try:
+        args = parse_train_args(argv)
+    except SystemExit as exit_:
+        return EXIT_USAGE if exit_.code else 0
+    return run_guarded(train_command, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
