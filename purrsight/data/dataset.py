@@ -25,6 +25,7 @@ MAX_CONSECUTIVE_BAD = 8
 
 @dataclass
 class Sample:
+    id: str
     input_ids: list[int]
     labels: list[int]
     image: torch.Tensor | None
@@ -63,7 +64,7 @@ class MultiModalDataset(Dataset[Sample]):
             audio = self._media(self.audio, record["audio"])
         except (SampleError, PromptTooLongError) as err:
             raise SampleError(f"sample {record['id']!r} ({self.index.path}): {err}") from None
-        return Sample(text.input_ids, text.labels, image, audio, skipped=0)
+        return Sample(record["id"], text.input_ids, text.labels, image, audio, skipped=0)
 
     def __getitem__(self, i: int) -> Sample:
         if self.on_bad_sample == "error":
@@ -108,6 +109,7 @@ class Collator:
             "labels": labels,
             "attention_mask": attention_mask,
             "num_skipped": sum(s.skipped for s in samples),
+            "ids": [s.id for s in samples],
         }
         if self.blank_image is not None:
             batch["image"], batch["has_image"] = self._stack_media([s.image for s in samples], self.blank_image)

@@ -64,7 +64,7 @@ def choose_resume(config: Config, resume: str | None) -> Path | None:
     return None
 
 
-def train(config: Config, resume: str | None = None) -> TrainOutcome:
+def train(config: Config, resume: str | None = None, callbacks: list[pl.Callback] | None = None) -> TrainOutcome:
     ckpt = choose_resume(config, resume)
     pl.seed_everything(config.run.seed, workers=True, verbose=False)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -72,7 +72,7 @@ def train(config: Config, resume: str | None = None) -> TrainOutcome:
     saver = CheckpointSaver(checkpoint_dir(config), config.checkpoint.every_n_steps, config.checkpoint.keep_last)
     module = Phase2Module(config)
     data = Phase2DataModule(config)
-    trainer = build_trainer(config, saver)
+    trainer = build_trainer(config, saver, callbacks)
     if ckpt is not None:
         log.info("resuming from checkpoint %s", ckpt)
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)

@@ -1,0 +1,58 @@
+"""Shared test helpers: the tiny config with its paths pointed into a test's folders."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from purrsight.config import Config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "config" / "train_config.yaml"
+CHANCE_ACCURACY = (1 / 4 + 1 / 3 + 1 / 12) / 3  # image-only, audio-only, both: answer guessed uniformly
+
+
+def tiny_overrides(synthetic_dir: Path, output_dir: Path, **extra: object) -> list[str]:
+    """The default config shrunk for tests, its data and run folders moved under tmp."""
+    values: dict[str, object] = {
+        "run.output_dir": str(output_dir),
+        "data.synthetic_dir": str(synthetic_dir),
+        "data.train_index": str(synthetic_dir / "train.jsonl"),
+        "data.val_index": str(synthetic_dir / "val.jsonl"),
+        "data.synthetic.num_train": 128,
+        "data.synthetic.num_val": 32,
+        "data.batch_size": 8,
+        "trainer.max_steps": 20,
+        "trainer.val_every_n_steps": 10,
+        "checkpoint.every_n_steps": 10,
+        "logging.progress": "lines",
+        "logging.every_n_steps": 5,
+    }
+    values.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def tiny_config(synthetic_dir: Path, output_dir: Path, **extra: object) -> Config:
+    return load_config(DEFAULT_CONFIG, tiny_overrides(synthetic_dir, output_dir, **extra))
+
+
+def python_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("RANK", None)
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    return env
+
+
+def run_python(args: list[str], timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=python_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def trainable_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from purrsight.data.synthetic import COLOURS, PITCHES, generate
+from purrsight.model.llm import load_tokenizer
+
+
+def test_deterministic_from_seed(tmp_path: Path) -> None:
+    a = generate(tmp_path / "a", 12, 4, seed=3)
+    b = generate(tmp_path / "b", 12, 4, seed=3)
+    c = generate(tmp_path / "c", 12, 4, seed=4)
+    assert (a / "train.jsonl").read_text() == (b / "train.jsonl").read_text()
+    assert (a / "images").iterdir() and sorted(p.read_bytes() for p in (a / "images").iterdir()) == sorted(
+        p.read_bytes() for p in (b / "images").iterdir()
+    )
+    assert (a / "train.jsonl").read_text() != (c / "train.jsonl").read_text()
+
+
+def test_grounded_answers_and_mixed_modalities(synthetic_dir: Path) -> None:
+    records = [json.loads(line) for line in (synthetic_dir / "train.jsonl").read_text().splitlines()]
+    assert {("image" in r, "audio" in r) for r in records} == {(True, False), (False, True), (True, True)}
+    for record in records:
+        answer_words = set(record["response"].rstrip(".").split())
+        assert ("image" in record) == bool(answer_words & set(COLOURS))
+        assert ("audio" in record) == bool(answer_words & set(PITCHES))
+        assert not answer_words & (set(COLOURS) | set(PITCHES)) & set(record["prompt"].split())  # never given away
+
+
+def test_tokenizer_is_a_hugging_face_directory(synthetic_dir: Path) -> None:
+    tokenizer = load_tokenizer(synthetic_dir / "tokenizer")
+    ids = tokenizer("The cat is red.", add_special_tokens=False)["input_ids"]
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.pad_token == "<pad>" and tokenizer.eos_token == "<eos>"
+
+
+def test_existing_set_is_kept(tmp_path: Path) -> None:
+    folder = generate(tmp_path / "s", 4, 2, seed=0)
+    marker = folder / "train.jsonl"
+    marker.write_text(marker.read_text() + "\n")
+    generate(folder, 4, 2, seed=1)
+    assert marker.read_text().endswith("\n\n")  # untouched: generation is skipped

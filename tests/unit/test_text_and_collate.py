@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_prompt_lengths
+from purrsight.data.index import scan_index
+from purrsight.data.media import AudioDecoder, ImageDecoder, SampleError
+from purrsight.data.text import IGNORE_INDEX, PromptTooLongError, TextEncoder
+from purrsight.model.llm import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(synthetic_dir: Path):  # type: ignore[no-untyped-def]
+    return load_tokenizer(synthetic_dir / "tokenizer")
+
+
+def test_labels_cover_the_response_only(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    encoded = TextEncoder(tokenizer, 64)("What colour is the cat?", "The cat is red.")
+    prompt_len = len(tokenizer("What colour is the cat?", add_special_tokens=False)["input_ids"]) + 1  # + <bos>
+    assert encoded.labels[:prompt_len] == [IGNORE_INDEX] * prompt_len
+    assert encoded.labels[prompt_len:] == encoded.input_ids[prompt_len:]
+    assert encoded.input_ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(encoded.input_ids[prompt_len:-1]).strip() == "The cat is red ."
+
+
+def test_truncation_keeps_the_prompt_and_refuses_a_prompt_too_long(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    encoded = TextEncoder(tokenizer, 8)("What colour is the cat?", "The cat is red.")
+    assert len(encoded.input_ids) == 8 and encoded.labels[-1] != IGNORE_INDEX
+    with pytest.raises(PromptTooLongError, match="data.max_length is 4"):
+        TextEncoder(tokenizer, 4)("What colour is the cat?", "The cat is red.")
+
+
+def test_chat_template_path(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<bos> {{ m['content'] }} <eos> {% endfor %}{% if add_generation_prompt %}<bos>{% endif %}"
+    )
+    text = TextEncoder(tokenizer, 64)
+    assert text.use_chat_template
+    encoded = text("What colour is the cat?", "The cat is red.")
+    n_prompt = encoded.labels.count(IGNORE_INDEX)
+    assert tokenizer.decode(encoded.input_ids[:n_prompt]).startswith("<bos> What colour")
+    assert "red" in tokenizer.decode([t for t in encoded.labels if t != IGNORE_INDEX])
+
+
+def test_collate_pads_and_masks_missing_media() -> None:
+    samples = [
+        Sample("a", [5, 6, 7], [IGNORE_INDEX, 6, 7], torch.ones(3, 4, 4), None, skipped=0),
+        Sample("b", [5, 6], [IGNORE_INDEX, 6], None, torch.ones(10), skipped=2),
+    ]
+    batch = Collator(0, torch.zeros(3, 4, 4), torch.zeros(10))(samples)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [5, 6, 0]]
+    assert batch["labels"].tolist() == [[IGNORE_INDEX, 6, 7], [IGNORE_INDEX, 6, IGNORE_INDEX]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["has_image"].tolist() == [True, False] and batch["has_audio"].tolist() == [False, True]
+    assert batch["image"][1].abs().sum() == 0 and batch["num_skipped"] == 2 and batch["ids"] == ["a", "b"]
+
+
+def test_bad_sample_error_or_skip(tmp_path: Path, synthetic_dir: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    lines = (synthetic_dir / "train.jsonl").read_text().splitlines()[:4]
+    for name in ("images", "audio"):
+        (tmp_path / name).symlink_to(synthetic_dir / name)
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    index = scan_index(tmp_path / "train.jsonl")
+    (tmp_path / "broken.png").write_bytes(b"not a png")  # sample 0 points at it; the shared media stay intact
+    records = index.records.map(lambda r, i: {"image": "broken.png"} if i == 0 else {}, with_indices=True)
+    index = type(index)(index.path, records)
+    decoders = (ImageDecoder(None, 32), AudioDecoder(None, 16000, 0.25, True))
+    with pytest.raises(SampleError, match=r"sample 'train-00000' .*broken.png: cannot decode image"):
+        MultiModalDataset(index, TextEncoder(tokenizer, 64), *decoders, on_bad_sample="error")[0]
+    sample = MultiModalDataset(index, TextEncoder(tokenizer, 64), *decoders, on_bad_sample="skip")[0]
+    assert sample.id == "train-00001" and sample.skipped == 1
+    with pytest.raises(SampleError, match=r"prompt is \d+ tokens, data.max_length is 3"):
+        check_prompt_lengths(index, TextEncoder(tokenizer, 3).prompt_length, 3)
