@@ -32,8 +32,8 @@ SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>"]
 
 QUESTIONS = {
     "image": ["What colour is the cat?", "Which colour does the cat in the picture have?"],
-    "audio": ["Is the sound low, middle or high?", "How high is the tone?"],
-    "both": ["What colour is the cat, and how high is the sound?"],
+    "audio": ["Which pitch does the sound have?", "What is the pitch of the tone?"],
+    "both": ["What colour is the cat, and what pitch is the sound?"],
 }
 
 
