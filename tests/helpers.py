@@ -49,9 +49,7 @@ def python_env() -> dict[str, str]:
 
 
 def run_python(args: list[str], timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=python_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=python_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def trainable_state(checkpoint: Path) -> dict[str, torch.Tensor]:

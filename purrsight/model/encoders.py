@@ -97,7 +97,7 @@ def _config_digest(config: dict[str, Any]) -> str:
 
 def load_encoder(cfg: EncoderConfig, modality: Modality, seed: int) -> LoadedEncoder:
     if cfg.path is not None:
-        return _from_directory(Path(cfg.path), modality, load_processor(cfg, modality))
+        return _from_directory(Path(cfg.path), modality, load_processor(cfg, modality), seed)
     assert cfg.config is not None and cfg.model_type is not None  # guaranteed by the schema
     config_cls, model_cls = TINY_ARCHITECTURES[cfg.model_type]
     try:
@@ -124,12 +124,16 @@ def load_processor(cfg: EncoderConfig, modality: Modality) -> Any | None:
         raise ModelLoadError(f"{path}: cannot load the {modality} processor ({err})") from None
 
 
-def _from_directory(path: Path, modality: Modality, processor: Any) -> LoadedEncoder:
+def _from_directory(path: Path, modality: Modality, processor: Any, seed: int) -> LoadedEncoder:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        model = AutoModel.from_pretrained(path, local_files_only=True)
+        # Weights the directory lacks (a pooler head, say) are initialised randomly on
+        # load; a fixed seed makes them equal on every rank and every restart.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModel.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"{path}: cannot load the {modality} encoder ({err})") from None
     input_name = "pixel_values" if modality == "image" else processor.model_input_names[0]

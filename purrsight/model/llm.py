@@ -42,9 +42,11 @@ def _base_llm(cfg: LLMConfig, vocab_size: int, seed: int) -> tuple[PreTrainedMod
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, attn_implementation=cfg.attn_implementation, dtype=torch.float32
-            )
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)  # weights missing from the folder: same on every rank
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, local_files_only=True, attn_implementation=cfg.attn_implementation, dtype=torch.float32
+                )
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"{path}: cannot load the LLM ({err})") from None
         return model, f"dir:{path.resolve()}:{_config_digest(model.config.to_dict())}"

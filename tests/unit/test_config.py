@@ -38,8 +38,12 @@ def test_every_problem_reported_at_once(tmp_path: Path) -> None:
 
 def test_override_parsing_keeps_types_and_rejects_bad_syntax() -> None:
     data = apply_overrides({}, ["optim.lr=1e-3", "model.llm.lora.target_modules=[q_proj, v_proj]", "run.name=x y"])
-    assert data == {"optim": {"lr": 1e-3}, "model": {"llm": {"lora": {"target_modules": ["q_proj", "v_proj"]}}}, "run": {"name": "x y"}}
-    with pytest.raises(ConfigError, match="expected section.key=value"):
+    assert data == {
+        "optim": {"lr": 1e-3},
+        "model": {"llm": {"lora": {"target_modules": ["q_proj", "v_proj"]}}},
+        "run": {"name": "x y"},
+    }
+    with pytest.raises(ConfigError, match=r"expected section\.key=value"):
         apply_overrides({}, ["trainer.max_steps"])
 
 
@@ -51,7 +55,7 @@ def test_yaml_syntax_error_names_the_line(tmp_path: Path) -> None:
 
 def test_missing_model_path_is_named(tmp_path: Path) -> None:
     path = write(tmp_path, "model:\n  llm:\n    path: models/nope\n")
-    with pytest.raises(ConfigError, match="model.llm.path: path models/nope does not exist"):
+    with pytest.raises(ConfigError, match=r"model\.llm\.path: path models/nope does not exist"):
         load_config(path)
 
 
@@ -71,8 +75,16 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     ],
 )
 def test_check_command_one_line_exit_2(override: str, culprit: str) -> None:
-    result = run_python(["-m", "purrsight.config", "check", str(DEFAULT_CONFIG), override,
-                         *(["model.llm.config=null"] if "llm.path" in override else [])])
+    result = run_python(
+        [
+            "-m",
+            "purrsight.config",
+            "check",
+            str(DEFAULT_CONFIG),
+            override,
+            *(["model.llm.config=null"] if "llm.path" in override else []),
+        ]
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr

@@ -32,8 +32,10 @@ def test_good_index_loads_into_datasets(tmp_path: Path) -> None:
         ('{"id": "b", "prompt": "p",', r"train.jsonl:2: malformed JSON"),
         (json.dumps({"id": "b", "prompt": "p"}), r"train.jsonl:2 \(id 'b'\): missing field 'response'"),
         (json.dumps({"id": "b", "prompt": "", "response": "r"}), r"train.jsonl:2 \(id 'b'\): field 'prompt' must be a non-empty"),
-        (json.dumps({"id": "b", "prompt": "p", "response": "r", "audio": "gone.wav"}),
-         r"train.jsonl:2 \(id 'b'\): audio file .*gone.wav does not exist"),
+        (
+            json.dumps({"id": "b", "prompt": "p", "response": "r", "audio": "gone.wav"}),
+            r"train.jsonl:2 \(id 'b'\): audio file .*gone.wav does not exist",
+        ),
         (json.dumps({"id": "a", "prompt": "p", "response": "r"}), r"train.jsonl:2: duplicate id 'a' \(first on line 1\)"),
         (json.dumps({"id": "b", "prompt": "p", "response": "r", "imagee": "x"}), r"unknown field\(s\) imagee"),
         ("[1, 2]", r"train.jsonl:2: expected a JSON object"),

@@ -58,5 +58,5 @@ def test_resample_keeps_the_pitch() -> None:
 def test_not_audio_is_a_sample_error(tmp_path: Path) -> None:
     path = tmp_path / "fake.wav"
     path.write_text("this is not a wave file")
-    with pytest.raises(SampleError, match="fake.wav: cannot decode audio"):
+    with pytest.raises(SampleError, match=r"fake\.wav: cannot decode audio"):
         AudioDecoder(None, 16000, 0.25, resample=True)(path)

@@ -29,7 +29,7 @@ def test_labels_cover_the_response_only(tokenizer) -> None:  # type: ignore[no-u
 def test_truncation_keeps_the_prompt_and_refuses_a_prompt_too_long(tokenizer) -> None:  # type: ignore[no-untyped-def]
     encoded = TextEncoder(tokenizer, 8)("What colour is the cat?", "The cat is red.")
     assert len(encoded.input_ids) == 8 and encoded.labels[-1] != IGNORE_INDEX
-    with pytest.raises(PromptTooLongError, match="data.max_length is 4"):
+    with pytest.raises(PromptTooLongError, match=r"data\.max_length is 4"):
         TextEncoder(tokenizer, 4)("What colour is the cat?", "The cat is red.")
 
 

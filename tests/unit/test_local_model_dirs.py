@@ -1,0 +1,100 @@
+"""Local Hugging Face directories load through the same code path as a user's Qwen2.5 folder.
+
+Tiny models are saved with save_pretrained (nothing is downloaded), then the config points
+model.llm.path, model.image_encoder.path and model.audio_encoder.path at them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Qwen2Config,
+    ViTConfig,
+    ViTImageProcessor,
+    ViTModel,
+    Wav2Vec2Config,
+    Wav2Vec2FeatureExtractor,
+    Wav2Vec2Model,
+)
+
+from purrsight.model.llm import load_tokenizer
+from purrsight.training.build import build_model
+from purrsight.training.datamodule import Phase2DataModule
+from tests.helpers import tiny_config
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory, synthetic_dir: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = load_tokenizer(synthetic_dir / "tokenizer")
+    llm = AutoModelForCausalLM.from_config(
+        Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            max_position_embeddings=128,
+        )
+    )
+    llm.save_pretrained(root / "llm")
+    tokenizer.save_pretrained(root / "llm")
+    ViTModel(
+        ViTConfig(image_size=32, patch_size=8, hidden_size=24, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48),
+        add_pooling_layer=False,
+    ).save_pretrained(root / "vit")
+    ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(root / "vit")
+    Wav2Vec2Model(
+        Wav2Vec2Config(
+            hidden_size=24,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=48,
+            conv_dim=(16, 16),
+            conv_kernel=(10, 3),
+            conv_stride=(5, 2),
+            num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=4,
+        )
+    ).save_pretrained(root / "w2v")
+    Wav2Vec2FeatureExtractor(sampling_rate=16000).save_pretrained(root / "w2v")
+    return {"llm": root / "llm", "vit": root / "vit", "w2v": root / "w2v"}
+
+
+def test_directories_load_and_train_a_step(model_dirs: dict[str, Path], synthetic_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(
+        synthetic_dir,
+        tmp_path,
+        **{
+            "model.llm.path": model_dirs["llm"],
+            "model.llm.config": "null",
+            "model.image_encoder.path": model_dirs["vit"],
+            "model.image_encoder.config": "null",
+            "model.audio_encoder.path": model_dirs["w2v"],
+            "model.audio_encoder.config": "null",
+            "model.llm.lora.target_modules": "[q_proj, v_proj]",
+        },
+    )
+    built = build_model(config)
+    model = built.model
+    assert model.encoders["image"].width == 24 and model.encoders["audio"].width == 24
+    assert built.tokenizer.name_or_path == str(model_dirs["llm"])  # tokenizer taken from the LLM folder
+    reference = AutoModelForCausalLM.from_pretrained(model_dirs["llm"])
+    base = model.llm.get_base_model()
+    assert torch.equal(base.model.embed_tokens.weight, reference.model.embed_tokens.weight)  # the saved weights
+
+    data = Phase2DataModule(config)
+    data.setup("fit")
+    assert data.train_set is not None and data.train_set.image is not None
+    assert data.train_set.image.processor is not None  # the directory's processor, not the fixed transform
+    batch = next(iter(data.train_dataloader()))
+    loss, _, _ = model(batch)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.trainable_parameters())
+    assert build_model(config).fingerprint == built.fingerprint

@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from purrsight.config import Config
+from purrsight.model.aligner import Phase1Aligner, load_aligner, save_aligner
+from purrsight.model.encoders import ModelLoadError
+from purrsight.training.build import build_model
+from purrsight.training.datamodule import Phase2DataModule
+from purrsight.training.module import Phase2Module
+from tests.helpers import tiny_config
+
+
+def first_batch(config: Config) -> dict:
+    data = Phase2DataModule(config)
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+def test_frozen_parts_never_train_and_optimizer_holds_only_projectors_and_lora(synthetic_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(synthetic_dir, tmp_path)
+    module = Phase2Module(config)
+    module.configure_model()
+    model = module.model
+    assert model is not None
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith("projectors.") or "lora_" in n for n in trainable)
+    assert any(n.startswith("encoders.image") for n in frozen) and any(n.startswith("encoders.audio") for n in frozen)
+    assert any(n.startswith("llm.") and "lora_" not in n for n in frozen)
+
+    optimizer = module.configure_optimizers()["optimizer"]
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for n, p in model.named_parameters() if n in trainable}
+
+    batch = first_batch(config)
+    model.train()
+    assert not model.encoders["image"].tower.training  # frozen encoders stay in eval mode
+    for _ in range(3):
+        loss, _, _ = model(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            assert param.grad is None, name
+            assert torch.equal(param, frozen[name]), f"frozen {name} changed"
+
+
+def test_missing_modality_keeps_every_projector_in_the_graph(synthetic_dir: Path, tmp_path: Path) -> None:
+    """A batch without any image still gives the image projector a (zero) gradient, as DDP needs."""
+    config = tiny_config(synthetic_dir, tmp_path)
+    built = build_model(config)
+    batch = first_batch(config)
+    batch["has_image"] = torch.zeros_like(batch["has_image"])
+    loss, _, _ = built.model(batch)
+    loss.backward()
+    grads = [p.grad for p in built.model.projectors["image"].parameters()]
+    assert all(g is not None for g in grads)
+    assert all(torch.count_nonzero(g) == 0 for g in grads)  # zero-weighted: no influence on the loss
+    assert any(torch.count_nonzero(p.grad) for p in built.model.projectors["audio"].parameters())
+
+
+def test_absent_image_does_not_change_the_loss(synthetic_dir: Path, tmp_path: Path) -> None:
+    """A sample marked image-less must give the same loss whatever pixels stand in for the image."""
+    config = tiny_config(synthetic_dir, tmp_path)
+    built = build_model(config)
+    built.model.eval()
+    batch = first_batch(config)
+    batch["has_image"] = torch.zeros_like(batch["has_image"])
+    loss_a = built.model(batch)[0]
+    batch["image"] = torch.randn_like(batch["image"])
+    loss_b = built.model(batch)[0]
+    assert torch.allclose(loss_a, loss_b, atol=1e-6)
+
+
+def test_same_config_builds_identical_frozen_weights_and_fingerprint(synthetic_dir: Path, tmp_path: Path) -> None:
+    a = build_model(tiny_config(synthetic_dir, tmp_path))
+    b = build_model(tiny_config(synthetic_dir, tmp_path))
+    c = build_model(tiny_config(synthetic_dir, tmp_path, run__seed=7))
+    assert a.fingerprint == b.fingerprint != c.fingerprint
+    for (name, pa), pb in zip(a.model.state_dict().items(), b.model.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+def test_lora_target_absent_from_the_model(synthetic_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(synthetic_dir, tmp_path, **{"model.llm.lora.target_modules": "[q_proj, qkv_proj]"})
+    with pytest.raises(ModelLoadError, match=r"target_modules: qkv_proj not found in the LLM; its linear layers are: .*q_proj"):
+        build_model(config)
+
+
+def test_aligner_round_trip_and_key_errors(tmp_path: Path) -> None:
+    widths = {"image": 32, "audio": 16}
+    aligner = Phase1Aligner(widths, 8)
+    save_aligner(aligner, tmp_path / "a.pt")
+    loaded = load_aligner(tmp_path / "a.pt", widths, 8)
+    assert torch.equal(loaded.heads["image"].weight, aligner.heads["image"].weight)
+    assert not any(p.requires_grad for p in loaded.parameters())
+
+    state = aligner.heads.state_dict()
+    del state["audio.bias"]
+    torch.save({"state_dict": state}, tmp_path / "missing.pt")
+    with pytest.raises(ModelLoadError, match=r"aligner key 'audio.bias' missing \(expected shape \[8\]\)"):
+        load_aligner(tmp_path / "missing.pt", widths, 8)
+    with pytest.raises(ModelLoadError, match=r"aligner key 'image.weight' has shape \[8, 32\], expected \[8, 64\]"):
+        load_aligner(tmp_path / "a.pt", {"image": 64, "audio": 16}, 8)
+
+
+class _Exploit:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, ("touch pwned",))
+
+
+def test_malicious_aligner_pickle_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "evil.pt"
+    with path.open("wb") as handle:
+        pickle.dump({"image.weight": _Exploit()}, handle)
+    os.chdir(tmp_path)
+    with pytest.raises(ModelLoadError, match="cannot load the aligner checkpoint safely"):
+        load_aligner(path, {"image": 4}, 2)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_aligner_in_the_model(synthetic_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(synthetic_dir, tmp_path)
+    widths = {"image": 32, "audio": 32}
+    save_aligner(Phase1Aligner(widths, 24), tmp_path / "aligner.pt")
+    config = tiny_config(synthetic_dir, tmp_path, model__aligner_checkpoint=tmp_path / "aligner.pt", model__aligner_dim=24)
+    built = build_model(config)
+    assert built.model.projectors["image"].net[1].in_features == 24
+    assert not any(p.requires_grad for p in built.model.aligner.parameters())
+    loss, _, _ = built.model(first_batch(config))
+    assert torch.isfinite(loss)
