@@ -39,13 +39,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 import warnings
+from pathlib import Path
 
 from purrsight.cli import EXIT_USAGE, run_guarded, setup_logging
 
 DEFAULT_CONFIG = "config/train_config.yaml"
+NEWEST = "newest"  # the value purrsight.training.run understands as "the newest checkpoint of the run"
+OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+=")
 
 
 def parse_train_args(argv: list[str]) -> argparse.Namespace:
@@ -62,7 +66,13 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
         help="resume from PATH, or from the newest checkpoint of the run when PATH is omitted",
     )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # `--resume trainer.max_steps=9` means "resume the newest" followed by an override,
+    # not a checkpoint file with that odd name.
+    if args.resume not in (None, NEWEST) and OVERRIDE.match(args.resume) and not Path(args.resume).exists():
+        args.overrides.insert(0, args.resume)
+        args.resume = NEWEST
+    return args
 
 
 def parse_export_args(argv: list[str]) -> argparse.Namespace:
@@ -104,7 +114,10 @@ def export_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    # Expected here, not problems: the tiny default decodes inline (no workers), frozen
+    # encoders sit in eval mode on purpose, and torchrun (not srun) starts our ranks.
+    for expected in (".*does not have many workers.*", ".*module\\(s\\) in eval mode.*", ".*`srun` command is available.*"):
+        warnings.filterwarnings("ignore", message=expected)
     if argv[:1] == ["export"]:
         return run_guarded(export_command, parse_export_args(argv[1:]))
     try:

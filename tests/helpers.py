@@ -54,3 +54,22 @@ def run_python(args: list[str], timeout: float = 300, cwd: Path = REPO) -> subpr
 
 def trainable_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    import csv
+
+    with (run_dir / "metrics" / "metrics.csv").open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def column(rows: list[dict[str, str]], name: str) -> list[float]:
+    return [float(row[name]) for row in rows if row.get(name)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

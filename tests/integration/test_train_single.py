@@ -1,0 +1,176 @@
+"""End-to-end runs of train_phase2.py in a real subprocess, one CPU process."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from purrsight.training.export import load_trained
+from tests.helpers import (
+    CHANCE_ACCURACY,
+    DEFAULT_CONFIG,
+    REPO,
+    column,
+    python_env,
+    read_metrics,
+    run_python,
+    tiny_overrides,
+    trainable_state,
+)
+
+TRAIN = str(REPO / "train_phase2.py")
+
+
+def train(synthetic_dir: Path, out: Path, *extra: str, **overrides: object) -> subprocess.CompletedProcess[str]:
+    args = [TRAIN, "--config", str(DEFAULT_CONFIG), *extra, *tiny_overrides(synthetic_dir, out, **overrides)]
+    return run_python(args)
+
+
+@pytest.fixture(scope="module")
+def trained(synthetic_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real training run shared by the checks below: 60 steps, checkpoints every 10."""
+    out = tmp_path_factory.mktemp("runs")
+    result = train(synthetic_dir, out, trainer__max_steps=60, data__batch_size=16, trainer__val_every_n_steps=30)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out / "phase2-tiny"
+
+
+def test_trains_end_to_end(trained: Path) -> None:
+    rows = read_metrics(trained)
+    losses = column(rows, "train/loss")
+    assert len(losses) >= 10
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:2]) / 2, losses  # clearly below the start
+    accuracy = column(rows, "val/accuracy")[-1]
+    assert accuracy > CHANCE_ACCURACY + 0.2, accuracy
+    assert (trained / "resolved_config.yaml").is_file()
+
+
+def test_checkpoint_rotation_and_last(trained: Path) -> None:
+    folder = trained / "checkpoints"
+    assert sorted(p.name for p in folder.glob("step-*.ckpt")) == ["step-00000040.ckpt", "step-00000050.ckpt", "step-00000060.ckpt"]
+    assert (folder / "last.ckpt").samefile(folder / "step-00000060.ckpt")
+    assert not list(folder.glob(".*tmp"))  # no temp file left behind
+
+
+def test_checkpoint_holds_trainable_state_only(trained: Path, synthetic_dir: Path) -> None:
+    checkpoint = trained / "checkpoints" / "last.ckpt"
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    keys = set(state["state_dict"])
+    assert keys and all(k.startswith("model.projectors.") or "lora_" in k for k in keys)
+    assert {"optimizer_states", "lr_schedulers", "loops", "purrsight"} <= set(state)
+    assert "combined_loader" in state["loops"]["fit_loop"]["state_dict"]  # the loader position
+    _, model, _ = load_trained(checkpoint)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    frozen_bytes = model_bytes - trainable_bytes
+    overhead = 200_000  # loops, loader position, config, pickle framing
+    assert frozen_bytes > overhead  # so frozen weights could not hide inside the allowance below
+    # weights + two AdamW moments of the trainable part, plus bookkeeping; never the frozen model
+    assert checkpoint.stat().st_size < 3 * trainable_bytes + overhead
+
+
+def test_resume_mid_epoch_matches_an_uninterrupted_run(synthetic_dir: Path, tmp_path: Path) -> None:
+    """Stopped at step 10 (mid-epoch: 16 steps per epoch) and resumed == never stopped, to 1e-6."""
+    common = {"trainer__max_steps": 30, "run__deterministic": "true", "checkpoint__keep_last": 5}
+    whole = train(synthetic_dir, tmp_path / "a", **common)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    stopped_at = tmp_path / "a" / "phase2-tiny" / "checkpoints" / "step-00000010.ckpt"
+    resumed = train(synthetic_dir, tmp_path / "b", "--resume", str(stopped_at), **common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from checkpoint {stopped_at}" in resumed.stderr
+    a = trainable_state(tmp_path / "a" / "phase2-tiny" / "checkpoints" / "last.ckpt")
+    b = trainable_state(tmp_path / "b" / "phase2-tiny" / "checkpoints" / "last.ckpt")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), key
+    assert not torch.equal(a[next(iter(a))], trainable_state(stopped_at)[next(iter(a))])  # it did train on
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_nonzero(synthetic_dir: Path, tmp_path: Path) -> None:
+    args = [
+        sys.executable,
+        TRAIN,
+        "--config",
+        str(DEFAULT_CONFIG),
+        *tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=100000, logging__every_n_steps=1),
+    ]
+    proc = subprocess.Popen(args, cwd=REPO, env=python_env(), stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 120
+    for line in proc.stderr:
+        if "step 12/" in line or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM at step" in rest, rest[-2000:]
+    folder = tmp_path / "phase2-tiny" / "checkpoints"
+    saved = sorted(folder.glob("step-*.ckpt"))[-1]
+    step = int(saved.stem.split("-")[1])
+    assert step >= 12 and f"checkpoint: {saved}" in rest
+    again = train(synthetic_dir, tmp_path, "--resume", trainer__max_steps=step + 3)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resuming from checkpoint {saved}" in again.stderr
+    assert (folder / f"step-{step + 3:08d}.ckpt").is_file()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"run__seed": 99}, "frozen-source fingerprint differs"),
+        ({"model__prefix_tokens": 2}, "model.projectors.audio.net.3.bias: checkpoint shape [256], model shape [128]"),
+    ],
+)
+def test_mismatched_checkpoint_is_refused(
+    trained: Path, synthetic_dir: Path, tmp_path: Path, override: dict[str, object], message: str
+) -> None:
+    result = train(
+        synthetic_dir, tmp_path, "--resume", str(trained / "checkpoints" / "last.ckpt"), trainer__max_steps=70, **override
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_export_round_trip(trained: Path, tmp_path: Path) -> None:
+    result = run_python([TRAIN, "export", "--checkpoint", str(trained / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "x")])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "x" / "model.safetensors").is_file() and (tmp_path / "x" / "projectors.safetensors").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "x")  # plain transformers, no peft
+    _, model, tokenizer = load_trained(trained / "checkpoints" / "last.ckpt")
+    ids = tokenizer("What colour is the cat ?", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = model.llm(input_ids=ids).logits
+        got = exported(input_ids=ids).logits
+    assert torch.allclose(expected, got, atol=1e-5)
+
+
+def test_resume_without_checkpoint_and_bad_config_are_one_line(synthetic_dir: Path, tmp_path: Path) -> None:
+    result = train(synthetic_dir, tmp_path, "--resume")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --resume: no checkpoint in")
+    bad = train(synthetic_dir, tmp_path, optim__lr=-1)
+    assert bad.returncode == 2 and "optim.lr: Input should be greater than 0" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_help_is_a_runbook() -> None:
+    result = run_python([TRAIN, "--help"])
+    assert result.returncode == 0
+    for needle in ("torchrun --nproc-per-node 8", "2 1 10.0.0.1 29500", "--resume", "export --checkpoint"):
+        assert needle in result.stdout
+
+
+def test_copying_a_run_keeps_checkpoints_valid(trained: Path, tmp_path: Path) -> None:
+    """A run folder moved to other storage still exports (checkpoints hold no absolute paths they need)."""
+    copy = tmp_path / "moved"
+    shutil.copytree(trained / "checkpoints", copy)
+    config, _, _ = load_trained(copy / "last.ckpt")
+    assert config.run.name == "phase2-tiny"
