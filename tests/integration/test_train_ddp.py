@@ -1,0 +1,58 @@
+"""Two real ranks under torchrun (gloo, CPU) on this machine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from tests.helpers import CHANCE_ACCURACY, DEFAULT_CONFIG, REPO, column, free_port, python_env, read_metrics, tiny_overrides
+
+
+def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir: Path, tmp_path: Path) -> None:
+    overrides = tiny_overrides(
+        synthetic_dir,
+        tmp_path,
+        trainer__max_steps=80,
+        trainer__val_every_n_steps=40,
+        data__batch_size=8,
+        checkpoint__every_n_steps=40,
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(REPO / "tests" / "integration" / "ddp_probe.py"),
+        str(tmp_path),
+        str(DEFAULT_CONFIG),
+        *overrides,
+    ]
+    result = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for name, weight in ranks[0]["weights"].items():
+        assert torch.equal(weight, ranks[1]["weights"][name]), f"{name} differs between ranks"
+
+    per_epoch: list[dict[int, set[str]]] = [defaultdict(set), defaultdict(set)]
+    for rank, probe in enumerate(ranks):
+        assert len(probe["seen"]) == 80  # both ranks take the same number of steps
+        for epoch, ids in probe["seen"]:
+            per_epoch[rank][epoch].update(ids)
+    for epoch in per_epoch[0]:
+        assert per_epoch[0][epoch] and not per_epoch[0][epoch] & per_epoch[1][epoch], f"epoch {epoch} shards overlap"
+
+    rows = read_metrics(tmp_path / "phase2-tiny")
+    losses = column(rows, "train/loss")
+    assert sum(losses[-2:]) / 2 < 0.8 * losses[0], losses
+    assert column(rows, "val/accuracy")[-1] > CHANCE_ACCURACY + 0.2
+    assert (tmp_path / "phase2-tiny" / "checkpoints" / "step-00000080.ckpt").is_file()
