@@ -46,6 +46,7 @@ import warnings
 from pathlib import Path
 
 from purrsight.cli import EXIT_USAGE, run_guarded, setup_logging
+from purrsight.cluster.ranks import order_ranks_by_node
 
 DEFAULT_CONFIG = "config/train_config.yaml"
 NEWEST = "newest"  # the value purrsight.training.run understands as "the newest checkpoint of the run"
@@ -113,11 +114,17 @@ def export_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    ranks_note = order_ranks_by_node(os.environ)  # before logging: its prefix shows the rank
     setup_logging()
+    if ranks_note:
+        logging.getLogger("purrsight.cluster").info(ranks_note)
     # Expected here, not problems: the tiny default decodes inline (no workers), frozen
     # encoders sit in eval mode on purpose, and torchrun (not srun) starts our ranks.
     for expected in (".*does not have many workers.*", ".*module\\(s\\) in eval mode.*", ".*`srun` command is available.*"):
         warnings.filterwarnings("ignore", message=expected)
+    # Deprecations inside our dependencies, not in our calls: noise in every node log.
+    for deprecated in (".*is_gradient_checkpointing.*", ".*set_vital.*", ".*LeafSpec.*"):
+        warnings.filterwarnings("ignore", message=deprecated)
     if argv[:1] == ["export"]:
         return run_guarded(export_command, parse_export_args(argv[1:]))
     try:

@@ -1,0 +1,341 @@
+#!/usr/bin/env bash
+# cluster_train.sh: prepare this node and start its share of a PurrSight Phase 2 training job.
+#
+# One invocation per node. It validates its arguments and the config, activates the Python
+# environment, decides the NCCL/socket settings, runs the health checks, and then runs
+# torchrun, which joins every node into one job at MASTER_ADDR:MASTER_PORT and restarts the
+# workers on all nodes (from the newest checkpoint) when one of them dies.
+# Everything this node prints also lands in LOG_DIR/cluster_train_<TIME>_node<RANK>.log.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+readonly SCRIPT_DIR
+readonly EXIT_USAGE=2
+readonly EXIT_HEALTH=3
+
+usage() {
+  cat <<'EOF'
+Usage: ./cluster_train.sh [config_path] [num_nodes] [node_rank] [master_addr] [master_port] [-- key=value ...]
+       ./cluster_train.sh --help | --dry-run [args...]
+
+Start this node's part of a PurrSight Phase 2 training job (one call per node).
+
+Arguments (positional, defaults in brackets):
+  config_path   training config YAML                       [config/train_config.yaml]
+  num_nodes     nodes in the job                           [1]
+  node_rank     this node, 0 .. num_nodes-1; 0 is master   [0]
+  master_addr   address of node 0, reachable from all      [localhost]
+  master_port   free TCP port on node 0 for the rendezvous [29500]
+  -- k=v ...    config overrides for the trainer, e.g. -- trainer.max_steps=100
+
+Options:
+  --help        this text
+  --dry-run     print the environment it would export and the torchrun command; start nothing
+
+Environment variables (default in brackets; a variable you export yourself is never overridden):
+  NPROC_PER_NODE  processes on this node [auto: visible GPUs, honouring CUDA_VISIBLE_DEVICES; 1 without]
+  BACKEND         nccl | gloo [auto: nccl with GPUs, gloo without]
+  LOG_LEVEL       INFO | DEBUG [INFO]; DEBUG adds NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL,
+                  shell tracing and tracebacks into the log
+  CONDA_ENV       conda environment to activate [purrsight; skipped with a note when absent]
+  VENV            virtualenv folder to activate instead of conda [unset]
+  LOG_DIR         node logs [logs/distributed_training]
+  LOG_RANKS       local ranks shown on the console: 0 | 0,1 | all [0]; the log file holds all
+  LOG_MAX_BYTES   rotate the node log at this size [104857600]
+  LOG_BACKUPS     rotated files kept per run [5]
+  LOG_KEEP_RUNS   runs kept per node; older logs are deleted [10]
+  MAX_RESTARTS    worker restarts (on every node) before the job fails [3]
+  RDZV_TIMEOUT    seconds to wait for all nodes (and, on workers, for the master) [900]
+  RDZV_ID         job id shared by all nodes [purrsight-<master_port>, or the SLURM/PBS job id]
+  HEALTH_CHECKS   1 | 0: run the health checks before training [1]
+  HEALTH_MIN_FREE_GB  free disk required in the run and log folders [1]
+  NCCL_PRESET     auto | ib | ethernet | none [auto: InfiniBand when an active port exists]
+
+Examples:
+  ./cluster_train.sh                                              # one node, the embedded default
+  ./cluster_train.sh config/qwen2.5-0.5b.yaml 2 0 10.0.0.1 29500  # on node 0 of 2
+  ./cluster_train.sh config/qwen2.5-0.5b.yaml 2 1 10.0.0.1 29500  # on node 1 of 2
+  NPROC_PER_NODE=2 BACKEND=gloo ./cluster_train.sh config/train_config.yaml -- trainer.max_steps=20
+  sbatch slurm/train.sbatch config/qwen2.5-0.5b.yaml              # SLURM: one launcher per node
+  qsub pbs/train.pbs                                              # PBS/Torque: one launcher per node
+
+Exit codes:
+  0  training finished
+  2  bad argument, environment or config (one line says which)
+  3  a health check failed (the log lists each check)
+  *  otherwise the training job's own code (torchrun's)
+EOF
+}
+
+log() { printf '%s [cluster_train] %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "$*" >&2; }
+
+# A user mistake: one line naming it, a hint, exit 2.
+die_usage() {
+  printf '%s [cluster_train] error: %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "$1" >&2
+  printf "Try './cluster_train.sh --help'.\n" >&2
+  exit "${EXIT_USAGE}"
+}
+
+is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+
+# ------------------------------------------------------------------ arguments
+
+DRY_RUN=0
+POSITIONAL=()
+OVERRIDES=()
+
+parse_args() {
+  while (($#)); do
+    case "$1" in
+      -h | --help) usage; exit 0 ;;
+      --dry-run) DRY_RUN=1 ;;
+      --) shift; OVERRIDES=("$@"); break ;;
+      -*) die_usage "unknown option $1" ;;
+      *) POSITIONAL+=("$1") ;;
+    esac
+    shift
+  done
+  ((${#POSITIONAL[@]} <= 5)) || die_usage "too many arguments (${#POSITIONAL[@]}); overrides go after --"
+  CONFIG="${POSITIONAL[0]:-config/train_config.yaml}"
+  NUM_NODES="${POSITIONAL[1]:-1}"
+  NODE_RANK="${POSITIONAL[2]:-0}"
+  MASTER_HOST="${POSITIONAL[3]:-localhost}"
+  PORT="${POSITIONAL[4]:-29500}"
+}
+
+validate_args() {
+  [[ "${NUM_NODES}" =~ ^[1-9][0-9]*$ ]] || die_usage "num_nodes '${NUM_NODES}' must be a positive integer"
+  is_uint "${NODE_RANK}" || die_usage "node_rank '${NODE_RANK}' must be a non-negative integer"
+  ((10#${NODE_RANK} < 10#${NUM_NODES})) ||
+    die_usage "node_rank ${NODE_RANK} is out of range for num_nodes ${NUM_NODES} (expected 0..$((NUM_NODES - 1)))"
+  if ! is_uint "${PORT}" || ((10#${PORT} < 1 || 10#${PORT} > 65535)); then
+    die_usage "master_port '${PORT}' must be an integer in 1..65535"
+  fi
+  [[ "${MASTER_HOST}" =~ ^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$ || "${MASTER_HOST}" =~ ^[0-9A-Fa-f:.]+$ ]] ||
+    die_usage "master_addr '${MASTER_HOST}' is not a valid hostname or IP address"
+  MASTER_IP="$(getent ahosts "${MASTER_HOST}" | awk 'NR == 1 { print $1 }')" || true
+  [[ -n "${MASTER_IP}" ]] || die_usage "master_addr '${MASTER_HOST}' does not resolve (check the name, /etc/hosts or DNS)"
+  [[ -f "${CONFIG}" ]] || die_usage "config file ${CONFIG} does not exist"
+}
+
+validate_env() {
+  case "${BACKEND:=auto}" in auto | nccl | gloo) ;; *) die_usage "BACKEND '${BACKEND}' must be auto, nccl or gloo" ;; esac
+  case "${NCCL_PRESET:=auto}" in auto | ib | ethernet | none) ;;
+    *) die_usage "NCCL_PRESET '${NCCL_PRESET}' must be auto, ib, ethernet or none" ;; esac
+  LOG_LEVEL="${LOG_LEVEL:-INFO}"
+  LOG_LEVEL="${LOG_LEVEL^^}"
+  case "${LOG_LEVEL}" in INFO | DEBUG) ;; *) die_usage "LOG_LEVEL '${LOG_LEVEL}' must be INFO or DEBUG" ;; esac
+  case "${HEALTH_CHECKS:=1}" in 0 | 1) ;; *) die_usage "HEALTH_CHECKS '${HEALTH_CHECKS}' must be 1 or 0" ;; esac
+  is_uint "${MAX_RESTARTS:=3}" || die_usage "MAX_RESTARTS '${MAX_RESTARTS}' must be a non-negative integer"
+  [[ "${RDZV_TIMEOUT:=900}" =~ ^[1-9][0-9]*$ ]] || die_usage "RDZV_TIMEOUT '${RDZV_TIMEOUT}' must be a positive number of seconds"
+  [[ "${LOG_RANKS:=0}" =~ ^(all|[0-9]+(,[0-9]+)*)$ ]] || die_usage "LOG_RANKS '${LOG_RANKS}' must be all or a list like 0,1"
+  for var in LOG_MAX_BYTES LOG_BACKUPS LOG_KEEP_RUNS; do
+    [[ -z "${!var:-}" ]] || is_uint "${!var}" || die_usage "${var} '${!var}' must be a non-negative integer"
+  done
+  [[ "${NPROC_PER_NODE:=auto}" == auto || "${NPROC_PER_NODE}" =~ ^[1-9][0-9]*$ ]] ||
+    die_usage "NPROC_PER_NODE '${NPROC_PER_NODE}' must be auto or a positive integer"
+  export LOG_LEVEL
+}
+
+# ------------------------------------------------------------------ python environment
+
+activate_python() {
+  if [[ -n "${VENV:-}" ]]; then
+    [[ -f "${VENV}/bin/activate" ]] || die_usage "VENV=${VENV} is not a virtualenv (no ${VENV}/bin/activate)"
+    # shellcheck disable=SC1091 # the user's virtualenv, not ours to lint
+    source "${VENV}/bin/activate"
+    PYTHON_SOURCE="virtualenv ${VENV}"
+  elif [[ -n "${CONDA_ENV:-}" ]]; then # set explicitly: it must work
+    command -v conda >/dev/null || die_usage "CONDA_ENV=${CONDA_ENV} is set but conda is not on PATH"
+    activate_conda "${CONDA_ENV}" || die_usage "CONDA_ENV=${CONDA_ENV} cannot be activated (conda env list shows the names)"
+    PYTHON_SOURCE="conda env ${CONDA_ENV}"
+  elif command -v conda >/dev/null && activate_conda purrsight; then
+    PYTHON_SOURCE="conda env purrsight"
+  else
+    PYTHON_SOURCE="current environment (no conda env 'purrsight'; set CONDA_ENV or VENV to choose one)"
+  fi
+  PYTHON="$(command -v python || command -v python3)" || die_usage "no python on PATH"
+  "${PYTHON}" -c 'import purrsight, torch' 2>/dev/null ||
+    die_usage "${PYTHON} cannot import purrsight and torch (install: pip install -r requirements.txt -e .)"
+}
+
+activate_conda() {
+  local base
+  base="$(conda info --base 2>/dev/null)" || return 1
+  # shellcheck disable=SC1091 # conda's own activation script
+  source "${base}/etc/profile.d/conda.sh" || return 1
+  conda activate "$1" 2>/dev/null
+}
+
+probe_node() {
+  local key value
+  while IFS='=' read -r key value; do
+    case "${key}" in
+      python | torch | cuda | nccl | gpus | gpu_names) printf -v "NODE_${key^^}" '%s' "${value}" ;;
+    esac
+  done < <("${PYTHON}" -m purrsight.cluster.probe)
+  if [[ "${BACKEND}" == auto ]]; then
+    if ((NODE_GPUS > 0)); then BACKEND=nccl; else BACKEND=gloo; fi
+  fi
+  if [[ "${NPROC_PER_NODE}" == auto ]]; then
+    NPROC=$((NODE_GPUS > 0 ? NODE_GPUS : 1))
+  else
+    NPROC="${NPROC_PER_NODE}"
+  fi
+  if [[ "${BACKEND}" == nccl ]] && ((NPROC > NODE_GPUS)); then
+    die_usage "NPROC_PER_NODE=${NPROC} but only ${NODE_GPUS} GPU(s) are visible with BACKEND=nccl (use BACKEND=gloo for CPU)"
+  fi
+}
+
+check_config() {
+  local problems
+  if ! problems="$("${PYTHON}" -m purrsight.config check "${CONFIG}" "${OVERRIDES[@]}" 2>&1 >/dev/null)"; then
+    printf '%s\n' "${problems}" >&2
+    die_usage "config ${CONFIG} is invalid (see above)"
+  fi
+}
+
+# ------------------------------------------------------------------ environment and logs
+
+EXPORTED=()   # for the banner
+DRY_LINES=()  # for --dry-run: shell lines a user could paste
+
+apply_env_plan() {
+  local action name value reason
+  while IFS=$'\t' read -r action name value reason; do
+    case "${action}" in
+      set)
+        export "${name}=${value}"
+        EXPORTED+=("set   ${name}=${value}  (${reason})")
+        DRY_LINES+=("export ${name}=$(printf '%q' "${value}")  # ${reason}")
+        ;;
+      keep)
+        EXPORTED+=("kept  ${name}=${value}  (${reason})")
+        DRY_LINES+=("# kept ${name}=$(printf '%q' "${value}")  (${reason})")
+        ;;
+      local) LOCAL_ADDR="${value}" ;;
+    esac
+  done < <("${PYTHON}" -m purrsight.cluster.launch_env --master-addr "${MASTER_IP}" --master-port "${PORT}" \
+    --nproc "${NPROC}" --backend "${BACKEND}" --log-level "${LOG_LEVEL}" --nccl-preset "${NCCL_PRESET}")
+}
+
+start_node_log() {
+  RUN_STAMP="$(date '+%Y%m%d_%H%M%S')"
+  RUN_NAME="cluster_train_${RUN_STAMP}_node${NODE_RANK}"
+  mkdir -p "${LOG_DIR}"
+  exec > >("${PYTHON}" -m purrsight.cluster.logwriter --log-dir "${LOG_DIR}" --node-rank "${NODE_RANK}" \
+    --nproc "${NPROC}" --timestamp "${RUN_STAMP}" --console-ranks "${LOG_RANKS}" \
+    --max-bytes "${LOG_MAX_BYTES:-104857600}" --backups "${LOG_BACKUPS:-5}" --keep-runs "${LOG_KEEP_RUNS:-10}") 2>&1
+  LOGGER_PID=$!
+  if [[ "${LOG_LEVEL}" == DEBUG ]]; then set -x; fi
+}
+
+# Close our end of the log pipe and wait, so the last lines are on disk when we exit.
+finish_node_log() {
+  set +x
+  exec >/dev/null 2>&1
+  wait "${LOGGER_PID}" 2>/dev/null || true
+}
+
+build_torchrun_args() {
+  local endpoint="${MASTER_IP}:${PORT}" is_host=0
+  [[ "${MASTER_IP}" == *:* ]] && endpoint="[${MASTER_IP}]:${PORT}"
+  ((NODE_RANK == 0)) && is_host=1
+  # c10d (not static): a worker that dies on any node restarts the workers on every node.
+  # is_host: node 0 hosts the rendezvous store even when MASTER_ADDR is not the address of
+  # its hostname (IPoIB, a secondary interface); --local-addr: workers reach each other on
+  # the address that routes to the master, not on the machine's FQDN.
+  TORCHRUN_ARGS=(
+    -m torch.distributed.run
+    --nnodes "${NUM_NODES}"
+    --nproc-per-node "${NPROC}"
+    --rdzv-backend c10d
+    --rdzv-endpoint "${endpoint}"
+    --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-${PBS_JOBID:-purrsight-${PORT}}}}"
+    --rdzv-conf "is_host=${is_host},join_timeout=${RDZV_TIMEOUT},read_timeout=${RDZV_TIMEOUT}"
+    --max-restarts "${MAX_RESTARTS}"
+    --local-addr "${LOCAL_ADDR:-${MASTER_IP}}"
+    --log-dir "${LOG_DIR}/${RUN_NAME:-dry_run}"
+    --tee 3
+    "${SCRIPT_DIR}/train_phase2.py" --config "${CONFIG}" "${OVERRIDES[@]}"
+  )
+}
+
+print_banner() {
+  log "node ${NODE_RANK}/${NUM_NODES}: master ${MASTER_HOST} (${MASTER_IP}):${PORT}, ${NPROC} process(es), backend ${BACKEND}"
+  log "python ${NODE_PYTHON} (${PYTHON}, ${PYTHON_SOURCE}); torch ${NODE_TORCH}; CUDA ${NODE_CUDA}; NCCL ${NODE_NCCL}; GPUs ${NODE_GPUS} ${NODE_GPU_NAMES}"
+  log "environment (a variable you exported yourself is kept):"
+  local line
+  for line in "${EXPORTED[@]}"; do log "  ${line}"; done
+  log "torchrun: ${PYTHON} ${TORCHRUN_ARGS[*]}"
+}
+
+# ------------------------------------------------------------------ run
+
+TORCHRUN_PID=""
+SIGNALLED=""
+
+# shellcheck disable=SC2317 # invoked by the traps in run_torchrun
+forward_signal() {
+  SIGNALLED="$1"
+  log "received SIG$1: passing it to torchrun (workers save a checkpoint, then exit)"
+  if [[ -n "${TORCHRUN_PID}" ]]; then kill -s "$1" "${TORCHRUN_PID}" 2>/dev/null || true; fi
+}
+
+run_torchrun() {
+  trap 'forward_signal TERM' TERM
+  trap 'forward_signal INT' INT
+  "${PYTHON}" "${TORCHRUN_ARGS[@]}" &
+  TORCHRUN_PID=$!
+  local rc=0
+  while :; do
+    wait "${TORCHRUN_PID}" && rc=0 || rc=$?
+    # wait returns early when a trapped signal arrives; keep waiting while torchrun lives
+    kill -0 "${TORCHRUN_PID}" 2>/dev/null || break
+  done
+  trap - TERM INT
+  return "${rc}"
+}
+
+main() {
+  parse_args "$@"
+  validate_args
+  validate_env
+  LOG_DIR="${LOG_DIR:-logs/distributed_training}"
+  activate_python
+  probe_node
+  check_config
+  apply_env_plan
+  export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.cluster.ranks)
+  if ((DRY_RUN)); then
+    build_torchrun_args
+    printf '%s\n' "${DRY_LINES[@]}" "export PURRSIGHT_NODE_RANK=${NODE_RANK}  # global ranks ordered by node"
+    printf 'exec'
+    printf ' %q' "${PYTHON}" "${TORCHRUN_ARGS[@]}"
+    printf '\n'
+    exit 0
+  fi
+  start_node_log
+  build_torchrun_args
+  print_banner
+  if ((HEALTH_CHECKS)); then
+    if ! "${PYTHON}" -m purrsight.cluster.health --config "${CONFIG}" --node-rank "${NODE_RANK}" \
+      --master-addr "${MASTER_IP}" --master-port "${PORT}" --log-dir "${LOG_DIR}" --backend "${BACKEND}" \
+      --master-timeout "${RDZV_TIMEOUT}" "${OVERRIDES[@]}"; then
+      log "health checks failed: not starting training on this node"
+      finish_node_log
+      exit "${EXIT_HEALTH}"
+    fi
+  fi
+  local rc=0
+  run_torchrun || rc=$?
+  if ((rc == 0)); then
+    log "training finished; node log ${LOG_DIR}/${RUN_NAME}.log"
+  else
+    log "training ended with exit code ${rc}${SIGNALLED:+ after SIG${SIGNALLED}}; node log ${LOG_DIR}/${RUN_NAME}.log"
+  fi
+  finish_node_log
+  exit "${rc}"
+}
+
+main "$@"

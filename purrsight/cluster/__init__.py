@@ -1,0 +1,1 @@
+"""Nodes, processes and schedulers (nothing about models): launch environment, health, logs."""

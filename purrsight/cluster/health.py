@@ -1,0 +1,196 @@
+"""Node health checks before torchrun: each a line with PASS/FAIL/SKIP and its time.
+
+All checks run, then a summary; any failure exits 3 so the node stops before it burns
+GPU hours or holds the other nodes at the rendezvous.
+
+    python -m purrsight.cluster.health --config config/train_config.yaml --node-rank 1 \\
+        --master-addr 10.0.0.1 --master-port 29500 --log-dir logs/distributed_training
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+EXIT_HEALTH = 3
+REQUIRED_PACKAGES = (
+    "torch",
+    "pytorch_lightning",
+    "transformers",
+    "peft",
+    "datasets",
+    "torchdata",
+    "tokenizers",
+    "soundfile",
+    "PIL",
+    "pydantic",
+    "yaml",
+)
+
+
+class CheckFailedError(Exception):
+    """A failed check; the message is the line the user reads."""
+
+
+class CheckSkippedError(Exception):
+    """A check that does not apply on this node (GPUs on a CPU node); the message says why."""
+
+
+@dataclass
+class Result:
+    name: str
+    status: str  # PASS, FAIL or SKIP
+    detail: str
+    seconds: float
+
+
+def check_config(config_path: str, overrides: list[str]) -> str:
+    from purrsight.config import ConfigError, load_config
+
+    try:
+        config = load_config(config_path, overrides)
+    except ConfigError as err:
+        raise CheckFailedError("; ".join(err.problems)) from None
+    return f"{config_path} (run {config.run.name})"
+
+
+def check_packages() -> str:
+    versions, missing = [], []
+    for name in REQUIRED_PACKAGES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+            continue
+        versions.append(f"{name} {getattr(module, '__version__', '?')}")
+    if missing:
+        raise CheckFailedError(f"cannot import {', '.join(missing)} (activate the right environment: CONDA_ENV or VENV)")
+    return ", ".join(versions)
+
+
+def check_gpus(expect_gpus: bool) -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        if expect_gpus:
+            raise CheckFailedError("BACKEND=nccl but no CUDA device is visible (driver, CUDA_VISIBLE_DEVICES?)")
+        raise CheckSkippedError("no GPU: training on CPU")
+    lines = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        lines.append(f"{i}: {torch.cuda.get_device_name(i)} {free / 2**30:.1f}/{total / 2**30:.1f} GiB free")
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    return f"{len(lines)} GPU(s), CUDA {torch.version.cuda}, NCCL {nccl}; " + "; ".join(lines)
+
+
+def check_disk(folders: list[Path], min_free_gb: float) -> str:
+    parts = []
+    for folder in folders:
+        probe = folder
+        while not probe.exists():
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free / 2**30
+        if free < min_free_gb:
+            raise CheckFailedError(f"{folder}: {free:.1f} GiB free, need {min_free_gb:.1f} (HEALTH_MIN_FREE_GB)")
+        parts.append(f"{folder} {free:.1f} GiB free")
+    return "; ".join(parts)
+
+
+def check_writable(folder: Path) -> str:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".health-"):
+            pass
+    except OSError as err:
+        raise CheckFailedError(f"{folder}: not writable ({err.strerror})") from None
+    return str(folder)
+
+
+def check_master(addr: str, port: int, timeout_s: float, interval_s: float = 1.0) -> str:
+    """Retry a TCP connect until the master's rendezvous port answers or the timeout passes.
+
+    A worker node started before its master waits here instead of failing at once.
+    """
+    deadline = time.monotonic() + timeout_s
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            with socket.create_connection((addr, port), timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
+                return f"{addr}:{port} answered after {attempts} attempt(s)"
+        except OSError as err:
+            if time.monotonic() + interval_s > deadline:
+                raise CheckFailedError(
+                    f"Cannot connect to master node at {addr}:{port} after {timeout_s:.0f} s ({err.strerror or err}). "
+                    "Check: the master node's launcher is running; the firewall allows TCP "
+                    f"{port} between nodes; {addr} is the master's address on a network this node reaches"
+                ) from None
+            time.sleep(interval_s)
+
+
+def run_check(name: str, check: Callable[[], str]) -> Result:
+    start = time.monotonic()
+    try:
+        detail, status = check(), "PASS"
+    except CheckSkippedError as skip:
+        detail, status = str(skip), "SKIP"
+    except CheckFailedError as failed:
+        detail, status = str(failed), "FAIL"
+    return Result(name, status, detail, time.monotonic() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--log-dir", type=Path, default=Path("logs/distributed_training"))
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="gloo")
+    parser.add_argument("--min-free-gb", type=float, default=float(os.environ.get("HEALTH_MIN_FREE_GB", "1")))
+    parser.add_argument("--master-timeout", type=float, default=float(os.environ.get("RDZV_TIMEOUT", "900")))
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+
+    from purrsight.config import ConfigError, load_config
+
+    try:
+        output_dir = load_config(args.config, args.overrides).run.run_dir
+    except ConfigError:
+        output_dir = Path("runs")  # the config check below reports the problem
+    checks: list[tuple[str, Callable[[], str]]] = [
+        ("config", lambda: check_config(args.config, args.overrides)),
+        ("packages", check_packages),
+        ("gpus", lambda: check_gpus(args.backend == "nccl")),
+        ("disk", lambda: check_disk([output_dir, args.log_dir], args.min_free_gb)),
+        ("output writable", lambda: check_writable(output_dir)),
+    ]
+    if args.node_rank > 0:
+        checks.append(("master reachable", lambda: check_master(args.master_addr, args.master_port, args.master_timeout)))
+    results = []
+    for name, check in checks:
+        result = run_check(name, check)
+        results.append(result)
+        print(f"health: {result.status:4}  {name:16} {result.detail}  ({result.seconds:.2f} s)", flush=True)
+    failed = [r.name for r in results if r.status == "FAIL"]
+    summary = f"{len(results) - len(failed)}/{len(results)} checks passed"
+    print(f"health: {summary}" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    if failed:
+        for result in results:
+            if result.status == "FAIL":
+                print(f"error: health check {result.name}: {result.detail}", file=sys.stderr, flush=True)
+        return EXIT_HEALTH
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""The environment a node exports before torchrun: decided here, exported by cluster_train.sh.
+
+A variable the user already exported is never overridden (NCCL_* included); the plan
+says which were set and which were kept, and the launcher prints it as one block.
+
+    python -m purrsight.cluster.launch_env --master-addr 10.0.0.1 --master-port 29500 \\
+        --nproc 8 --backend nccl --log-level INFO --nccl-preset auto
+
+prints ``set NAME VALUE`` and ``keep NAME VALUE`` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from purrsight.cluster.network import SYS_INFINIBAND, IBPort, Route, active_ib_ports, route_to
+
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+NCCL_PRESETS = ("auto", "ib", "ethernet", "none")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    value: str
+    kept: bool  # True: the user's own value, left as it was
+    reason: str
+
+
+def mask(name: str, value: str) -> str:
+    """Hide values of variables that look like credentials before they reach a log."""
+    return "****" if any(marker in name.upper() for marker in SECRET_MARKERS) else value
+
+
+def nccl_settings(preset: str, ports: list[IBPort], route: Route | None, debug: bool) -> list[tuple[str, str, str]]:
+    """(name, value, reason) for NCCL, from the preset, the active IB ports and the route to the master."""
+    settings: list[tuple[str, str, str]] = []
+    if preset == "none":
+        return settings
+    use_ib = preset == "ib" or (preset == "auto" and bool(ports))
+    if use_ib:
+        settings.append(("NCCL_IB_DISABLE", "0", f"{len(ports)} active InfiniBand/RoCE port(s)" if ports else "NCCL_PRESET=ib"))
+        if ports:
+            hcas = ",".join(f"{p.device}:{p.port}" for p in ports)
+            settings.append(("NCCL_IB_HCA", hcas, "the active ports"))
+            gids = {p.gid_index for p in ports if p.gid_index is not None}
+            if len(gids) == 1:
+                settings.append(("NCCL_IB_GID_INDEX", str(gids.pop()), "RoCE v2 IPv4 GID"))
+    else:
+        why = "NCCL_PRESET=ethernet" if preset == "ethernet" else "no active InfiniBand port"
+        settings.append(("NCCL_IB_DISABLE", "1", why))
+    if route is not None and route.interface != "lo":
+        # The interface that routes to the master, not the first one NCCL finds: nodes with
+        # docker0 or a management NIC otherwise try to talk over the wrong network.
+        settings.append(("NCCL_SOCKET_IFNAME", route.interface, "interface that routes to the master"))
+    settings.append(("NCCL_DEBUG", "INFO" if debug else "WARN", "from LOG_LEVEL"))
+    return settings
+
+
+def plan(
+    environ: Mapping[str, str],
+    master_addr: str,
+    master_port: int,
+    nproc: int,
+    backend: str,
+    log_level: str,
+    preset: str,
+    ports: list[IBPort],
+    route: Route | None,
+    cpu_count: int,
+) -> list[EnvVar]:
+    debug = log_level.upper() == "DEBUG"
+    wanted: list[tuple[str, str, str]] = [
+        ("MASTER_ADDR", master_addr, "rendezvous host"),
+        ("MASTER_PORT", str(master_port), "rendezvous port"),
+        ("OMP_NUM_THREADS", str(max(1, cpu_count // max(1, nproc))), f"{cpu_count} cores / {nproc} processes"),
+        # 3 = tear down on a collective error and keep the flight recorder's dump;
+        # torchrun itself would set 1 when unset.
+        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3", "fail fast on a broken collective"),
+        ("PYTHONFAULTHANDLER", "1", "stack traces on a hard crash"),
+        ("PYTHONUNBUFFERED", "1", "log lines arrive as they are written"),
+    ]
+    if backend == "gloo" and route is not None:
+        wanted.append(("GLOO_SOCKET_IFNAME", route.interface, "interface that routes to the master"))
+    if debug:
+        wanted.append(("TORCH_DISTRIBUTED_DEBUG", "DETAIL", "LOG_LEVEL=DEBUG"))
+    if backend == "nccl":
+        wanted += nccl_settings(preset, ports, route, debug)
+    return [
+        EnvVar(name, environ[name], True, "exported by the user") if name in environ else EnvVar(name, value, False, reason)
+        for name, value, reason in wanted
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--master-addr", required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--nproc", type=int, required=True)
+    parser.add_argument("--backend", choices=("nccl", "gloo"), required=True)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--nccl-preset", choices=NCCL_PRESETS, default="auto")
+    parser.add_argument("--sys-infiniband", type=Path, default=SYS_INFINIBAND, help="sysfs root (tests)")
+    args = parser.parse_args(argv)
+    route = route_to(args.master_addr)
+    entries = plan(
+        os.environ,
+        args.master_addr,
+        args.master_port,
+        args.nproc,
+        args.backend,
+        args.log_level,
+        args.nccl_preset,
+        active_ib_ports(args.sys_infiniband),
+        route,
+        os.cpu_count() or 1,
+    )
+    for entry in entries:
+        # One line per variable, tab-separated: values may hold spaces, never tabs/newlines.
+        sys.stdout.write(f"{'keep' if entry.kept else 'set'}\t{entry.name}\t{entry.value}\t{entry.reason}\n")
+    local = route.source if route and route.source else args.master_addr
+    sys.stdout.write(f"local\tLOCAL_ADDR\t{local}\tthis node's address on the route to the master\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
