@@ -50,6 +50,7 @@ Environment variables (default in brackets; a variable you export yourself is ne
   HEALTH_CHECKS   1 | 0: run the health checks before training [1]
   HEALTH_MIN_FREE_GB  free disk required in the run and log folders [1]
   NCCL_PRESET     auto | ib | ethernet | none [auto: InfiniBand when an active port exists]
+  NODE_ADDR       this node's address as the other nodes reach it [auto: source of the route to the master]
 
 Examples:
   ./cluster_train.sh                                              # one node, the embedded default
@@ -213,7 +214,7 @@ apply_env_plan() {
         EXPORTED+=("kept  ${name}=${value}  (${reason})")
         DRY_LINES+=("# kept ${name}=$(printf '%q' "${value}")  (${reason})")
         ;;
-      local) LOCAL_ADDR="${value}" ;;
+      local) LOCAL_ADDR="${NODE_ADDR:-${value}}" ;;
     esac
   done < <("${PYTHON}" -m purrsight.cluster.launch_env --master-addr "${MASTER_IP}" --master-port "${PORT}" \
     --nproc "${NPROC}" --backend "${BACKEND}" --log-level "${LOG_LEVEL}" --nccl-preset "${NCCL_PRESET}")
@@ -306,7 +307,9 @@ main() {
   probe_node
   check_config
   apply_env_plan
-  export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.cluster.ranks)
+  export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.cluster.distributed)
+  # Workers count their restarts on this node under this id (purrsight.cluster.distributed.worker_generation).
+  export PURRSIGHT_LAUNCH_ID="${RDZV_ID:-node${NODE_RANK}}-$$-$(date +%s)"
   if ((DRY_RUN)); then
     build_torchrun_args
     printf '%s\n' "${DRY_LINES[@]}" "export PURRSIGHT_NODE_RANK=${NODE_RANK}  # global ranks ordered by node"
@@ -334,6 +337,7 @@ main() {
   else
     log "training ended with exit code ${rc}${SIGNALLED:+ after SIG${SIGNALLED}}; node log ${LOG_DIR}/${RUN_NAME}.log"
   fi
+  rm -f "${TMPDIR:-/tmp}/purrsight-${PURRSIGHT_LAUNCH_ID}-"*.starts
   finish_node_log
   exit "${rc}"
 }

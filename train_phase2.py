@@ -46,7 +46,7 @@ import warnings
 from pathlib import Path
 
 from purrsight.cli import EXIT_USAGE, run_guarded, setup_logging
-from purrsight.cluster.ranks import order_ranks_by_node
+from purrsight.cluster.distributed import order_ranks_by_node
 
 DEFAULT_CONFIG = "config/train_config.yaml"
 NEWEST = "newest"  # the value purrsight.training.run understands as "the newest checkpoint of the run"

@@ -84,6 +84,10 @@ def plan(
         ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3", "fail fast on a broken collective"),
         ("PYTHONFAULTHANDLER", "1", "stack traces on a hard crash"),
         ("PYTHONUNBUFFERED", "1", "log lines arrive as they are written"),
+        # A store shared between torchrun's agent and the workers is keyed per restart count,
+        # which nodes do not agree on after a re-rendezvous: restarted workers then hang in
+        # init (pytorch/pytorch#135712). A fresh store per round avoids it.
+        ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1", "restarted workers must not share the agent's store"),
     ]
     if backend == "gloo" and route is not None:
         wanted.append(("GLOO_SOCKET_IFNAME", route.interface, "interface that routes to the master"))

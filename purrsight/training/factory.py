@@ -32,6 +32,13 @@ def resolve_precision(config: Config, accelerator: str) -> str:
     return "32-true"
 
 
+def resolve_backend(config: Config) -> str:
+    wanted = config.distributed.backend
+    if wanted != "auto":
+        return wanted
+    return "nccl" if resolve_accelerator(config) == "gpu" else "gloo"
+
+
 def launch_world() -> tuple[int, int]:
     """(processes on this node, nodes) as torchrun set them; (1, 1) in a plain process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -46,7 +53,7 @@ def build_strategy(config: Config, accelerator: str) -> Strategy:
         device = torch.device("cuda", 0) if accelerator == "gpu" else torch.device("cpu")
         return SingleDeviceStrategy(device=device, checkpoint_io=io)
     dist = config.distributed
-    backend = dist.backend if dist.backend != "auto" else ("nccl" if accelerator == "gpu" else "gloo")
+    backend = resolve_backend(config)
     # torchrun started us: Lightning must take torchrun's ranks, even inside a SLURM
     # allocation where it would otherwise read SLURM's (one task per node, not per GPU).
     return DDPStrategy(

@@ -5,14 +5,22 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import pytorch_lightning as pl
 
+from purrsight.cluster.distributed import (
+    TORCHRUN_RANK,
+    agreed_max,
+    from_rank_zero,
+    init_process_group_in_node_order,
+    worker_generation,
+)
 from purrsight.config import Config, write_resolved
 from purrsight.training.checkpoints import CheckpointSaver, newest_checkpoint
 from purrsight.training.datamodule import Phase2DataModule
-from purrsight.training.factory import build_trainer
+from purrsight.training.factory import build_trainer, resolve_backend
 from purrsight.training.module import Phase2Module
 
 log = logging.getLogger(__name__)
@@ -35,19 +43,18 @@ def checkpoint_dir(config: Config) -> Path:
     return config.run.run_dir / "checkpoints"
 
 
-def choose_resume(config: Config, resume: str | None) -> Path | None:
+def choose_resume(config: Config, resume: str | None, generation: int = 0) -> Path | None:
     """The checkpoint to start from, decided here and logged, never guessed by Lightning.
 
-    ``resume`` is a path, NEWEST, or None. A worker restarted by torchrun
-    (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest checkpoint by itself.
+    ``resume`` is a path, NEWEST, or None. Workers that torchrun started again
+    (``generation`` > 0, agreed over all ranks) resume from the newest checkpoint by themselves.
     """
     folder = checkpoint_dir(config)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if resume is None and restarts > 0:
+    if resume is None and generation > 0:
         found = newest_checkpoint(folder)
         log.warning(
             "torchrun restart %d: %s",
-            restarts,
+            generation,
             f"resuming from {found}" if found else f"no checkpoint in {folder} yet, starting from step 0",
         )
         return found
@@ -65,7 +72,25 @@ def choose_resume(config: Config, resume: str | None) -> Path | None:
 
 
 def train(config: Config, resume: str | None = None, callbacks: list[pl.Callback] | None = None) -> TrainOutcome:
-    ckpt = choose_resume(config, resume)
+    backend = resolve_backend(config)
+    # Our own process group (Lightning skips its init when one exists): node-ordered ranks,
+    # and a collective decision about resuming, so no rank starts over while others resume.
+    distributed = init_process_group_in_node_order(backend, timedelta(seconds=config.distributed.timeout_s))
+    generation = worker_generation(os.environ)
+    if distributed:
+        log.info(
+            "process group ready: global rank %s of %s (%s, ranks ordered by node; store %s:%s, torchrun rank %s)",
+            os.environ["RANK"],
+            os.environ["WORLD_SIZE"],
+            backend,
+            os.environ["MASTER_ADDR"],
+            os.environ["MASTER_PORT"],
+            os.environ.get(TORCHRUN_RANK),
+        )
+        generation = agreed_max(generation, backend)
+    ckpt = choose_resume(config, resume, generation)
+    if distributed:
+        ckpt = from_rank_zero(ckpt)  # one file for all ranks, even if a slow filesystem disagrees
     pl.seed_everything(config.run.seed, workers=True, verbose=False)
     if int(os.environ.get("RANK", "0")) == 0:
         write_resolved(config, config.run.run_dir)

@@ -54,17 +54,16 @@ def test_newest_checkpoint_prefers_the_highest_step(tmp_path: Path) -> None:
 def test_choose_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = load_config(DEFAULT_CONFIG, [f"run.output_dir={tmp_path}"], check_paths=False)
     folder = tmp_path / "phase2-tiny" / "checkpoints"
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     assert choose_resume(config, None) is None
     with pytest.raises(ResumeError, match="no checkpoint in"):
         choose_resume(config, "newest")
     with pytest.raises(ResumeError, match=r"checkpoint /nope\.ckpt does not exist"):
         choose_resume(config, "/nope.ckpt")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert choose_resume(config, None) is None  # restarted before any checkpoint: from scratch
+    assert choose_resume(config, None, generation=1) is None  # restarted before any checkpoint: from scratch
     folder.mkdir(parents=True)
     (folder / "step-00000010.ckpt").write_bytes(b"x")
-    assert choose_resume(config, None) == folder / "step-00000010.ckpt"  # a torchrun restart resumes by itself
+    assert choose_resume(config, None, generation=1) == folder / "step-00000010.ckpt"  # restarted: resumes by itself
+    assert choose_resume(config, None, generation=0) is None  # a first start never resumes silently
 
 
 def test_verify_checkpoint_names_the_difference() -> None:

@@ -1,0 +1,117 @@
+"""Process-group start-up under torchrun: node-ordered ranks, a fresh store, restart agreement.
+
+Ranks. Node N's processes become global ranks N*nproc .. N*nproc+nproc-1.
+
+torchrun's c10d rendezvous orders nodes by (address, pid), not by the node rank the user
+typed, so node 0's processes are not always ranks 0..nproc-1, and rank 0 (which writes
+checkpoints and the run report) may land on another machine. The launcher passes the
+typed rank as PURRSIGHT_NODE_RANK; each worker renumbers itself (RANK, GROUP_RANK) before
+Lightning reads them, and :func:`init_process_group_in_node_order` starts the process
+group with a store hosted by torchrun's own rank 0, whose machine MASTER_ADDR names.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import MutableMapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+TORCHRUN_RANK = "PURRSIGHT_TORCHRUN_RANK"  # the rank torchrun assigned, kept for the store
+
+
+def order_ranks_by_node(environ: MutableMapping[str, str]) -> str | None:
+    """Renumber RANK/GROUP_RANK in ``environ``; returns a line for the log, or None if untouched."""
+    node_rank_text = environ.get("PURRSIGHT_NODE_RANK")
+    if node_rank_text is None or "LOCAL_RANK" not in environ or "RANK" not in environ:
+        return None
+    node_rank = int(node_rank_text)
+    local_rank = int(environ["LOCAL_RANK"])
+    local_world = int(environ["LOCAL_WORLD_SIZE"])
+    world = int(environ["WORLD_SIZE"])
+    if world % local_world or node_rank >= world // local_world:
+        return (
+            f"ranks left as torchrun assigned them: node_rank {node_rank} does not fit {world} processes of {local_world} per node"
+        )
+    old = environ.setdefault(TORCHRUN_RANK, environ["RANK"])
+    new = node_rank * local_world + local_rank
+    environ["RANK"] = environ["ROLE_RANK"] = str(new)
+    environ["GROUP_RANK"] = environ["ROLE_GROUP_RANK"] = str(node_rank)
+    return f"node_rank {node_rank} local_rank {local_rank}: global rank {new} (torchrun assigned {old})"
+
+
+def init_process_group_in_node_order(backend: str, timeout: timedelta) -> bool:
+    """Start the default process group with node-ordered ranks; False when not under the launcher.
+
+    The TCPStore is hosted by the process torchrun made rank 0: MASTER_ADDR:MASTER_PORT is
+    on its machine. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (set by the launcher, see
+    pytorch/pytorch#135712: a store shared with the agent hangs restarted workers) that port
+    is fresh every rendezvous round, so no stale keys of a killed round can be read.
+    When the agent's store is shared instead, every worker is only its client.
+    """
+    import torch.distributed as dist
+
+    if TORCHRUN_RANK not in os.environ or dist.is_initialized():
+        return False
+    world = int(os.environ["WORLD_SIZE"])
+    shared_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    hosts_store = not shared_agent_store and int(os.environ[TORCHRUN_RANK]) == 0
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=hosts_store,
+        timeout=timeout,
+    )
+    if shared_agent_store:  # the agent's store outlives rounds: isolate ours by restart count
+        store = dist.PrefixStore(f"/purrsight/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+    return True
+
+
+def worker_generation(environ: MutableMapping[str, str]) -> int:
+    """How many earlier worker generations this launch started on this node (0: the first).
+
+    torchrun's TORCHELASTIC_RESTART_COUNT counts only this node's failures: when a worker
+    dies on another node, the healthy node's agent restarts its workers for the new
+    rendezvous round with the count unchanged, and those workers would start from scratch
+    while the others resume. A node-local marker, keyed by the launch, counts every start.
+    """
+    restarts = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    launch = environ.get("PURRSIGHT_LAUNCH_ID")
+    if launch is None:
+        return restarts
+    marker = Path(tempfile.gettempdir()) / f"purrsight-{launch}-local{environ.get('LOCAL_RANK', '0')}.starts"
+    try:
+        earlier = int(marker.read_text() or 0)
+    except (OSError, ValueError):
+        earlier = 0
+    marker.write_text(str(earlier + 1))
+    return max(restarts, earlier)
+
+
+def _collective_device(backend: str) -> Any:
+    import torch
+
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" else torch.device("cpu")
+
+
+def agreed_max(value: int, backend: str) -> int:
+    """The largest ``value`` over all ranks (every rank must call)."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], device=_collective_device(backend))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def from_rank_zero(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (every rank must call)."""
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

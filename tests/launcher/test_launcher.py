@@ -1,0 +1,99 @@
+"""cluster_train.sh end to end: real launchers as nodes on loopback, real torchrun, real gloo."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+
+from tests.launcher.conftest import Cluster, descendants, wait_for
+
+
+def workers(launcher_pid: int) -> list[psutil.Process]:
+    """The training processes under a launcher (torchrun's own command line names the script too)."""
+    found = []
+    for process in descendants(launcher_pid):
+        command = " ".join(process.cmdline())
+        if "train_phase2.py" in command and "torch.distributed.run" not in command:
+            found.append(process)
+    return found
+
+
+def test_two_nodes_one_job_worker_started_first(cluster: Cluster) -> None:
+    """Node 1 starts 10 s before its master and waits for it; both then train one job.
+
+    Node 0 advertises 127.0.0.3 and node 1 127.0.0.2 (both loopback), so torchrun's
+    rendezvous, which orders nodes by address, makes node 1 its rank 0; the trainer must
+    still give node 0 global rank 0.
+    """
+    worker = cluster.start(2, 1, env={"NODE_ADDR": "127.0.0.2"}, trainer__max_steps=20)
+    time.sleep(10)
+    assert worker.proc.poll() is None, worker.text()  # still waiting for the master, not failed
+    master = cluster.start(2, 0, env={"NODE_ADDR": "127.0.0.3"}, trainer__max_steps=20)
+    assert master.wait(timeout=300) == 0, master.text()[-3000:]
+    assert worker.wait(timeout=120) == 0, worker.text()[-3000:]
+    logs = [cluster.node_log(0), cluster.node_log(1)]
+    assert "global rank 0 (torchrun assigned 1)" in logs[0]  # node order, not rendezvous order
+    assert "global rank 1 (torchrun assigned 0)" in logs[1]
+    assert "process group ready: global rank 0 of 2" in logs[0]  # one process group of two
+    assert "process group ready: global rank 1 of 2" in logs[1]
+    assert re.search(r"master reachable +127\.0\.0\.1:\d+ answered after (\d+) attempt", logs[1])
+    assert "[node1 rank1]" in logs[1] and "[node0 rank0]" in logs[0]
+    assert "step 20/20" in logs[0]
+    steps = sorted(p.name for p in (cluster.run_dir / "checkpoints").glob("step-*.ckpt"))
+    assert steps[-1] == "step-00000020.ckpt"  # one global step count for the job
+    for rank in (0, 1):
+        link = cluster.log_dir / f"latest_node{rank}.log"
+        assert link.is_symlink() and re.fullmatch(rf"cluster_train_\d{{8}}_\d{{6}}_node{rank}\.log", os.readlink(link))
+
+
+def test_killed_worker_restarts_the_job_which_resumes(cluster: Cluster) -> None:
+    """kill -9 of node 1's worker: torchrun restarts both nodes' workers from the newest checkpoint."""
+    overrides = {"trainer__max_steps": 300, "checkpoint__every_n_steps": 10, "run__name": f"kill{cluster.port}"}
+    master = cluster.start(2, 0, **overrides)
+    worker = cluster.start(2, 1, **overrides)
+    checkpoints = cluster.tmp / "runs" / f"kill{cluster.port}" / "checkpoints"
+    assert wait_for(lambda: (checkpoints / "step-00000020.ckpt").exists(), timeout=240), master.text()[-2000:]
+    victims = workers(worker.proc.pid)
+    assert len(victims) == 1
+    victims[0].send_signal(signal.SIGKILL)
+    assert master.wait(timeout=400) == 0, master.text()[-3000:]
+    assert worker.wait(timeout=120) == 0, worker.text()[-3000:]
+    log = cluster.node_log(0)
+    resumed = re.search(r"torchrun restart 1: resuming from .*step-(\d+)\.ckpt", log)
+    assert resumed and int(resumed.group(1)) >= 20, log[-3000:]
+    assert (checkpoints / "step-00000300.ckpt").exists()
+
+
+def test_unreachable_master_exits_3(cluster: Cluster) -> None:
+    start = time.monotonic()
+    worker = cluster.start(2, 1, env={"RDZV_TIMEOUT": "3"})
+    assert worker.wait(timeout=120) == 3
+    elapsed = time.monotonic() - start
+    text = worker.text()
+    assert f"Cannot connect to master node at 127.0.0.1:{cluster.port}" in text
+    assert "firewall" in text and "health: FAIL  master reachable" in text
+    assert elapsed < 60, elapsed
+    assert not (cluster.run_dir / "checkpoints").exists()
+
+
+def test_sigterm_checkpoints_and_leaves_no_process(cluster: Cluster) -> None:
+    launcher = cluster.start(
+        1, 0, env={"NPROC_PER_NODE": "2", "BACKEND": "gloo"}, trainer__max_steps=100000, logging__every_n_steps=1
+    )
+    link = cluster.log_dir / "latest_node0.log"
+    assert wait_for(lambda: link.exists() and "step 5/" in cluster.node_log(0), timeout=240), launcher.text()
+    children = descendants(launcher.proc.pid)
+    assert len(workers(launcher.proc.pid)) == 2
+    launcher.proc.send_signal(signal.SIGTERM)
+    code = launcher.wait(timeout=120)
+    assert code != 0
+    time.sleep(1)
+    alive = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], alive
+    log = cluster.node_log(0)
+    assert "stopped by SIGTERM at step" in log and "received SIGTERM" in log
+    assert list((cluster.run_dir / "checkpoints").glob("step-*.ckpt"))

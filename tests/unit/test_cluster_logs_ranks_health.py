@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from purrsight.cluster.distributed import order_ranks_by_node, worker_generation
+from purrsight.cluster.health import CheckFailedError, check_disk, check_master, check_writable
+from purrsight.cluster.logwriter import parse_ranks, prune_runs
+from tests.helpers import REPO, python_env
+
+
+def run_logwriter(log_dir: Path, stamp: str, lines: list[str], **options: object) -> str:
+    args = [
+        sys.executable,
+        "-m",
+        "purrsight.cluster.logwriter",
+        "--log-dir",
+        str(log_dir),
+        "--node-rank",
+        "1",
+        "--nproc",
+        "2",
+        "--timestamp",
+        stamp,
+    ]
+    for key, value in options.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    done = subprocess.run(
+        args, input="\n".join(lines) + "\n", capture_output=True, text=True, cwd=REPO, env=python_env(), timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_lines_are_prefixed_and_console_filtered(tmp_path: Path) -> None:
+    console = run_logwriter(
+        tmp_path, "20260101_000000", ["banner", "[default0]:from local 0", "[default1]:from local 1"], console_ranks="0"
+    )
+    text = (tmp_path / "cluster_train_20260101_000000_node1.log").read_text()
+    assert text.splitlines() == ["[node1 launcher] banner", "[node1 rank2] from local 0", "[node1 rank3] from local 1"]
+    assert "rank3" not in console and "[node1 rank2] from local 0" in console
+    assert (tmp_path / "latest_node1.log").resolve() == (tmp_path / "cluster_train_20260101_000000_node1.log").resolve()
+
+
+def test_rotation_by_size_and_pruning_of_old_runs(tmp_path: Path) -> None:
+    for i in range(4):
+        stamp = f"2026010{i + 1}_000000"
+        (tmp_path / f"cluster_train_{stamp}_node1").mkdir()  # torchrun's folder of that run
+        run_logwriter(tmp_path, stamp, [f"line {n} " + "x" * 80 for n in range(60)], max_bytes=1000, backups=2, keep_runs=2)
+    (tmp_path / "cluster_train_20250101_000000_node0.log").write_text("another node's run")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "cluster_train_20260104_000000_node1.log.1" in names and "cluster_train_20260104_000000_node1.log.2" in names
+    assert "cluster_train_20260104_000000_node1.log.3" not in names  # backup count honoured
+    assert not any(n.startswith(("cluster_train_20260101", "cluster_train_20260102")) for n in names)
+    assert "cluster_train_20260103_000000_node1" in names  # kept run keeps its torchrun folder
+    assert "cluster_train_20250101_000000_node0.log" in names  # other nodes' logs untouched
+    assert prune_runs(tmp_path, 1, 2) == []
+
+
+def test_parse_ranks() -> None:
+    assert parse_ranks("all") is None and parse_ranks("0,2") == {0, 2}
+
+
+def test_ranks_follow_the_node_rank() -> None:
+    env = {
+        "PURRSIGHT_NODE_RANK": "1",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "WORLD_SIZE": "4",
+        "RANK": "1",
+        "GROUP_RANK": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    note = order_ranks_by_node(env)
+    assert env["RANK"] == "3" and env["GROUP_RANK"] == "1" and note and "torchrun assigned 1" in note
+    assert env["PURRSIGHT_TORCHRUN_RANK"] == "1"  # kept: torchrun's rank 0 hosts the store
+    order_ranks_by_node(env)  # idempotent: the original torchrun rank is not overwritten
+    assert env["PURRSIGHT_TORCHRUN_RANK"] == "1" and env["RANK"] == "3"
+    misfit = {**env, "PURRSIGHT_NODE_RANK": "2", "RANK": "1"}
+    assert "does not fit" in (order_ranks_by_node(misfit) or "") and misfit["RANK"] == "1"
+    assert order_ranks_by_node({"RANK": "0"}) is None
+
+
+def test_master_check_waits_then_fails_with_hints() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound, not listening: connections are refused
+        start = time.monotonic()
+        with pytest.raises(CheckFailedError, match=rf"Cannot connect to master node at 127.0.0.1:{port} after 2 s.*firewall"):
+            check_master("127.0.0.1", port, timeout_s=2, interval_s=0.2)
+        assert 1.5 < time.monotonic() - start < 10
+        probe.listen()
+        assert "answered" in check_master("127.0.0.1", port, timeout_s=2)
+
+
+def test_disk_and_writable(tmp_path: Path) -> None:
+    assert "GiB free" in check_disk([tmp_path / "not" / "yet"], 0.001)
+    with pytest.raises(CheckFailedError, match="HEALTH_MIN_FREE_GB"):
+        check_disk([tmp_path], 10**9)
+    assert check_writable(tmp_path / "out") == str(tmp_path / "out")
+    (tmp_path / "a_file").write_text("")  # a folder under a regular file cannot exist, even for root
+    with pytest.raises(CheckFailedError, match="a_file/out: not writable"):
+        check_writable(tmp_path / "a_file" / "out")
+
+
+def test_worker_generation_counts_starts_on_this_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A healthy node's workers restarted for a new rendezvous round know they are not the first."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # markers live in the node's temp folder
+    env = {"PURRSIGHT_LAUNCH_ID": "job-1", "LOCAL_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert [worker_generation(dict(env)) for _ in range(3)] == [0, 1, 2]
+    assert worker_generation({**env, "PURRSIGHT_LAUNCH_ID": "job-2"}) == 0  # another launch starts afresh
+    assert worker_generation({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2  # plain torchrun: its own count
