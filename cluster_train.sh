@@ -309,7 +309,8 @@ main() {
   apply_env_plan
   export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.cluster.distributed)
   # Workers count their restarts on this node under this id (purrsight.cluster.distributed.worker_generation).
-  export PURRSIGHT_LAUNCH_ID="${RDZV_ID:-node${NODE_RANK}}-$$-$(date +%s)"
+  PURRSIGHT_LAUNCH_ID="${RDZV_ID:-node${NODE_RANK}}-$$-$(date +%s)"
+  export PURRSIGHT_LAUNCH_ID
   if ((DRY_RUN)); then
     build_torchrun_args
     printf '%s\n' "${DRY_LINES[@]}" "export PURRSIGHT_NODE_RANK=${NODE_RANK}  # global ranks ordered by node"
