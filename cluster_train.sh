@@ -51,6 +51,8 @@ Environment variables (default in brackets; a variable you export yourself is ne
   HEALTH_MIN_FREE_GB  free disk required in the run and log folders [1]
   NCCL_PRESET     auto | ib | ethernet | none [auto: InfiniBand when an active port exists]
   NODE_ADDR       this node's address as the other nodes reach it [auto: source of the route to the master]
+  RESUME          auto: continue from the newest checkpoint of the run when one exists [unset: start
+                  fresh unless torchrun restarted the workers]; the SLURM wrapper sets it after a requeue
 
 Examples:
   ./cluster_train.sh                                              # one node, the embedded default
@@ -133,6 +135,7 @@ validate_env() {
   for var in LOG_MAX_BYTES LOG_BACKUPS LOG_KEEP_RUNS; do
     [[ -z "${!var:-}" ]] || is_uint "${!var}" || die_usage "${var} '${!var}' must be a non-negative integer"
   done
+  case "${RESUME:-}" in "" | auto) ;; *) die_usage "RESUME '${RESUME}' must be auto or unset" ;; esac
   [[ "${NPROC_PER_NODE:=auto}" == auto || "${NPROC_PER_NODE}" =~ ^[1-9][0-9]*$ ]] ||
     die_usage "NPROC_PER_NODE '${NPROC_PER_NODE}' must be auto or a positive integer"
   export LOG_LEVEL
@@ -307,6 +310,7 @@ main() {
   probe_node
   check_config
   apply_env_plan
+  if [[ -n "${RESUME:-}" ]]; then export PURRSIGHT_RESUME="${RESUME}"; fi
   export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.cluster.distributed)
   # Workers count their restarts on this node under this id (purrsight.cluster.distributed.worker_generation).
   PURRSIGHT_LAUNCH_ID="${RDZV_ID:-node${NODE_RANK}}-$$-$(date +%s)"

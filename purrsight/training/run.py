@@ -25,6 +25,7 @@ from purrsight.training.module import Phase2Module
 
 log = logging.getLogger(__name__)
 NEWEST = "newest"
+AUTO = "auto"  # the newest checkpoint when one exists, else a fresh start (PURRSIGHT_RESUME=auto)
 
 
 class ResumeError(ValueError):
@@ -46,7 +47,7 @@ def checkpoint_dir(config: Config) -> Path:
 def choose_resume(config: Config, resume: str | None, generation: int = 0) -> Path | None:
     """The checkpoint to start from, decided here and logged, never guessed by Lightning.
 
-    ``resume`` is a path, NEWEST, or None. Workers that torchrun started again
+    ``resume`` is a path, NEWEST, AUTO or None. Workers that torchrun started again
     (``generation`` > 0, agreed over all ranks) resume from the newest checkpoint by themselves.
     """
     folder = checkpoint_dir(config)
@@ -57,6 +58,10 @@ def choose_resume(config: Config, resume: str | None, generation: int = 0) -> Pa
             generation,
             f"resuming from {found}" if found else f"no checkpoint in {folder} yet, starting from step 0",
         )
+        return found
+    if resume == AUTO:
+        found = newest_checkpoint(folder)
+        log.info("resume=auto: %s", f"continuing from {found}" if found else f"no checkpoint in {folder}, starting fresh")
         return found
     if resume == NEWEST:
         found = newest_checkpoint(folder)
@@ -88,7 +93,7 @@ def train(config: Config, resume: str | None = None, callbacks: list[pl.Callback
             os.environ.get(TORCHRUN_RANK),
         )
         generation = agreed_max(generation, backend)
-    ckpt = choose_resume(config, resume, generation)
+    ckpt = choose_resume(config, resume or os.environ.get("PURRSIGHT_RESUME") or None, generation)
     if distributed:
         ckpt = from_rank_zero(ckpt)  # one file for all ranks, even if a slow filesystem disagrees
     pl.seed_everything(config.run.seed, workers=True, verbose=False)

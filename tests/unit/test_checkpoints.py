@@ -55,6 +55,7 @@ def test_choose_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = load_config(DEFAULT_CONFIG, [f"run.output_dir={tmp_path}"], check_paths=False)
     folder = tmp_path / "phase2-tiny" / "checkpoints"
     assert choose_resume(config, None) is None
+    assert choose_resume(config, "auto") is None  # nothing to continue: a fresh start, no error
     with pytest.raises(ResumeError, match="no checkpoint in"):
         choose_resume(config, "newest")
     with pytest.raises(ResumeError, match=r"checkpoint /nope\.ckpt does not exist"):
@@ -64,6 +65,7 @@ def test_choose_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (folder / "step-00000010.ckpt").write_bytes(b"x")
     assert choose_resume(config, None, generation=1) == folder / "step-00000010.ckpt"  # restarted: resumes by itself
     assert choose_resume(config, None, generation=0) is None  # a first start never resumes silently
+    assert choose_resume(config, "auto") == folder / "step-00000010.ckpt"  # PURRSIGHT_RESUME=auto (SLURM requeue)
 
 
 def test_verify_checkpoint_names_the_difference() -> None:

@@ -1,0 +1,127 @@
+"""A real two-node SLURM cluster on this machine, started for the tests and torn down after.
+
+munged, slurmctld and two slurmd daemons (`slurmd -N node0`, `slurmd -N node1`) run from
+Debian's slurm-wlm and munge, with their own config, key, state and logs in a temporary
+folder, distinct ports, and both nodes at NodeAddr 127.0.0.1. Nothing is faked. A daemon
+that does not start fails the test (with its log), it never skips it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_port
+
+SLURM_CONF = """\
+ClusterName=purrsight-test
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={root}/munge.sock
+CredType=cred/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+MinJobAge=3600
+KillWait=60
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+NodeName=node0 NodeHostname=node0 NodeAddr=127.0.0.1 Port={node0_port} CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=node1 NodeHostname=node1 NodeAddr=127.0.0.1 Port={node1_port} CPUs=2 RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=node0,node1 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+@dataclass
+class SlurmCluster:
+    root: Path
+    env: dict[str, str]
+
+    def run(self, *args: str, check: bool = True) -> str:
+        done = subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=60)
+        if check and done.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} failed: {done.stderr}")
+        return done.stdout
+
+    def job_field(self, job_id: str, field: str) -> str:
+        for item in self.run("scontrol", "show", "job", job_id, "-o").split():
+            key, _, value = item.partition("=")
+            if key == field:
+                return value
+        return ""
+
+    def wait_state(self, job_id: str, states: set[str], timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            state = self.job_field(job_id, "JobState")
+            if state in states:
+                return state
+            time.sleep(2)
+        raise AssertionError(f"job {job_id} still {state} after {timeout} s; slurmctld log:\n{self.log('slurmctld')}")
+
+    def log(self, name: str) -> str:
+        path = self.root / "log" / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else f"(no {path})"
+
+
+def _start(args: list[str], env: dict[str, str], what: str, root: Path) -> None:
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in (root / "log").glob("*.log"))
+        pytest.fail(f"{what} did not start (exit {done.returncode}): {done.stderr}\n{logs}")
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    for tool in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is not installed: scripts/test.sh installs slurm-wlm and munge (as root)")
+    root = tmp_path_factory.mktemp("slurm")
+    for folder in ("state", "spool", "log"):
+        (root / folder).mkdir()
+    key = root / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    (root / "slurm.conf").write_text(SLURM_CONF.format(
+        root=root, ctld_port=free_port(), node0_port=free_port(), node1_port=free_port()))
+    env = dict(os.environ, SLURM_CONF=str(root / "slurm.conf"))
+    _start(["munged", "--force", f"--socket={root}/munge.sock", f"--key-file={key}", f"--log-file={root}/log/munged.log",
+            f"--pid-file={root}/munged.pid", f"--seed-file={root}/munged.seed"], env, "munged", root)
+    _start(["slurmctld", "-i"], env, "slurmctld", root)
+    for node in ("node0", "node1"):
+        _start(["slurmd", "-N", node], env, f"slurmd {node}", root)
+    cluster = SlurmCluster(root, env)
+    deadline = time.monotonic() + 60
+    while "idle" not in cluster.run("sinfo", "-h", "-o", "%T", check=False) or \
+            cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False).split().count("idle") < 2:
+        if time.monotonic() > deadline:
+            pytest.fail(f"SLURM nodes never became idle: {cluster.run('sinfo', check=False)}\n{cluster.log('slurmctld')}")
+        time.sleep(1)
+    yield cluster
+    for pid_file in [*root.glob("slurmd-*.pid"), root / "slurmctld.pid", root / "munged.pid"]:
+        try:
+            os.kill(int(pid_file.read_text().strip()), 15)
+        except (OSError, ValueError):
+            pass

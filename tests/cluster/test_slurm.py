@@ -1,0 +1,67 @@
+"""slurm/train.sbatch on a real two-node SLURM cluster (see conftest.py)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from tests.cluster.conftest import SlurmCluster
+from tests.helpers import REPO, tiny_overrides
+
+# The test nodes have 2 CPUs and no GPUs: these override the script's #SBATCH defaults.
+SMALL_ALLOCATION = ["-N", "2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
+
+
+def submit(slurm: SlurmCluster, tmp: Path, synthetic_dir: Path, **overrides: object) -> str:
+    env = dict(slurm.env, LOG_DIR=str(tmp / "logs"), OMP_NUM_THREADS="1", PATH=f"{REPO / '.venv' / 'bin'}:{slurm.env['PATH']}")
+    args = ["sbatch", "--parsable", *SMALL_ALLOCATION, f"--output={tmp}/%x-%j.out",
+            "slurm/train.sbatch", "config/train_config.yaml", *tiny_overrides(synthetic_dir, tmp / "runs", **overrides)]
+    import subprocess
+
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def batch_output(tmp: Path, job: str) -> str:
+    return (tmp / f"purrsight-phase2-{job}.out").read_text(errors="replace")
+
+
+def test_two_node_job_completes(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
+    job = submit(slurm, tmp_path, synthetic_dir, trainer__max_steps=20)
+    assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300) == "COMPLETED", \
+        batch_output(tmp_path, job)[-3000:]
+    logs = [(tmp_path / "logs" / f"latest_node{n}.log").read_text() for n in (0, 1)]
+    assert "process group ready: global rank 0 of 2" in logs[0]
+    assert "process group ready: global rank 1 of 2" in logs[1]
+    assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt").exists()
+    out = batch_output(tmp_path, job)
+    assert "2 node(s) node[0-1]; master 127.0.0.1:" in out and "training finished" in out
+
+
+def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
+    """USR1 to the batch script (what --signal=B:USR1@120 sends before the time limit)."""
+    job = submit(slurm, tmp_path, synthetic_dir, trainer__max_steps=600, checkpoint__every_n_steps=20)
+    checkpoints = tmp_path / "runs" / "phase2-tiny" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (checkpoints / "step-00000040.ckpt").exists():
+        assert time.monotonic() < deadline, batch_output(tmp_path, job)[-3000:]
+        time.sleep(0.5)
+    slurm.run("scancel", "--signal=USR1", "--batch", job)
+    deadline = time.monotonic() + 180
+    while slurm.job_field(job, "Restarts") != "1":
+        assert time.monotonic() < deadline, batch_output(tmp_path, job)[-3000:]
+        time.sleep(1)
+    # SLURM holds a requeued job back for a while (its begin time); release it now so the
+    # test does not wait. The requeue itself and the resume below happen on their own.
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+    state = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=400)
+    out = batch_output(tmp_path, job)
+    assert state == "COMPLETED", out[-4000:]
+    assert "received SIGUSR1: telling every node to checkpoint and stop" in out
+    assert "requeueing; the next run resumes" in out and "run 1 after a requeue" in out
+    log = (tmp_path / "logs" / "latest_node0.log").read_text()
+    resumed = re.search(r"resume=auto: continuing from .*step-(\d+)\.ckpt", log)
+    assert resumed and int(resumed.group(1)) >= 40, log[-3000:]
+    assert (checkpoints / "step-00000600.ckpt").exists()
