@@ -18,10 +18,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from purrsight.data.index import IndexFileError
     from purrsight.data.media import SampleError
     from purrsight.model.encoders import ModelLoadError
+    from purrsight.training.checkpoints import CheckpointWriteError
     from purrsight.training.module import CheckpointMismatchError
     from purrsight.training.run import ResumeError
 
-    return ConfigError, IndexFileError, SampleError, ModelLoadError, CheckpointMismatchError, ResumeError
+    return (ConfigError, IndexFileError, SampleError, ModelLoadError, CheckpointMismatchError, ResumeError, CheckpointWriteError)
 
 
 def setup_logging() -> None:

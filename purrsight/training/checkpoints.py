@@ -27,19 +27,50 @@ STEP_PATTERN = re.compile(r"^step-(\d+)\.ckpt$")
 LAST_NAME = "last.ckpt"
 
 
+FAULT_ENV = "PURRSIGHT_FAULT"  # fault injection for the reliability tests (docs/RELIABILITY.md)
+
+
+def inject_fault_during_write(stream: Any) -> None:
+    """PURRSIGHT_FAULT=kill_during_checkpoint_write:N: SIGKILL this process during the N-th write.
+
+    The temp file is half written and flushed when the kill lands, as when a node dies or
+    the OOM killer strikes mid-save. Off unless the variable is set.
+    """
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec.startswith("kill_during_checkpoint_write:"):
+        return
+    global _writes_seen
+    _writes_seen += 1
+    if _writes_seen == int(spec.split(":", 1)[1]):
+        stream.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_writes_seen = 0
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """torch.save to a temp file in the target folder, fsync, then rename over the target."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        except OSError as err:
+            raise CheckpointWriteError(f"cannot create a checkpoint in {target.parent}: {err.strerror}") from None
         try:
             with os.fdopen(handle, "wb") as stream:
                 torch.save(checkpoint, stream)
+                inject_fault_during_write(stream)
                 stream.flush()
                 os.fsync(stream.fileno())
             os.replace(tmp_name, target)
+        except OSError as err:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise CheckpointWriteError(
+                f"cannot write checkpoint {target}: {err.strerror}; the checkpoints already in {target.parent} are intact"
+            ) from None
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)
             raise
@@ -58,13 +89,34 @@ def step_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, quota, permissions); earlier ones are intact."""
+
+
+def is_loadable(path: Path) -> bool:
+    """True when ``path`` unpickles safely into a PurrSight checkpoint (not torn, not truncated)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        return False
+    return isinstance(state, dict) and "purrsight" in state and "state_dict" in state
+
+
 def newest_checkpoint(folder: Path) -> Path | None:
-    """The checkpoint a resume takes: the newest step file, else last.ckpt, else none."""
-    steps = step_checkpoints(folder)
-    if steps:
-        return steps[-1][1]
+    """The checkpoint a resume takes: the newest readable step file, else last.ckpt, else none.
+
+    A newest file that is corrupted or truncated (a disk that filled, a bad copy) is skipped
+    with a warning: a run never restarts from scratch while a good checkpoint exists.
+    """
+    candidates = [path for _, path in reversed(step_checkpoints(folder))]
     last = folder / LAST_NAME
-    return last if last.is_file() else None
+    if last.is_file():
+        candidates.append(last)
+    for path in candidates:
+        if is_loadable(path):
+            return path
+        log.warning("checkpoint %s is unreadable (corrupted or truncated): trying the previous one", path)
+    return None
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
@@ -114,7 +166,10 @@ class CheckpointSaver(pl.Callback):
     def save(self, trainer: pl.Trainer) -> Path:
         step = trainer.global_step
         path = self.folder / f"step-{step:08d}.ckpt"
-        trainer.save_checkpoint(path)  # every rank calls; rank 0 writes, then all meet at a barrier
+        # Every rank calls; rank 0 writes, then all meet at a barrier. A failed write (disk
+        # full) stops the run with CheckpointWriteError: going on would train hours that no
+        # checkpoint holds. The previous checkpoints are left as they were.
+        trainer.save_checkpoint(path)
         if trainer.is_global_zero:
             _link_or_copy(path, self.folder / LAST_NAME)
             for _, old in step_checkpoints(self.folder)[: -self.keep_last]:

@@ -15,6 +15,7 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from purrsight.config import Config
 from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
 from purrsight.training.progress import LineProgress, use_progress_bar
+from purrsight.training.watchdog import ProgressWatchdog
 
 
 def resolve_accelerator(config: Config) -> str:
@@ -83,6 +84,8 @@ def build_trainer(config: Config, saver: CheckpointSaver, extra_callbacks: list[
     run_dir = config.run.run_dir
     bar = use_progress_bar(config.logging.progress)
     callbacks: list[pl.Callback] = [saver, *(extra_callbacks or [])]
+    if config.distributed.progress_timeout_s is not None:
+        callbacks.append(ProgressWatchdog(config.distributed.progress_timeout_s))
     if not bar:
         callbacks.append(LineProgress(config.logging.every_n_steps))
     trainer_cfg = config.trainer

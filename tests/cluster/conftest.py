@@ -8,6 +8,7 @@ that does not start fails the test (with its log), it never skips it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -104,24 +105,37 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
-    (root / "slurm.conf").write_text(SLURM_CONF.format(
-        root=root, ctld_port=free_port(), node0_port=free_port(), node1_port=free_port()))
+    (root / "slurm.conf").write_text(
+        SLURM_CONF.format(root=root, ctld_port=free_port(), node0_port=free_port(), node1_port=free_port())
+    )
     env = dict(os.environ, SLURM_CONF=str(root / "slurm.conf"))
-    _start(["munged", "--force", f"--socket={root}/munge.sock", f"--key-file={key}", f"--log-file={root}/log/munged.log",
-            f"--pid-file={root}/munged.pid", f"--seed-file={root}/munged.seed"], env, "munged", root)
+    _start(
+        [
+            "munged",
+            "--force",
+            f"--socket={root}/munge.sock",
+            f"--key-file={key}",
+            f"--log-file={root}/log/munged.log",
+            f"--pid-file={root}/munged.pid",
+            f"--seed-file={root}/munged.seed",
+        ],
+        env,
+        "munged",
+        root,
+    )
     _start(["slurmctld", "-i"], env, "slurmctld", root)
     for node in ("node0", "node1"):
         _start(["slurmd", "-N", node], env, f"slurmd {node}", root)
     cluster = SlurmCluster(root, env)
     deadline = time.monotonic() + 60
-    while "idle" not in cluster.run("sinfo", "-h", "-o", "%T", check=False) or \
-            cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False).split().count("idle") < 2:
+    while (
+        "idle" not in cluster.run("sinfo", "-h", "-o", "%T", check=False)
+        or cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False).split().count("idle") < 2
+    ):
         if time.monotonic() > deadline:
             pytest.fail(f"SLURM nodes never became idle: {cluster.run('sinfo', check=False)}\n{cluster.log('slurmctld')}")
         time.sleep(1)
     yield cluster
     for pid_file in [*root.glob("slurmd-*.pid"), root / "slurmctld.pid", root / "munged.pid"]:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             os.kill(int(pid_file.read_text().strip()), 15)
-        except (OSError, ValueError):
-            pass

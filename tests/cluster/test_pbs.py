@@ -29,9 +29,14 @@ def run_pbs(tmp: Path, synthetic_dir: Path, **extra_env: str) -> tuple[subproces
     env = {
         "PATH": f"{fake_bin}:{REPO / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin",
         "HOME": str(tmp),
-        "PBS_NODEFILE": str(nodefile), "PBS_O_WORKDIR": str(REPO), "PBS_JOBID": "4242.pbs-server",
-        "CONFIG": "config/train_config.yaml", "OVERRIDES": " ".join(overrides),
-        "LOG_DIR": str(tmp / "logs"), "OMP_NUM_THREADS": "1", "RDZV_TIMEOUT": "120",
+        "PBS_NODEFILE": str(nodefile),
+        "PBS_O_WORKDIR": str(REPO),
+        "PBS_JOBID": "4242.pbs-server",
+        "CONFIG": "config/train_config.yaml",
+        "OVERRIDES": " ".join(overrides),
+        "LOG_DIR": str(tmp / "logs"),
+        "OMP_NUM_THREADS": "1",
+        "RDZV_TIMEOUT": "120",
         "FAKE_PBSDSH_CALLS": str(tmp / "calls"),
         **extra_env,
     }
@@ -59,6 +64,9 @@ def test_one_failing_node_fails_the_job_and_stops_the_others(synthetic_dir: Path
     assert "node 1 failed with exit code 7: stopping the other nodes" in done.stdout
     assert elapsed < 60, elapsed  # node 0 was stopped, not left waiting for its rendezvous timeout
     time.sleep(2)
-    leftover = [p for p in psutil.process_iter(["cmdline"])
-                if str(tmp_path) in " ".join(p.info["cmdline"] or []) and "cluster_train" in " ".join(p.info["cmdline"] or [])]
+    leftover = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or []) and "cluster_train" in " ".join(p.info["cmdline"] or [])
+    ]
     assert leftover == []

@@ -15,8 +15,15 @@ SMALL_ALLOCATION = ["-N", "2", "--gpus-per-node=0", "--cpus-per-task=1", "--time
 
 def submit(slurm: SlurmCluster, tmp: Path, synthetic_dir: Path, **overrides: object) -> str:
     env = dict(slurm.env, LOG_DIR=str(tmp / "logs"), OMP_NUM_THREADS="1", PATH=f"{REPO / '.venv' / 'bin'}:{slurm.env['PATH']}")
-    args = ["sbatch", "--parsable", *SMALL_ALLOCATION, f"--output={tmp}/%x-%j.out",
-            "slurm/train.sbatch", "config/train_config.yaml", *tiny_overrides(synthetic_dir, tmp / "runs", **overrides)]
+    args = [
+        "sbatch",
+        "--parsable",
+        *SMALL_ALLOCATION,
+        f"--output={tmp}/%x-%j.out",
+        "slurm/train.sbatch",
+        "config/train_config.yaml",
+        *tiny_overrides(synthetic_dir, tmp / "runs", **overrides),
+    ]
     import subprocess
 
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
@@ -30,8 +37,9 @@ def batch_output(tmp: Path, job: str) -> str:
 
 def test_two_node_job_completes(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
     job = submit(slurm, tmp_path, synthetic_dir, trainer__max_steps=20)
-    assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300) == "COMPLETED", \
-        batch_output(tmp_path, job)[-3000:]
+    assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300) == "COMPLETED", batch_output(
+        tmp_path, job
+    )[-3000:]
     logs = [(tmp_path / "logs" / f"latest_node{n}.log").read_text() for n in (0, 1)]
     assert "process group ready: global rank 0 of 2" in logs[0]
     assert "process group ready: global rank 1 of 2" in logs[1]

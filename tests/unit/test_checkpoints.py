@@ -40,15 +40,33 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path: Path) -> None:
         AtomicCheckpointIO().load_checkpoint(path)
 
 
+def write_checkpoint(path: Path) -> Path:
+    """The smallest file that reads as a PurrSight checkpoint."""
+    torch.save({"purrsight": {}, "state_dict": {"model.w": torch.zeros(64)}}, path)
+    return path
+
+
 def test_newest_checkpoint_prefers_the_highest_step(tmp_path: Path) -> None:
     assert newest_checkpoint(tmp_path) is None
-    (tmp_path / "last.ckpt").write_bytes(b"x")
+    write_checkpoint(tmp_path / "last.ckpt")
     assert newest_checkpoint(tmp_path) == tmp_path / "last.ckpt"
     for step in (5, 100, 20):
-        (tmp_path / f"step-{step:08d}.ckpt").write_bytes(b"x")
+        write_checkpoint(tmp_path / f"step-{step:08d}.ckpt")
     (tmp_path / "step-junk.ckpt").write_bytes(b"x")
     assert [s for s, _ in step_checkpoints(tmp_path)] == [5, 20, 100]
     assert newest_checkpoint(tmp_path) == tmp_path / "step-00000100.ckpt"
+
+
+def test_unreadable_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    for step in (10, 20, 30):
+        write_checkpoint(tmp_path / f"step-{step:08d}.ckpt")
+    newest = tmp_path / "step-00000030.ckpt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    (tmp_path / "step-00000020.ckpt").write_bytes(b"\x00garbage" * 100)  # corrupted
+    assert newest_checkpoint(tmp_path) == tmp_path / "step-00000010.ckpt"
+    assert "step-00000030.ckpt is unreadable" in caplog.text and "step-00000020.ckpt is unreadable" in caplog.text
+    (tmp_path / "step-00000010.ckpt").write_bytes(b"")
+    assert newest_checkpoint(tmp_path) is None  # nothing usable: the caller says so (never a silent pick)
 
 
 def test_choose_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,7 +80,7 @@ def test_choose_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         choose_resume(config, "/nope.ckpt")
     assert choose_resume(config, None, generation=1) is None  # restarted before any checkpoint: from scratch
     folder.mkdir(parents=True)
-    (folder / "step-00000010.ckpt").write_bytes(b"x")
+    write_checkpoint(folder / "step-00000010.ckpt")
     assert choose_resume(config, None, generation=1) == folder / "step-00000010.ckpt"  # restarted: resumes by itself
     assert choose_resume(config, None, generation=0) is None  # a first start never resumes silently
     assert choose_resume(config, "auto") == folder / "step-00000010.ckpt"  # PURRSIGHT_RESUME=auto (SLURM requeue)

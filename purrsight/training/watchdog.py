@@ -1,0 +1,75 @@
+"""A step-progress watchdog: a rank that makes no progress dumps its stacks and exits.
+
+Collective timeouts catch a peer that died, but not one that is alive and stuck (a
+SIGSTOPped process, a deadlocked loader, a GPU that stopped answering): the others wait in
+a collective for the whole process-group timeout, or forever in code outside one. Each
+rank runs this thread; when no training step, validation batch or checkpoint has finished
+for ``distributed.progress_timeout_s``, it writes every thread's stack to the log
+(faulthandler) and exits with WATCHDOG_EXIT, so torchrun restarts the job or ends it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import pytorch_lightning as pl
+
+log = logging.getLogger(__name__)
+WATCHDOG_EXIT = 86
+
+
+class ProgressWatchdog(pl.Callback):
+    def __init__(self, timeout_s: float, poll_s: float = 1.0) -> None:
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self._last = time.monotonic()
+        self._where = "start of training"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _progress(self, where: str) -> None:
+        self._last = time.monotonic()
+        self._where = where
+
+    def _watch(self, rank: int) -> None:
+        while not self._stop.wait(self.poll_s):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                log.error(
+                    "watchdog: rank %d made no progress for %.0f s (last: %s); a rank is hung or a peer is gone. "
+                    "Stacks of every thread of this process follow; exiting with code %d",
+                    rank,
+                    idle,
+                    self._where,
+                    WATCHDOG_EXIT,
+                )
+                sys.stderr.flush()
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                os._exit(WATCHDOG_EXIT)  # no clean-up: it could block on the same stuck collective
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._progress("start of training")
+        self._thread = threading.Thread(target=self._watch, args=(trainer.global_rank,), name="progress-watchdog", daemon=True)
+        self._thread.start()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._progress(f"training step {trainer.global_step}")
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._progress(f"validation at step {trainer.global_step}")
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._progress(f"checkpoint at step {trainer.global_step}")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop.set()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop.set()
