@@ -119,6 +119,15 @@ validate_args() {
   MASTER_IP="$(getent ahosts "${MASTER_HOST}" | awk 'NR == 1 { print $1 }')" || true
   [[ -n "${MASTER_IP}" ]] || die_usage "master_addr '${MASTER_HOST}' does not resolve (check the name, /etc/hosts or DNS)"
   [[ -f "${CONFIG}" ]] || die_usage "config file ${CONFIG} does not exist"
+  if ((NODE_RANK == 0)) && port_answers "${MASTER_IP}" "${PORT}"; then
+    die_usage "master_port ${PORT} is already in use on ${MASTER_HOST} (another job?); choose a free port"
+  fi
+}
+
+# True when something already accepts TCP connections at $1:$2 (the child shell expands them).
+# shellcheck disable=SC2016
+port_answers() {
+  timeout 2 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" 2>/dev/null
 }
 
 validate_env() {
@@ -272,6 +281,10 @@ print_banner() {
   local line
   for line in "${EXPORTED[@]}"; do log "  ${line}"; done
   log "torchrun: ${PYTHON} ${TORCHRUN_ARGS[*]}"
+  if [[ "${LOG_LEVEL}" == DEBUG ]]; then
+    log "environment (values of names with TOKEN, KEY, SECRET or PASSWORD masked):"
+    "${PYTHON}" -m purrsight.cluster.launch_env --dump-environment
+  fi
 }
 
 # ------------------------------------------------------------------ run
@@ -318,6 +331,7 @@ main() {
   if ((DRY_RUN)); then
     build_torchrun_args
     printf '%s\n' "${DRY_LINES[@]}" "export PURRSIGHT_NODE_RANK=${NODE_RANK}  # global ranks ordered by node"
+    if [[ "${LOG_LEVEL}" == DEBUG ]]; then "${PYTHON}" -m purrsight.cluster.launch_env --dump-environment | sed 's/^/# /'; fi
     printf 'exec'
     printf ' %q' "${PYTHON}" "${TORCHRUN_ARGS[@]}"
     printf '\n'

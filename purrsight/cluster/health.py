@@ -63,6 +63,25 @@ def check_config(config_path: str, overrides: list[str]) -> str:
     return f"{config_path} (run {config.run.name})"
 
 
+def check_data(config_path: str, overrides: list[str]) -> str:
+    """Scan the JSONL indexes now: a bad line stops this node before torchrun starts (and restarts)."""
+    from purrsight.config import ConfigError, load_config
+    from purrsight.data.index import IndexFileError, scan_index
+
+    try:
+        data = load_config(config_path, overrides).data
+    except ConfigError:
+        raise CheckSkippedError("config invalid (see the config check)") from None
+    indexes = [i for i in (data.train_index, data.val_index) if i]
+    if data.synthetic_dir and not all(Path(i).is_file() for i in indexes):
+        raise CheckSkippedError(f"synthetic set generated on first use in {data.synthetic_dir}")
+    try:
+        counts = [f"{index}: {len(scan_index(index))} samples" for index in indexes]
+    except IndexFileError as err:
+        raise CheckFailedError(str(err)) from None
+    return "; ".join(counts)
+
+
 def check_packages() -> str:
     versions, missing = [], []
     for name in REQUIRED_PACKAGES:
@@ -170,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     checks: list[tuple[str, Callable[[], str]]] = [
         ("config", lambda: check_config(args.config, args.overrides)),
         ("packages", check_packages),
+        ("data", lambda: check_data(args.config, args.overrides)),
         ("gpus", lambda: check_gpus(args.backend == "nccl")),
         ("disk", lambda: check_disk([output_dir, args.log_dir], args.min_free_gb)),
         ("output writable", lambda: check_writable(output_dir)),

@@ -101,16 +101,27 @@ def plan(
     ]
 
 
+def dump_environment(environ: Mapping[str, str]) -> list[str]:
+    """NAME=value lines of the whole environment, sorted, credentials masked."""
+    return [f"{name}={mask(name, value)}" for name, value in sorted(environ.items())]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--master-addr", required=True)
-    parser.add_argument("--master-port", type=int, required=True)
-    parser.add_argument("--nproc", type=int, required=True)
-    parser.add_argument("--backend", choices=("nccl", "gloo"), required=True)
+    parser.add_argument("--dump-environment", action="store_true", help="print the masked environment and exit")
+    parser.add_argument("--master-addr")
+    parser.add_argument("--master-port", type=int)
+    parser.add_argument("--nproc", type=int)
+    parser.add_argument("--backend", choices=("nccl", "gloo"))
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--nccl-preset", choices=NCCL_PRESETS, default="auto")
     parser.add_argument("--sys-infiniband", type=Path, default=SYS_INFINIBAND, help="sysfs root (tests)")
     args = parser.parse_args(argv)
+    if args.dump_environment:
+        sys.stdout.write("".join(line + "\n" for line in dump_environment(os.environ)))
+        return 0
+    if None in (args.master_addr, args.master_port, args.nproc, args.backend):
+        parser.error("--master-addr, --master-port, --nproc and --backend are required")
     route = route_to(args.master_addr)
     entries = plan(
         os.environ,

@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, MultiModalDataset, check_prompt_lengths
-from purrsight.data.index import scan_index
+from purrsight.data.index import IndexFileError, scan_index
 from purrsight.data.media import AudioDecoder, ImageDecoder
 from purrsight.data.synthetic import generate
 from purrsight.data.text import TextEncoder
@@ -69,6 +69,13 @@ class Phase2DataModule(pl.LightningDataModule):
         train_index = scan_index(data.train_index)
         check_prompt_lengths(train_index, text.prompt_length, data.max_length)
         self.train_set = MultiModalDataset(train_index, text, image, audio, data.on_bad_sample)
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if len(self.train_set) < data.batch_size * world:
+            # drop_last would leave no batch at all: a run that "finishes" at step 0 is a silent no-op.
+            raise IndexFileError(
+                f"{data.train_index}: {len(self.train_set)} samples, fewer than one global batch "
+                f"(data.batch_size {data.batch_size} x {world} processes); add samples or lower data.batch_size"
+            )
         if data.val_index is not None:
             val_index = scan_index(data.val_index)
             check_prompt_lengths(val_index, text.prompt_length, data.max_length)

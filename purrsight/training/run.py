@@ -18,7 +18,7 @@ from purrsight.cluster.distributed import (
     worker_generation,
 )
 from purrsight.config import Config, write_resolved
-from purrsight.training.checkpoints import CheckpointSaver, newest_checkpoint
+from purrsight.training.checkpoints import CheckpointSaver, is_loadable, newest_checkpoint
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.factory import build_trainer, resolve_backend
 from purrsight.training.module import Phase2Module
@@ -72,6 +72,11 @@ def choose_resume(config: Config, resume: str | None, generation: int = 0) -> Pa
         path = Path(resume)
         if not path.is_file():
             raise ResumeError(f"--resume: checkpoint {path} does not exist")
+        if not is_loadable(path):
+            raise ResumeError(
+                f"--resume: {path} is not a readable PurrSight checkpoint (corrupted, truncated, or holding "
+                "objects that weights_only=True refuses to unpickle)"
+            )
         return path
     return None
 

@@ -1,0 +1,295 @@
+"""The bad-input corpus: every user mistake gets one clear line and a non-zero exit, fast.
+
+Each case runs the real command (train_phase2.py, cluster_train.sh or the config check)
+against a folder that already holds an earlier run's checkpoint and node log, and asserts:
+the exit code, exactly one `error:` line naming the culprit, no traceback (LOG_LEVEL=INFO),
+done within 30 s, and the earlier run's files untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+from PIL import Image
+
+from tests.helpers import DEFAULT_CONFIG, REPO, python_env, tiny_overrides
+
+TRAIN = str(REPO / "train_phase2.py")
+
+
+@dataclass
+class Case:
+    id: str
+    command: str  # "train", "launcher" or "check"
+    culprit: str
+    exit_code: int = 2
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    prepare: Callable[[Path, Path], list[str]] | None = None  # (tmp, synthetic) -> extra args
+
+
+# ----------------------------------------------------------------------- data helpers
+
+
+def index_with(
+    tmp: Path, synthetic: Path, line: str | None = None, extra_files: dict[str, bytes] | None = None, keep: int = 3
+) -> Path:
+    """A small index copied from the synthetic set, plus one crafted line."""
+    folder = tmp / "data"
+    folder.mkdir(exist_ok=True)
+    for name in ("images", "audio"):
+        if not (folder / name).exists():
+            (folder / name).symlink_to(synthetic / name)
+    lines = (synthetic / "train.jsonl").read_text().splitlines()[:keep]
+    if line is not None:
+        lines.append(line)
+    for name, payload in (extra_files or {}).items():
+        (folder / name).write_bytes(payload)
+    (folder / "train.jsonl").write_text("\n".join(lines) + ("\n" if lines else ""))
+    return folder / "train.jsonl"
+
+
+def data_case(
+    line: str | None = None, extra_files: dict[str, bytes] | None = None, keep: int = 3, more: list[str] | None = None
+) -> Callable[[Path, Path], list[str]]:
+    def prepare(tmp: Path, synthetic: Path) -> list[str]:
+        index = index_with(tmp, synthetic, line, extra_files, keep)
+        return [
+            f"data.train_index={index}",
+            "data.val_index=null",
+            "data.synthetic_dir=null",
+            f"model.llm.tokenizer={synthetic / 'tokenizer'}",
+            *(more or []),
+        ]
+
+    return prepare
+
+
+def png_bytes(truncate: bool) -> bytes:
+    from io import BytesIO
+
+    buffer = BytesIO()
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(buffer, format="PNG")
+    data = buffer.getvalue()
+    return data[: len(data) // 3] if truncate else data
+
+
+def wav_bytes(rate: int) -> bytes:
+    from io import BytesIO
+
+    buffer = BytesIO()
+    soundfile.write(buffer, np.zeros(rate // 4, dtype=np.float32), rate, format="WAV")
+    return buffer.getvalue()
+
+
+def sample(**fields: object) -> str:
+    return json.dumps({"id": "bad-1", "prompt": "What colour is the cat?", "response": "The cat is red.", **fields})
+
+
+def config_file(text: str) -> Callable[[Path, Path], list[str]]:
+    def prepare(tmp: Path, synthetic: Path) -> list[str]:
+        (tmp / "bad.yaml").write_text(text)
+        return ["--config", str(tmp / "bad.yaml")]
+
+    return prepare
+
+
+def malicious_checkpoint(tmp: Path, synthetic: Path) -> list[str]:
+    class Exploit:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (os.system, (f"touch {tmp}/pwned",))
+
+    with (tmp / "evil.ckpt").open("wb") as handle:
+        pickle.dump({"state_dict": Exploit()}, handle)
+    return ["--resume", str(tmp / "evil.ckpt")]
+
+
+ONE_PER_STEP = ["data.batch_size=1"]  # every sample is decoded within the first steps
+
+CASES = [
+    # --- config
+    Case("yaml-syntax", "train", "YAML syntax error", prepare=config_file("trainer:\n  max_steps: [1,\n")),
+    Case("unknown-key", "train", "unknown key trainer.max_stepz; did you mean trainer.max_steps?", args=["trainer.max_stepz=3"]),
+    Case("wrong-type", "train", "trainer.max_steps: Input should be a valid integer", args=["trainer.max_steps=ten"]),
+    Case("out-of-range", "train", "data.batch_size: Input should be greater than 0", args=["data.batch_size=0"]),
+    Case("negative-lr", "train", "optim.lr: Input should be greater than 0", args=["optim.lr=-0.001"]),
+    Case("bad-enum", "train", "trainer.precision: Input should be", args=["trainer.precision=fp8"]),
+    Case(
+        "missing-model-path",
+        "train",
+        "model.llm.path: path models/Qwen2.5-missing does not exist",
+        args=["model.llm.path=models/Qwen2.5-missing", "model.llm.config=null"],
+    ),
+    Case("lora-target-absent", "train", "qkv_proj not found in the LLM", args=["model.llm.lora.target_modules=[qkv_proj]"]),
+    Case("override-syntax", "train", "expected section.key=value", args=["trainer.max_steps"]),
+    Case("config-missing", "train", "config file not found", prepare=lambda tmp, syn: ["--config", str(tmp / "nope.yaml")]),
+    Case("check-command", "check", "unknown key data.batchsize", args=["data.batchsize=4"]),
+    # --- data
+    Case("malformed-json", "train", "malformed JSON", prepare=data_case('{"id": "x", "prompt": ')),
+    Case("missing-field", "train", "missing field 'response'", prepare=data_case(json.dumps({"id": "bad-1", "prompt": "p"}))),
+    Case("missing-image", "train", "image file", prepare=data_case(sample(image="images/absent.png"))),
+    Case(
+        "truncated-png",
+        "train",
+        "bad.png: cannot decode image",
+        prepare=data_case(sample(image="bad.png"), {"bad.png": png_bytes(truncate=True)}, keep=1, more=ONE_PER_STEP),
+    ),
+    Case(
+        "wav-not-audio",
+        "train",
+        "bad.wav: cannot decode audio",
+        prepare=data_case(sample(audio="bad.wav"), {"bad.wav": b"RIFF not really a wave"}, keep=1, more=ONE_PER_STEP),
+    ),
+    Case(
+        "wrong-sample-rate",
+        "train",
+        "sample rate 8000 Hz, the encoder expects 16000 Hz",
+        prepare=data_case(
+            sample(audio="slow.wav"), {"slow.wav": wav_bytes(8000)}, keep=1, more=["data.resample=false", *ONE_PER_STEP]
+        ),
+    ),
+    Case("fewer-samples-than-a-batch", "train", "fewer than one global batch", prepare=data_case(keep=3)),
+    Case("empty-index", "train", "index holds no samples", prepare=data_case(keep=0)),
+    Case("prompt-too-long", "train", "data.max_length is 6", prepare=data_case(more=["data.max_length=6", *ONE_PER_STEP])),
+    Case(
+        "duplicate-id",
+        "train",
+        "duplicate id",
+        prepare=data_case(json.dumps({"id": "train-00000", "prompt": "p", "response": "r"})),
+    ),
+    Case("data-via-launcher", "launcher", "health check data", exit_code=3, prepare=data_case('{"id": broken')),
+    # --- checkpoints
+    Case("resume-missing", "train", "checkpoint /nonexistent.ckpt does not exist", args=["--resume", "/nonexistent.ckpt"]),
+    Case("resume-malicious-pickle", "train", "is not a readable PurrSight checkpoint", prepare=malicious_checkpoint),
+    # --- launcher arguments
+    Case("nodes-not-numeric", "launcher", "num_nodes 'two' must be a positive integer", args=["two"]),
+    Case("rank-out-of-range", "launcher", "node_rank 3 is out of range for num_nodes 2", args=["2", "3"]),
+    Case("port-out-of-range", "launcher", "master_port '0' must be an integer in 1..65535", args=["1", "0", "localhost", "0"]),
+    Case(
+        "master-unresolvable",
+        "launcher",
+        "master_addr 'no-such-host.invalid' does not resolve",
+        args=["2", "1", "no-such-host.invalid"],
+    ),
+    Case("port-in-use", "launcher", "is already in use", args=["1", "0", "127.0.0.1", "@BUSY_PORT@"]),
+    Case("too-many-args", "launcher", "too many arguments", args=["1", "0", "localhost", "29500", "extra"]),
+    # --- environment
+    Case("conda-env-missing", "launcher", "CONDA_ENV=no-such-env", env={"CONDA_ENV": "no-such-env"}),
+    Case("more-procs-than-gpus", "launcher", "only 0 GPU(s) are visible", env={"BACKEND": "nccl", "NPROC_PER_NODE": "4"}),
+    Case("unknown-backend", "launcher", "BACKEND 'mpi' must be auto, nccl or gloo", env={"BACKEND": "mpi"}),
+    Case("unknown-nccl-preset", "launcher", "NCCL_PRESET 'fast'", env={"NCCL_PRESET": "fast"}),
+    Case("venv-missing", "launcher", "VENV=/nonexistent is not a virtualenv", env={"VENV": "/nonexistent"}),
+]
+
+
+def split_flags(extra: list[str]) -> tuple[list[str], list[str]]:
+    """(["--flag", value, ...], [override, ...]) from what a case's prepare() returned."""
+    flags, overrides, items = [], [], iter(extra)
+    for item in items:
+        if item.startswith("--"):
+            flags += [item, next(items)]
+        else:
+            overrides.append(item)
+    return flags, overrides
+
+
+def fingerprint(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() + str(p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def earlier_run(tmp_path: Path) -> Path:
+    """An earlier run's checkpoint, metrics and node log, which no failing command may touch."""
+    (tmp_path / "runs" / "phase2-tiny" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000050.ckpt").write_bytes(b"earlier weights")
+    (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "last.ckpt").write_bytes(b"earlier weights")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "cluster_train_20260101_000000_node0.log").write_text("earlier log\n")
+    return tmp_path
+
+
+def test_the_corpus_is_large_enough() -> None:
+    assert len(CASES) >= 30
+    assert len({case.id for case in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_bad_input(case: Case, earlier_run: Path, synthetic_dir: Path) -> None:
+    tmp = earlier_run
+    before = {name: fingerprint(tmp / name) for name in ("runs", "logs")}
+    extra = case.prepare(tmp, synthetic_dir) if case.prepare else []
+    overrides = tiny_overrides(synthetic_dir, tmp / "runs", run__name=f"case-{case.id}")
+    env = python_env()
+    env.update(
+        {
+            "PATH": f"{REPO / '.venv' / 'bin'}:{env['PATH']}",
+            "LOG_DIR": str(tmp / "logs"),
+            "LOG_LEVEL": "INFO",
+            "RDZV_TIMEOUT": "5",
+            **case.env,
+        }
+    )
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    args = [a.replace("@BUSY_PORT@", str(busy.getsockname()[1])) for a in case.args]
+    flags, extra_overrides = split_flags(extra)
+    if case.command == "train":
+        config = [] if "--config" in flags else ["--config", str(DEFAULT_CONFIG)]
+        command = ["python", TRAIN, *config, *flags, *overrides, *extra_overrides, *args]  # the case wins
+    elif case.command == "check":
+        command = ["python", "-m", "purrsight.config", "check", str(DEFAULT_CONFIG), *args]
+    else:
+        command = ["./cluster_train.sh", str(DEFAULT_CONFIG), *args, "--", *overrides, *extra_overrides]
+    start = time.monotonic()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    busy.close()
+    output = done.stdout + done.stderr
+    assert done.returncode == case.exit_code, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith(("error:", "config error:")) or "] error:" in line]
+    assert len(errors) == 1, output[-3000:]
+    assert case.culprit in errors[0], errors
+    assert "Traceback" not in output
+    assert elapsed < 30, elapsed
+    for name in ("runs", "logs"):
+        now = fingerprint(tmp / name)
+        assert {k: v for k, v in now.items() if k in before[name]} == before[name], f"{name} of the earlier run changed"
+    assert not (tmp / "pwned").exists()
+
+
+def test_debug_shows_the_traceback(synthetic_dir: Path, tmp_path: Path) -> None:
+    env = dict(python_env(), LOG_LEVEL="DEBUG")
+    done = subprocess.run(
+        [
+            "python",
+            TRAIN,
+            "--config",
+            str(DEFAULT_CONFIG),
+            "--resume",
+            "/nonexistent.ckpt",
+            *tiny_overrides(synthetic_dir, tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "Traceback" in done.stderr and "error: --resume" in done.stderr
