@@ -37,8 +37,9 @@ def inject_fault_during_write(stream: Any) -> None:
     the OOM killer strikes mid-save. Off unless the variable is set.
     """
     spec = os.environ.get(FAULT_ENV, "")
-    if not spec.startswith("kill_during_checkpoint_write:"):
-        return
+    first_generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+    if not spec.startswith("kill_during_checkpoint_write:") or not first_generation:
+        return  # restarted workers must be able to finish, or the fault would repeat forever
     global _writes_seen
     _writes_seen += 1
     if _writes_seen == int(spec.split(":", 1)[1]):
@@ -66,10 +67,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 stream.flush()
                 os.fsync(stream.fileno())
             os.replace(tmp_name, target)
-        except OSError as err:
+        except (OSError, RuntimeError) as err:
+            # torch.save's zip writer reports a full disk as RuntimeError ("unexpected pos").
             Path(tmp_name).unlink(missing_ok=True)
+            reason = getattr(err, "strerror", None) or (
+                "No space left on device" if shutil.disk_usage(target.parent).free < 4 * 2**20 else str(err)
+            )
             raise CheckpointWriteError(
-                f"cannot write checkpoint {target}: {err.strerror}; the checkpoints already in {target.parent} are intact"
+                f"cannot write checkpoint {target}: {reason}; the checkpoints already in {target.parent} are intact"
             ) from None
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)
@@ -179,6 +184,10 @@ class CheckpointSaver(pl.Callback):
         return path
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and self.folder.is_dir():
+            for stale in self.folder.glob(".*.tmp"):  # a write that was killed half way
+                log.warning("removing %s, left by an interrupted checkpoint write", stale)
+                stale.unlink(missing_ok=True)
         # Installed here, after Lightning registered its own SIGTERM handler (which
         # abandons the run without a checkpoint), so ours wins for the whole fit.
         self.stop.install()

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, MultiModalDataset, check_prompt_lengths
@@ -91,10 +91,12 @@ class Phase2DataModule(pl.LightningDataModule):
         data = self.config.data
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        # Our own DistributedSampler (Lightning's injection is off): every rank sees a
+        # Our own distributed sampler (Lightning's injection is off): every rank sees a
         # disjoint shard, reshuffled per epoch (Lightning calls set_epoch), and drop_last
-        # keeps all ranks at the same number of steps.
-        sampler = DistributedSampler(
+        # keeps all ranks at the same number of steps. The stateful variant skips the
+        # already-seen samples lazily, in __iter__, after set_epoch: with a plain
+        # DistributedSampler a resume past epoch 0 replayed epoch 0's order.
+        sampler = StatefulDistributedSampler(
             dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=self.config.run.seed, drop_last=shuffle
         )
         on_gpu = trainer is not None and trainer.strategy.root_device.type == "cuda"

@@ -78,11 +78,14 @@ def test_checkpoint_holds_trainable_state_only(trained: Path, synthetic_dir: Pat
 
 
 def test_resume_mid_epoch_matches_an_uninterrupted_run(synthetic_dir: Path, tmp_path: Path) -> None:
-    """Stopped at step 10 (mid-epoch: 16 steps per epoch) and resumed == never stopped, to 1e-6."""
+    """Stopped at step 20 (mid-epoch 1: 16 steps per epoch) and resumed == never stopped, to 1e-6.
+
+    Past epoch 0 on purpose: a sampler that skips seen samples before set_epoch replays epoch 0.
+    """
     common = {"trainer__max_steps": 30, "run__deterministic": "true", "checkpoint__keep_last": 5}
     whole = train(synthetic_dir, tmp_path / "a", **common)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    stopped_at = tmp_path / "a" / "phase2-tiny" / "checkpoints" / "step-00000010.ckpt"
+    stopped_at = tmp_path / "a" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt"
     resumed = train(synthetic_dir, tmp_path / "b", "--resume", str(stopped_at), **common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from checkpoint {stopped_at}" in resumed.stderr

@@ -1,0 +1,155 @@
+"""Faults injected into the real stack (cluster_train.sh -> torchrun -> trainer, gloo on CPU).
+
+Each test says which fault it injects and how; none of them fakes the part that fails.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.helpers import DEFAULT_CONFIG, REPO, python_env, tiny_overrides, trainable_state
+from tests.launcher.conftest import Cluster, wait_for
+from tests.launcher.test_launcher import workers
+
+DETERMINISTIC = {"run__deterministic": "true", "checkpoint__every_n_steps": 10, "checkpoint__keep_last": 10}
+
+
+def final_weights(cluster: Cluster, name: str) -> dict[str, torch.Tensor]:
+    return trainable_state(cluster.tmp / "runs" / name / "checkpoints" / "last.ckpt")
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), key
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, synthetic_dir: Path) -> dict[str, torch.Tensor]:
+    """The reference: the same 2-process job, never interrupted."""
+    reference = Cluster(tmp_path_factory.mktemp("reference"), synthetic_dir)
+    launcher = reference.start(1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=60, run__name="reference", **DETERMINISTIC)
+    assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
+    return final_weights(reference, "reference")
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_kill9_random_rank_at_random_step(seed: int, cluster: Cluster, uninterrupted: dict[str, torch.Tensor]) -> None:
+    """SIGKILL of a random worker at a random step: the job completes with the uninterrupted weights."""
+    rng = random.Random(seed)
+    kill_after = rng.randrange(12, 45)
+    launcher = cluster.start(
+        1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=60, run__name="victim", logging__every_n_steps=1, **DETERMINISTIC
+    )
+    link = cluster.log_dir / "latest_node0.log"
+    assert wait_for(lambda: link.exists() and f"step {kill_after}/" in cluster.node_log(0), timeout=240)
+    victim = rng.choice(workers(launcher.proc.pid))
+    victim.send_signal(signal.SIGKILL)
+    assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
+    log = cluster.node_log(0)
+    resumed = re.search(r"torchrun restart 1: resuming from .*step-(\d+)\.ckpt", log)
+    assert resumed, log[-3000:]
+    # at most one checkpoint interval redone: the kill landed after step kill_after
+    assert kill_after - int(resumed.group(1)) <= 10 + 2, (kill_after, resumed.group(1))
+    assert_same_weights(final_weights(cluster, "victim"), uninterrupted)
+
+
+def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Cluster) -> None:
+    """PURRSIGHT_FAULT kills rank 0 with SIGKILL half way through its 2nd checkpoint write (step 20)."""
+    launcher = cluster.start(
+        1,
+        0,
+        env={"NPROC_PER_NODE": "2", "PURRSIGHT_FAULT": "kill_during_checkpoint_write:2"},
+        trainer__max_steps=40,
+        checkpoint__every_n_steps=10,
+    )
+    assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
+    log = cluster.node_log(0)
+    assert re.search(r"torchrun restart 1: resuming from .*step-00000010\.ckpt", log), log[-3000:]
+    assert "left by an interrupted checkpoint write" in log
+    folder = cluster.run_dir / "checkpoints"
+    assert (folder / "step-00000040.ckpt").exists() and not list(folder.glob(".*.tmp"))
+
+
+def test_corrupted_newest_checkpoint_falls_back(synthetic_dir: Path, tmp_path: Path) -> None:
+    overrides = tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=30)
+    train = ["python", str(REPO / "train_phase2.py"), "--config", str(DEFAULT_CONFIG)]
+    first = subprocess.run([*train, *overrides], cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    folder = tmp_path / "phase2-tiny" / "checkpoints"
+    newest = folder / "step-00000030.ckpt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a full disk or a bad copy
+    (folder / "last.ckpt").unlink()
+    again = subprocess.run(
+        [*train, "--resume", *overrides[:-1], "trainer.max_steps=40"],
+        cwd=REPO,
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "step-00000030.ckpt is unreadable (corrupted or truncated)" in again.stderr
+    assert f"resuming from checkpoint {folder / 'step-00000020.ckpt'}" in again.stderr
+
+
+def test_full_disk_stops_with_a_clear_error_and_keeps_earlier_checkpoints(synthetic_dir: Path, tmp_path: Path) -> None:
+    """A 2 MiB tmpfs mounted on the checkpoint folder: the first checkpoint (~1.1 MB) fits, the second does not."""
+    folder = tmp_path / "phase2-tiny" / "checkpoints"
+    folder.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)], capture_output=True, text=True)
+    assert mounted.returncode == 0, f"cannot mount a small filesystem (the test needs root): {mounted.stderr}"
+    try:
+        done = subprocess.run(
+            [
+                "python",
+                str(REPO / "train_phase2.py"),
+                "--config",
+                str(DEFAULT_CONFIG),
+                *tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=40),
+            ],
+            cwd=REPO,
+            env=python_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 2, done.stderr[-2000:]
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "No space left on device" in errors[0] and "are intact" in errors[0], errors
+        assert "Traceback" not in done.stderr
+        state = torch.load(folder / "step-00000010.ckpt", weights_only=True)
+        assert state["global_step"] == 10  # the earlier checkpoint is whole
+        assert not list(folder.glob(".*.tmp"))
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_hung_rank_is_noticed_and_nothing_hangs(cluster: Cluster) -> None:
+    """SIGSTOP of one worker: the other's progress watchdog dumps its stacks and the job ends."""
+    launcher = cluster.start(
+        1, 0, env={"NPROC_PER_NODE": "2", "MAX_RESTARTS": "0"}, trainer__max_steps=100000, distributed__progress_timeout_s=8
+    )
+    link = cluster.log_dir / "latest_node0.log"
+    assert wait_for(lambda: link.exists() and "step 10/" in cluster.node_log(0), timeout=240)
+    procs = workers(launcher.proc.pid)
+    procs[1].send_signal(signal.SIGSTOP)
+    start = time.monotonic()
+    code = launcher.wait(timeout=180)
+    assert code != 0
+    assert time.monotonic() - start < 8 + 60  # the watchdog's timeout plus torchrun's shutdown
+    log = cluster.node_log(0)
+    assert "watchdog: rank 0 made no progress" in log
+    assert "most recent call first" in log  # faulthandler's stack dump reached the node log
+    time.sleep(1)
+    alive = [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], alive
