@@ -324,6 +324,7 @@ main() {
   check_config
   apply_env_plan
   if [[ -n "${RESUME:-}" ]]; then export PURRSIGHT_RESUME="${RESUME}"; fi
+  export PURRSIGHT_NODE_ADDR="${LOCAL_ADDR:-${MASTER_IP}}" # the watchdog names unreachable nodes by it
   export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.cluster.distributed)
   # Workers count their restarts on this node under this id (purrsight.cluster.distributed.worker_generation).
   PURRSIGHT_LAUNCH_ID="${RDZV_ID:-node${NODE_RANK}}-$$-$(date +%s)"

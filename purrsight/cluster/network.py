@@ -46,13 +46,33 @@ def parse_route(text: str) -> Route | None:
     return Route(interface, source) if interface else None
 
 
-def route_to(address: str) -> Route | None:
-    """The route this node takes to ``address`` (None when `ip` is missing or fails)."""
+def parse_address_owner(text: str) -> str | None:
+    """Parse ``ip -o addr show to ADDR``: '2: ib0    inet 10.0.0.1/24 brd ...' -> 'ib0'."""
+    words = text.split()
+    return words[1].rstrip(":") if len(words) > 1 else None
+
+
+def _ip(*args: str) -> str | None:
     try:
-        out = subprocess.run(["ip", "-o", "route", "get", address], capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["ip", "-o", *args], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return parse_route(out.stdout) if out.returncode == 0 else None
+    return out.stdout if out.returncode == 0 else None
+
+
+def route_to(address: str) -> Route | None:
+    """The route this node takes to ``address`` (None when `ip` is missing or fails).
+
+    On the master itself the kernel answers 'local ADDR dev lo': the other nodes do not
+    reach it over lo, so the interface that holds the address is the one to use.
+    """
+    text = _ip("route", "get", address)
+    route = parse_route(text) if text else None
+    if route is not None and route.interface == "lo" and not ipaddress.ip_address(address).is_loopback:
+        owner = parse_address_owner(_ip("addr", "show", "to", address) or "")
+        if owner:
+            return Route(owner, address)
+    return route
 
 
 def _read(path: Path) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -24,10 +25,38 @@ log = logging.getLogger(__name__)
 WATCHDOG_EXIT = 86
 
 
+def reachable(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``address`` answers at all: a refused connection is an answer, a silent one is not.
+
+    Port 9 (discard) is almost never open, so a live host replies with a reset at once; a
+    host behind a cut link or a dead node lets the connection attempt time out.
+    """
+    try:
+        with socket.create_connection((address, 9), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def node_addresses(trainer: pl.Trainer) -> dict[int, str]:
+    """{node rank: address} of the other nodes, as the launcher exported them (PURRSIGHT_NODE_ADDR)."""
+    import torch.distributed as dist
+
+    if trainer.world_size == 1 or not dist.is_initialized():
+        return {}
+    mine = (int(os.environ.get("GROUP_RANK", "0")), os.environ.get("PURRSIGHT_NODE_ADDR"))
+    gathered: list[Any] = [None] * trainer.world_size
+    dist.all_gather_object(gathered, mine)
+    return {node: addr for node, addr in gathered if addr and node != mine[0]}
+
+
 class ProgressWatchdog(pl.Callback):
     def __init__(self, timeout_s: float, poll_s: float = 1.0) -> None:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self.peers: dict[int, str] = {}  # node rank -> address, filled once the process group exists
         self._last = time.monotonic()
         self._where = "start of training"
         self._stop = threading.Event()
@@ -41,12 +70,15 @@ class ProgressWatchdog(pl.Callback):
         while not self._stop.wait(self.poll_s):
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
+                lost = [f"node {node} ({addr})" for node, addr in sorted(self.peers.items()) if not reachable(addr)]
+                verdict = f"unreachable: {', '.join(lost)}" if lost else "every node answers: a rank is hung or stuck"
                 log.error(
-                    "watchdog: rank %d made no progress for %.0f s (last: %s); a rank is hung or a peer is gone. "
+                    "watchdog: rank %d made no progress for %.0f s (last: %s); %s. "
                     "Stacks of every thread of this process follow; exiting with code %d",
                     rank,
                     idle,
                     self._where,
+                    verdict,
                     WATCHDOG_EXIT,
                 )
                 sys.stderr.flush()
@@ -56,6 +88,7 @@ class ProgressWatchdog(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._progress("start of training")
+        self.peers = node_addresses(trainer)
         self._thread = threading.Thread(target=self._watch, args=(trainer.global_rank,), name="progress-watchdog", daemon=True)
         self._thread.start()
 

@@ -88,6 +88,27 @@ def test_parse_route(text: str, expected: Route | None) -> None:
     assert parse_route(text) == expected
 
 
+def test_parse_address_owner() -> None:
+    from purrsight.cluster.network import parse_address_owner
+
+    assert parse_address_owner("2: ib0    inet 10.0.0.1/24 brd 10.0.0.255 scope global ib0") == "ib0"
+    assert parse_address_owner("") is None
+
+
+def test_master_node_uses_the_interface_holding_its_address(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On node 0, `ip route get <own address>` says 'dev lo'; the address's own interface is meant."""
+    from purrsight.cluster import network
+
+    answers = {
+        ("route", "get", "10.0.0.1"): "local 10.0.0.1 dev lo table local src 10.0.0.1 uid 0",
+        ("addr", "show", "to", "10.0.0.1"): "3: ib0    inet 10.0.0.1/16 brd 10.0.255.255 scope global ib0",
+        ("route", "get", "127.0.0.1"): "local 127.0.0.1 dev lo table local src 127.0.0.1 uid 0",
+    }
+    monkeypatch.setattr(network, "_ip", lambda *args: answers.get(args))
+    assert network.route_to("10.0.0.1") == Route("ib0", "10.0.0.1")
+    assert network.route_to("127.0.0.1") == Route("lo", "127.0.0.1")  # a loopback master really is on lo
+
+
 def test_user_exported_values_survive() -> None:
     environ = {"NCCL_SOCKET_IFNAME": "bond0", "NCCL_DEBUG": "TRACE", "OMP_NUM_THREADS": "7"}
     entries = {e.name: e for e in plan(environ, "10.0.0.1", 29500, 8, "nccl", "INFO", "auto", [], Route("eth0", "10.0.0.2"), 64)}
