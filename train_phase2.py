@@ -31,6 +31,7 @@ Export (LoRA merged, Hugging Face directory, projectors beside it)::
     python train_phase2.py export --checkpoint runs/phase2-tiny/checkpoints/last.ckpt --out exported/phase2-tiny
 
 Exit codes: 0 done; 2 bad config, data, checkpoint or arguments (one line says which);
+3 the preflight all-reduce failed (wrong sums, or bus bandwidth below preflight.min_busbw_gbps);
 128+N stopped by signal N after saving a checkpoint (143 for SIGTERM); 1 training failed.
 """
 
@@ -49,6 +50,7 @@ from purrsight.cli import EXIT_USAGE, run_guarded, setup_logging
 from purrsight.cluster.distributed import order_ranks_by_node
 
 DEFAULT_CONFIG = "config/train_config.yaml"
+EXIT_PREFLIGHT = 3  # same as the launcher's failed health check: the cluster, not the config
 NEWEST = "newest"  # the value purrsight.training.run understands as "the newest checkpoint of the run"
 OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+=")
 
@@ -86,11 +88,16 @@ def parse_export_args(argv: list[str]) -> argparse.Namespace:
 
 
 def train_command(args: argparse.Namespace) -> int:
+    from purrsight.cluster.preflight import PreflightError
     from purrsight.config import load_config
     from purrsight.training.run import train
 
     config = load_config(args.config, args.overrides)
-    outcome = train(config, args.resume)
+    try:
+        outcome = train(config, args.resume)
+    except PreflightError as err:  # the fabric, not the input: the launcher's health-check code
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_PREFLIGHT
     if outcome.stopped_by_signal is not None:
         name = signal.Signals(outcome.stopped_by_signal).name
         logging.getLogger("purrsight").warning(

@@ -190,6 +190,21 @@ class DistributedConfig(_Section):
     )
 
 
+class PreflightConfig(_Section):
+    mode: Literal["off", "quick", "full"] = Field("quick", description="All-reduce check before training.")
+    min_busbw_gbps: float | None = Field(
+        None, ge=0, description="Fail the job when bus bandwidth is below this; none: report only."
+    )
+    straggler_factor: float = Field(2.0, gt=1, description="Name a rank whose local work takes this many times the median.")
+
+
+class TelemetryConfig(_Section):
+    enabled: bool = Field(True, description="Sample power, host and throughput every N steps into telemetry/node<N>.csv.")
+    every_n_steps: int = Field(10, gt=0, description="Optimizer steps between samples.")
+    barrier_every: int | None = Field(None, gt=0, description="Barrier every N optimizer steps for clean power traces.")
+    peak_tflops: float | None = Field(None, gt=0, description="GPU peak for MFU; none: A100/H100/H200 bf16 table.")
+
+
 class LoggingConfig(_Section):
     csv: bool = Field(True, description="CSV metrics in the run folder.")
     tensorboard: bool = Field(False, description="TensorBoard event files too (needs the tensorboard package).")
@@ -205,6 +220,8 @@ class Config(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     def tokenizer_dir(self) -> Path:

@@ -14,7 +14,9 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 
 from purrsight.config import Config
 from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
+from purrsight.training.preflight_callback import Preflight
 from purrsight.training.progress import LineProgress, use_progress_bar
+from purrsight.training.telemetry import Telemetry
 from purrsight.training.watchdog import ProgressWatchdog
 
 
@@ -84,6 +86,19 @@ def build_trainer(config: Config, saver: CheckpointSaver, extra_callbacks: list[
     run_dir = config.run.run_dir
     bar = use_progress_bar(config.logging.progress)
     callbacks: list[pl.Callback] = [saver, *(extra_callbacks or [])]
+    callbacks.append(Preflight(config.preflight))
+    telemetry = config.telemetry
+    if telemetry.enabled:
+        prefix = config.model.prefix_tokens * sum(getattr(config.model, f"{m}_encoder").enabled for m in ("image", "audio"))
+        callbacks.append(
+            Telemetry(
+                run_dir,
+                telemetry.every_n_steps,
+                telemetry.barrier_every,
+                telemetry.peak_tflops,
+                seq_len=config.data.max_length + prefix,
+            )
+        )
     if config.distributed.progress_timeout_s is not None:
         callbacks.append(ProgressWatchdog(config.distributed.progress_timeout_s))
     if not bar:

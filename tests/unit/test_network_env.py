@@ -125,3 +125,12 @@ def test_user_exported_values_survive() -> None:
 def test_secrets_are_masked() -> None:
     assert mask("HF_TOKEN", "abc") == "****" and mask("AWS_SECRET_ACCESS_KEY", "x") == "****"
     assert mask("NCCL_DEBUG", "INFO") == "INFO"
+
+
+def test_straggler_is_judged_against_the_other_ranks() -> None:
+    from purrsight.cluster.preflight import find_stragglers
+
+    assert len(find_stragglers({0: (0, 0.001), 1: (1, 0.050)}, 2.0)) == 1  # two ranks: the plain median would hide it
+    assert find_stragglers({0: (0, 0.010), 1: (0, 0.011), 2: (1, 0.012), 3: (1, 0.010)}, 2.0) == []
+    named = find_stragglers({0: (0, 0.010), 1: (0, 0.011), 2: (1, 0.090), 3: (1, 0.010)}, 2.0)
+    assert named == ["rank 2 (node 1): local work 90.0 ms vs median 10.0 ms"]

@@ -1,0 +1,196 @@
+"""Telemetry and throughput: what each node spends (power, energy, host) and what it gets done.
+
+Every ``telemetry.every_n_steps`` optimizer steps each node's local rank 0 samples its GPUs
+through NVML (power, the energy counter, utilisation, memory, temperature; skipped without
+NVML, on CPU) and the host through psutil (CPU %, RSS of the trainer, load average), appends
+a row to ``<run>/telemetry/node<N>.csv`` and logs the numbers through the trainer's logger.
+Energy per step and per sample is the energy counter's increase between two samples divided
+by the steps and samples in between.
+
+Throughput: samples/s and tokens/s on this rank and for the job (x world size); the step
+time is split between waiting for data (batch end -> next batch start) and computing
+(batch start -> batch end). MFU on GPUs = achieved FLOP/s / (peak FLOP/s x GPUs), from
+:func:`flops_per_token` and :data:`PEAK_TFLOPS` (bf16 dense; override with telemetry.peak_tflops).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytorch_lightning as pl
+import torch
+
+PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}  # bf16 dense, per GPU (vendor figures)
+
+
+def flops_per_token(llm_params: int, trainable_params: int, layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token for a frozen LLM with LoRA (multiply-add = 2 FLOPs).
+
+    forward 2N, backward through the frozen weights to their inputs 2N (their own weight
+    gradients are skipped), trainable weights' gradients 2T on top of their forward and
+    input-gradient share; attention scores and values 2 x 2 x seq_len x hidden per layer
+    forward, twice that backward: 12 x layers x hidden x seq_len.
+    """
+    return 4 * llm_params + 2 * trainable_params + 12 * layers * hidden * seq_len
+
+
+class _NVML:
+    """NVML handles for this node's GPUs, or nothing (no driver, no package, CPU)."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:  # any NVML failure (no package, no driver, CPU) means host metrics only
+            self.handles = []
+
+    def sample(self) -> dict[str, float]:
+        if not self.handles:
+            return {}
+        nv = self.nvml
+        power = sum(nv.nvmlDeviceGetPowerUsage(h) for h in self.handles) / 1e3
+        energy = sum(nv.nvmlDeviceGetTotalEnergyConsumption(h) for h in self.handles) / 1e3  # mJ -> J
+        util = sum(nv.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles) / len(self.handles)
+        memory = sum(nv.nvmlDeviceGetMemoryInfo(h).used for h in self.handles) / 2**30
+        temp = max(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU) for h in self.handles)
+        return {
+            "gpu_power_w": power,
+            "gpu_energy_j": energy,
+            "gpu_util_pct": util,
+            "gpu_mem_gib": memory,
+            "gpu_temp_c": float(temp),
+        }
+
+
+def model_flops_per_token(pl_module: pl.LightningModule, seq_len: int) -> float | None:
+    """flops_per_token() for the built Phase 2 model (None before it exists)."""
+    model = getattr(pl_module, "model", None)
+    if model is None:
+        return None
+    config = model.llm.get_base_model().config
+    llm_params = sum(p.numel() for p in model.llm.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return flops_per_token(llm_params, trainable, config.num_hidden_layers, config.hidden_size, seq_len)
+
+
+def gpu_peak_tflops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+class Telemetry(pl.Callback):
+    def __init__(
+        self, run_dir: Path, every_n_steps: int, barrier_every: int | None, peak_tflops: float | None, seq_len: int
+    ) -> None:
+        self.folder = run_dir / "telemetry"
+        self.every_n_steps = every_n_steps
+        self.barrier_every = barrier_every
+        self.peak_tflops = peak_tflops
+        self.seq_len = seq_len
+        self.flops_per_token: float | None = None
+        self._process = psutil.Process()
+        self._nvml: _NVML | None = None
+        self._writer: Any = None
+        self._file: Any = None
+        self._batch_start = self._batch_end = 0.0
+        self._data_wait = self._compute = 0.0
+        self._samples = self._tokens = 0
+        self._window_start = 0.0
+        self._last_energy: float | None = None
+        self.rows: list[dict[str, float]] = []
+
+    def _is_node_leader(self, trainer: pl.Trainer) -> bool:
+        return trainer.local_rank == 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.flops_per_token = model_flops_per_token(pl_module, self.seq_len)
+        self.peak_tflops = self.peak_tflops or gpu_peak_tflops()
+        self._nvml = _NVML()
+        self._process.cpu_percent()  # the first call only starts psutil's measuring interval
+        self._window_start = self._batch_end = time.perf_counter()
+        if self._is_node_leader(trainer):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            node = int(os.environ.get("GROUP_RANK", "0"))
+            path = self.folder / f"node{node}.csv"
+            self._file = path.open("a", newline="")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+        self._data_wait += self._batch_start - self._batch_end
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_end = time.perf_counter()
+        self._compute += self._batch_end - self._batch_start
+        self._samples += int(batch["input_ids"].shape[0])
+        self._tokens += int(batch["attention_mask"].sum())
+        step = trainer.global_step
+        if self.barrier_every and step and step % self.barrier_every == 0 and trainer.world_size > 1:
+            trainer.strategy.barrier("telemetry")  # aligned steps on every GPU: clean power traces
+        if step and step % self.every_n_steps == 0 and self._samples:
+            self._sample(trainer, pl_module)
+
+    def _sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        now = time.perf_counter()
+        window = max(now - self._window_start, 1e-9)
+        world = trainer.world_size
+        row: dict[str, float] = {
+            "step": float(trainer.global_step),
+            "samples_per_s": self._samples / window,
+            "tokens_per_s": self._tokens / window,
+            "global_samples_per_s": self._samples / window * world,
+            "global_tokens_per_s": self._tokens / window * world,
+            "data_wait_frac": self._data_wait / max(self._data_wait + self._compute, 1e-9),
+            "cpu_pct": self._process.cpu_percent(),
+            "rss_gib": self._process.memory_info().rss / 2**30,
+            "load_1m": os.getloadavg()[0],
+        }
+        row.update(self._nvml.sample() if self._nvml else {})
+        if "gpu_energy_j" in row:
+            if self._last_energy is not None:
+                spent = row["gpu_energy_j"] - self._last_energy
+                row["energy_per_step_j"] = spent / self.every_n_steps
+                row["energy_per_sample_j"] = spent / self._samples
+            self._last_energy = row["gpu_energy_j"]
+        if self.flops_per_token and self.peak_tflops and torch.cuda.is_available():
+            row["mfu"] = self.flops_per_token * row["tokens_per_s"] / (self.peak_tflops * 1e12)
+        self.rows.append(row)
+        for key in (
+            "samples_per_s",
+            "tokens_per_s",
+            "global_tokens_per_s",
+            "data_wait_frac",
+            "cpu_pct",
+            "mfu",
+            "gpu_power_w",
+            "energy_per_sample_j",
+        ):
+            if key in row:
+                pl_module.log(f"perf/{key}", row[key], on_step=True, batch_size=1, rank_zero_only=True)
+        if self._file is not None:
+            if self._writer is None:
+                self._writer = csv.DictWriter(self._file, fieldnames=list(row), extrasaction="ignore")
+                if self._file.tell() == 0:
+                    self._writer.writeheader()
+            self._writer.writerow(row)
+            self._file.flush()
+        self._samples = self._tokens = 0
+        self._data_wait = self._compute = 0.0
+        self._window_start = now
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
