@@ -205,6 +205,18 @@ class TelemetryConfig(_Section):
     peak_tflops: float | None = Field(None, gt=0, description="GPU peak for MFU; none: A100/H100/H200 bf16 table.")
 
 
+class ProfilerConfig(_Section):
+    enabled: bool = Field(False, description="Record a torch.profiler trace (Chrome format) per rank.")
+    start_step: int = Field(5, ge=0, description="First optimizer step recorded (after warm-up).")
+    end_step: int = Field(8, gt=0, description="Recording stops after this optimizer step.")
+
+    @model_validator(mode="after")
+    def _window(self) -> ProfilerConfig:
+        if self.end_step <= self.start_step:
+            raise ValueError(f"end_step {self.end_step} must be after start_step {self.start_step}")
+        return self
+
+
 class LoggingConfig(_Section):
     csv: bool = Field(True, description="CSV metrics in the run folder.")
     tensorboard: bool = Field(False, description="TensorBoard event files too (needs the tensorboard package).")
@@ -222,6 +234,7 @@ class Config(_Section):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     def tokenizer_dir(self) -> Path:

@@ -48,6 +48,35 @@ def python_env() -> dict[str, str]:
     return env
 
 
+def launcher_env(log_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment a test gives cluster_train.sh: the project's venv first, logs under tmp."""
+    env = python_env()
+    env.update({"PATH": f"{REPO / '.venv' / 'bin'}:{env['PATH']}", "LOG_DIR": str(log_dir), **extra})
+    return env
+
+
+def run_trainer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """train_phase2.py with the default config; ``args`` are options and overrides."""
+    return run_python([str(REPO / "train_phase2.py"), "--config", str(DEFAULT_CONFIG), *args], timeout=timeout)
+
+
+def torchrun_two_ranks(script: Path, *args: str) -> list[str]:
+    """A one-node torchrun command with two worker processes on a free loopback port."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        *args,
+    ]
+
+
 def run_python(args: list[str], timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], cwd=cwd, env=python_env(), capture_output=True, text=True, timeout=timeout)
 

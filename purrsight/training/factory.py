@@ -15,6 +15,7 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from purrsight.config import Config
 from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
 from purrsight.training.preflight_callback import Preflight
+from purrsight.training.profiling import StepProfiler
 from purrsight.training.progress import LineProgress, use_progress_bar
 from purrsight.training.telemetry import Telemetry
 from purrsight.training.watchdog import ProgressWatchdog
@@ -87,6 +88,8 @@ def build_trainer(config: Config, saver: CheckpointSaver, extra_callbacks: list[
     bar = use_progress_bar(config.logging.progress)
     callbacks: list[pl.Callback] = [saver, *(extra_callbacks or [])]
     callbacks.append(Preflight(config.preflight))
+    if config.profiler.enabled:
+        callbacks.append(StepProfiler(run_dir / "profiler", config.profiler.start_step, config.profiler.end_step))
     telemetry = config.telemetry
     if telemetry.enabled:
         prefix = config.model.prefix_tokens * sum(getattr(config.model, f"{m}_encoder").enabled for m in ("image", "audio"))

@@ -22,6 +22,8 @@ from purrsight.training.checkpoints import CheckpointSaver, is_loadable, newest_
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.factory import build_trainer, resolve_backend
 from purrsight.training.module import Phase2Module
+from purrsight.training.preflight_callback import Preflight
+from purrsight.training.report import write_report
 
 log = logging.getLogger(__name__)
 NEWEST = "newest"
@@ -114,4 +116,10 @@ def train(config: Config, resume: str | None = None, callbacks: list[pl.Callback
     validated_at_end = trainer.global_step % config.trainer.val_every_n_steps == 0
     if saver.stopped_by_signal is None and data.val_set is not None and not validated_at_end:
         trainer.validate(module, datamodule=data, verbose=False)
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.save()  # the report reads the metrics file
+        preflight = next((c.report for c in trainer.callbacks if isinstance(c, Preflight)), None)
+        report = write_report(config.run.run_dir, preflight.table() if preflight else None)
+        log.info("run report: %s", report)
     return TrainOutcome(config.run.run_dir, trainer.global_step, saver.last_saved_path, saver.stopped_by_signal)

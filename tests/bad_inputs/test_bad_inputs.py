@@ -24,7 +24,7 @@ import pytest
 import soundfile
 from PIL import Image
 
-from tests.helpers import DEFAULT_CONFIG, REPO, python_env, tiny_overrides
+from tests.helpers import DEFAULT_CONFIG, REPO, launcher_env, python_env, tiny_overrides
 
 TRAIN = str(REPO / "train_phase2.py")
 
@@ -235,16 +235,7 @@ def test_bad_input(case: Case, earlier_run: Path, synthetic_dir: Path) -> None:
     before = {name: fingerprint(tmp / name) for name in ("runs", "logs")}
     extra = case.prepare(tmp, synthetic_dir) if case.prepare else []
     overrides = tiny_overrides(synthetic_dir, tmp / "runs", run__name=f"case-{case.id}")
-    env = python_env()
-    env.update(
-        {
-            "PATH": f"{REPO / '.venv' / 'bin'}:{env['PATH']}",
-            "LOG_DIR": str(tmp / "logs"),
-            "LOG_LEVEL": "INFO",
-            "RDZV_TIMEOUT": "5",
-            **case.env,
-        }
-    )
+    env = launcher_env(tmp / "logs", LOG_LEVEL="INFO", RDZV_TIMEOUT="5", **case.env)
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()

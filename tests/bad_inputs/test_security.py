@@ -6,7 +6,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tests.helpers import DEFAULT_CONFIG, REPO, python_env, tiny_overrides
+from tests.helpers import DEFAULT_CONFIG, REPO, launcher_env, tiny_overrides
 
 HOSTILE = "x $(touch PWNED_A) `touch PWNED_B`; touch PWNED_C 'q\" y"
 
@@ -14,16 +14,8 @@ HOSTILE = "x $(touch PWNED_A) `touch PWNED_B`; touch PWNED_C 'q\" y"
 def test_hostile_config_path_and_override_are_never_executed(synthetic_dir: Path, tmp_path: Path) -> None:
     config = tmp_path / f"cfg {HOSTILE}.yaml"
     shutil.copy(DEFAULT_CONFIG, config)
-    env = python_env()
-    env.update(
-        {
-            "PATH": f"{REPO / '.venv' / 'bin'}:{env['PATH']}",
-            "LOG_DIR": str(tmp_path / "logs"),
-            "LOG_LEVEL": "DEBUG",
-            "HF_TOKEN": "hf_supersecret_value",
-            "MY_PASSWORD": "hunter2",
-            "OMP_NUM_THREADS": "1",
-        }
+    env = launcher_env(
+        tmp_path / "logs", LOG_LEVEL="DEBUG", HF_TOKEN="hf_supersecret_value", MY_PASSWORD="hunter2", OMP_NUM_THREADS="1"
     )
     overrides = [*tiny_overrides(synthetic_dir, tmp_path / "runs", trainer__max_steps=3), f"run.name=run {HOSTILE}"]
     dry = subprocess.run(

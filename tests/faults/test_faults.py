@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers import DEFAULT_CONFIG, REPO, python_env, tiny_overrides, trainable_state
+from tests.helpers import run_trainer, tiny_overrides, trainable_state
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers
 
@@ -82,21 +82,13 @@ def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Clus
 
 def test_corrupted_newest_checkpoint_falls_back(synthetic_dir: Path, tmp_path: Path) -> None:
     overrides = tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=30)
-    train = ["python", str(REPO / "train_phase2.py"), "--config", str(DEFAULT_CONFIG)]
-    first = subprocess.run([*train, *overrides], cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=300)
+    first = run_trainer(*overrides)
     assert first.returncode == 0, first.stderr[-2000:]
     folder = tmp_path / "phase2-tiny" / "checkpoints"
     newest = folder / "step-00000030.ckpt"
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a full disk or a bad copy
     (folder / "last.ckpt").unlink()
-    again = subprocess.run(
-        [*train, "--resume", *overrides[:-1], "trainer.max_steps=40"],
-        cwd=REPO,
-        env=python_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = run_trainer("--resume", *overrides[:-1], "trainer.max_steps=40")
     assert again.returncode == 0, again.stderr[-2000:]
     assert "step-00000030.ckpt is unreadable (corrupted or truncated)" in again.stderr
     assert f"resuming from checkpoint {folder / 'step-00000020.ckpt'}" in again.stderr
@@ -109,20 +101,7 @@ def test_full_disk_stops_with_a_clear_error_and_keeps_earlier_checkpoints(synthe
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)], capture_output=True, text=True)
     assert mounted.returncode == 0, f"cannot mount a small filesystem (the test needs root): {mounted.stderr}"
     try:
-        done = subprocess.run(
-            [
-                "python",
-                str(REPO / "train_phase2.py"),
-                "--config",
-                str(DEFAULT_CONFIG),
-                *tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=40),
-            ],
-            cwd=REPO,
-            env=python_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        done = run_trainer(*tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=40))
         assert done.returncode == 2, done.stderr[-2000:]
         errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "No space left on device" in errors[0] and "are intact" in errors[0], errors

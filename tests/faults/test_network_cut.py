@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, python_env, tiny_overrides
+from tests.helpers import REPO, launcher_env, tiny_overrides
 from tests.launcher.conftest import wait_for
 
 MASTER, WORKER = "10.231.7.1", "10.231.7.2"
@@ -52,16 +52,7 @@ def two_hosts() -> Iterator[tuple[str, str, str]]:
 
 def test_cut_link_is_noticed_named_and_survived(two_hosts: tuple[str, str, str], synthetic_dir: Path, tmp_path: Path) -> None:
     ns0, ns1, veth0 = two_hosts
-    env = python_env()
-    env.update(
-        {
-            "PATH": f"{REPO / '.venv' / 'bin'}:{env['PATH']}",
-            "LOG_DIR": str(tmp_path / "logs"),
-            "OMP_NUM_THREADS": "1",
-            "MAX_RESTARTS": "1",
-            "RDZV_TIMEOUT": "120",
-        }
-    )
+    env = launcher_env(tmp_path / "logs", OMP_NUM_THREADS="1", MAX_RESTARTS="1", RDZV_TIMEOUT="120")
     overrides = tiny_overrides(
         synthetic_dir,
         tmp_path / "runs",

@@ -4,27 +4,19 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 from purrsight.cluster.preflight import bus_bandwidth
-from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, tiny_overrides
+from tests.helpers import DEFAULT_CONFIG, REPO, python_env, tiny_overrides, torchrun_two_ranks
 
 
 def torchrun(tmp: Path, synthetic_dir: Path, env: dict[str, str] | None = None, **overrides: object):  # type: ignore[no-untyped-def]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        str(REPO / "train_phase2.py"),
+    command = torchrun_two_ranks(
+        REPO / "train_phase2.py",
         "--config",
         str(DEFAULT_CONFIG),
         *tiny_overrides(synthetic_dir, tmp, trainer__max_steps=2, **overrides),
-    ]
+    )
     return subprocess.run(
         command, cwd=REPO, env={**python_env(), "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True, text=True, timeout=300
     )

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from tests.helpers import CHANCE_ACCURACY, DEFAULT_CONFIG, REPO, column, free_port, python_env, read_metrics, tiny_overrides
+from tests.helpers import (
+    CHANCE_ACCURACY,
+    DEFAULT_CONFIG,
+    REPO,
+    column,
+    python_env,
+    read_metrics,
+    tiny_overrides,
+    torchrun_two_ranks,
+)
 
 
 def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir: Path, tmp_path: Path) -> None:
@@ -21,21 +29,7 @@ def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir
         data__batch_size=8,
         checkpoint__every_n_steps=40,
     )
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(REPO / "tests" / "integration" / "ddp_probe.py"),
-        str(tmp_path),
-        str(DEFAULT_CONFIG),
-        *overrides,
-    ]
+    command = torchrun_two_ranks(REPO / "tests" / "integration" / "ddp_probe.py", str(tmp_path), str(DEFAULT_CONFIG), *overrides)
     result = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import REPO, free_port, python_env, tiny_overrides
+from tests.helpers import REPO, free_port, launcher_env, tiny_overrides
 
 
 class Launcher:
@@ -38,18 +38,12 @@ class Cluster:
         self.launchers: list[Launcher] = []
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = python_env()
-        env.update(
-            {
-                "PATH": f"{REPO / '.venv' / 'bin'}:{env['PATH']}",
-                "LOG_DIR": str(self.log_dir),
-                "OMP_NUM_THREADS": "1",  # several "nodes" share two cores: oversubscription would crawl
-                "RDZV_TIMEOUT": "120",
-                "MAX_RESTARTS": "2",
-            }
-        )
-        env.update(extra)
-        return env
+        defaults = {
+            "OMP_NUM_THREADS": "1",  # several "nodes" share two cores: oversubscription would crawl
+            "RDZV_TIMEOUT": "120",
+            "MAX_RESTARTS": "2",
+        }
+        return launcher_env(self.log_dir, **{**defaults, **extra})
 
     def start(
         self, num_nodes: int, node_rank: int, *, port: int | None = None, env: dict[str, str] | None = None, **overrides: object

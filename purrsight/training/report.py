@@ -1,0 +1,84 @@
+"""The run report: report.md and PNG plots in the run folder, written by rank 0 at the end.
+
+Sources: Lightning's metrics CSV (loss, learning rate, validation), the per-node telemetry
+CSVs (throughput, host, power and energy), and the preflight table when there was one.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on cluster nodes
+import matplotlib.pyplot as plt  # imported after the backend is chosen
+
+
+def _read(path: Path) -> list[dict[str, str]]:
+    if not path.is_file():
+        return []
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _series(rows: list[dict[str, str]], key: str, x: str = "step") -> tuple[list[float], list[float]]:
+    points = [(float(r[x]), float(r[key])) for r in rows if r.get(key) not in (None, "") and r.get(x) not in (None, "")]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _plot(path: Path, title: str, ylabel: str, curves: dict[str, tuple[list[float], list[float]]]) -> Path | None:
+    curves = {label: xy for label, xy in curves.items() if xy[0]}
+    if not curves:
+        return None
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for label, (xs, ys) in curves.items():
+        axes.plot(xs, ys, label=label)
+    axes.set(title=title, xlabel="optimizer step", ylabel=ylabel)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def write_report(run_dir: Path, preflight_table: str | None = None) -> Path:
+    metrics = _read(run_dir / "metrics" / "metrics.csv")
+    nodes = {p.stem: _read(p) for p in sorted((run_dir / "telemetry").glob("node*.csv"))}
+    plots = [
+        _plot(
+            run_dir / "loss.png",
+            "Loss",
+            "cross-entropy",
+            {"train": _series(metrics, "train/loss"), "validation": _series(metrics, "val/loss")},
+        ),
+        _plot(
+            run_dir / "throughput.png",
+            "Throughput",
+            "tokens/s (job)",
+            {node: _series(rows, "global_tokens_per_s") for node, rows in nodes.items()},
+        ),
+        _plot(run_dir / "power.png", "GPU power", "W", {node: _series(rows, "gpu_power_w") for node, rows in nodes.items()}),
+    ]
+    final = {key: values[-1] for key in ("train/loss", "val/loss", "val/accuracy") if (values := _series(metrics, key)[1])}
+    lines = [f"# Run report: {run_dir.name}", "", "## Final metrics", ""]
+    lines += [f"- {key}: {value:.4f}" for key, value in final.items()] or ["- (no metrics logged)"]
+    lines += ["", "## Throughput and energy", ""]
+    for node, rows in nodes.items():
+        if rows:
+            last = rows[-1]
+            energy = last.get("energy_per_sample_j") or "not measured (no NVML)"
+            lines.append(
+                f"- {node}: {float(last['global_tokens_per_s']):.1f} tokens/s (job), "
+                f"{float(last['data_wait_frac']) * 100:.1f}% of step time waiting for data, "
+                f"energy per sample: {energy}"
+            )
+    if not nodes:
+        lines.append("- (no telemetry)")
+    if preflight_table:
+        lines += ["", "## Preflight all-reduce", "", "```", preflight_table, "```"]
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots if p is not None]
+    report = run_dir / "report.md"
+    report.write_text("\n".join(lines) + "\n")
+    return report
