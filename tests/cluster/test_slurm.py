@@ -13,8 +13,16 @@ from tests.helpers import REPO, tiny_overrides
 SMALL_ALLOCATION = ["-N", "2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
 
 
-def submit(slurm: SlurmCluster, tmp: Path, synthetic_dir: Path, **overrides: object) -> str:
-    env = dict(slurm.env, LOG_DIR=str(tmp / "logs"), OMP_NUM_THREADS="1", PATH=f"{REPO / '.venv' / 'bin'}:{slurm.env['PATH']}")
+def submit(
+    slurm: SlurmCluster, tmp: Path, synthetic_dir: Path, extra_env: dict[str, str] | None = None, **overrides: object
+) -> str:
+    env = dict(
+        slurm.env,
+        LOG_DIR=str(tmp / "logs"),
+        OMP_NUM_THREADS="1",
+        PATH=f"{REPO / '.venv' / 'bin'}:{slurm.env['PATH']}",
+        **(extra_env or {}),
+    )
     args = [
         "sbatch",
         "--parsable",
@@ -73,3 +81,20 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     resumed = re.search(r"resume=auto: continuing from .*step-(\d+)\.ckpt", log)
     assert resumed and int(resumed.group(1)) >= 40, log[-3000:]
     assert (checkpoints / "step-00000600.ckpt").exists()
+
+
+def test_a_job_that_fails_right_after_each_start_stops_requeueing(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
+    """Every run dies at its first checkpoint write (fault injection) within seconds of starting."""
+    fault = {"PURRSIGHT_FAULT": "kill_during_checkpoint_write:1", "MAX_RESTARTS": "0", "MAX_QUICK_REQUEUES": "2"}
+    job = submit(slurm, tmp_path, synthetic_dir, extra_env=fault, trainer__max_steps=40)
+    deadline = time.monotonic() + 240
+    while slurm.job_field(job, "Restarts") != "1":
+        assert time.monotonic() < deadline, batch_output(tmp_path, job)[-3000:]
+        time.sleep(1)
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)  # skip SLURM's requeue delay
+    state = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    out = batch_output(tmp_path, job)
+    assert state == "FAILED", out[-3000:]
+    assert out.count("requeueing; the next run resumes") == 1
+    assert "not requeueing: 2 runs in a row ended within 300 s (MAX_QUICK_REQUEUES)" in out
+    assert slurm.job_field(job, "Restarts") == "1"
