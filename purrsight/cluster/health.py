@@ -20,6 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the config module is imported inside main(), after argument parsing
+    from purrsight.config import Config
 
 EXIT_HEALTH = 3
 REQUIRED_PACKAGES = (
@@ -53,25 +57,20 @@ class Result:
     seconds: float
 
 
-def check_config(config_path: str, overrides: list[str]) -> str:
-    from purrsight.config import ConfigError, load_config
-
-    try:
-        config = load_config(config_path, overrides)
-    except ConfigError as err:
-        raise CheckFailedError("; ".join(err.problems)) from None
+def check_config(config_path: str, config: Config | None, problems: list[str]) -> str:
+    """The config was loaded once by main(); this check reports how that went."""
+    if config is None:
+        raise CheckFailedError("; ".join(problems))
     return f"{config_path} (run {config.run.name})"
 
 
-def check_data(config_path: str, overrides: list[str]) -> str:
+def check_data(config: Config | None) -> str:
     """Scan the JSONL indexes now: a bad line stops this node before torchrun starts (and restarts)."""
-    from purrsight.config import ConfigError, load_config
     from purrsight.data.index import IndexFileError, scan_index
 
-    try:
-        data = load_config(config_path, overrides).data
-    except ConfigError:
-        raise CheckSkippedError("config invalid (see the config check)") from None
+    if config is None:
+        raise CheckSkippedError("config invalid (see the config check)")
+    data = config.data
     indexes = [i for i in (data.train_index, data.val_index) if i]
     if data.synthetic_dir and not all(Path(i).is_file() for i in indexes):
         raise CheckSkippedError(f"synthetic set generated on first use in {data.synthetic_dir}")
@@ -182,14 +181,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from purrsight.config import ConfigError, load_config
 
+    config: Config | None = None
+    problems: list[str] = []
     try:
-        output_dir = load_config(args.config, args.overrides).run.run_dir
-    except ConfigError:
-        output_dir = Path("runs")  # the config check below reports the problem
+        config = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        problems = err.problems  # reported by the config check below
+    output_dir = config.run.run_dir if config else Path("runs")
     checks: list[tuple[str, Callable[[], str]]] = [
-        ("config", lambda: check_config(args.config, args.overrides)),
+        ("config", lambda: check_config(args.config, config, problems)),
         ("packages", check_packages),
-        ("data", lambda: check_data(args.config, args.overrides)),
+        ("data", lambda: check_data(config)),
         ("gpus", lambda: check_gpus(args.backend == "nccl")),
         ("disk", lambda: check_disk([output_dir, args.log_dir], args.min_free_gb)),
         ("output writable", lambda: check_writable(output_dir)),

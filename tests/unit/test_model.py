@@ -127,7 +127,6 @@ def test_malicious_aligner_pickle_is_refused(tmp_path: Path) -> None:
 
 
 def test_aligner_in_the_model(synthetic_dir: Path, tmp_path: Path) -> None:
-    config = tiny_config(synthetic_dir, tmp_path)
     widths = {"image": 32, "audio": 32}
     save_aligner(Phase1Aligner(widths, 24), tmp_path / "aligner.pt")
     config = tiny_config(synthetic_dir, tmp_path, model__aligner_checkpoint=tmp_path / "aligner.pt", model__aligner_dim=24)
