@@ -344,7 +344,7 @@ main() {
   if ((HEALTH_CHECKS)); then
     if ! "${PYTHON}" -m purrsight.cluster.health --config "${CONFIG}" --node-rank "${NODE_RANK}" \
       --master-addr "${MASTER_IP}" --master-port "${PORT}" --log-dir "${LOG_DIR}" --backend "${BACKEND}" \
-      --master-timeout "${RDZV_TIMEOUT}" "${OVERRIDES[@]}"; then
+      --master-timeout "${RDZV_TIMEOUT}" --gpus "${NODE_GPUS}" "${OVERRIDES[@]}"; then
       log "health checks failed: not starting training on this node"
       finish_node_log
       exit "${EXIT_HEALTH}"

@@ -10,7 +10,8 @@ GPU hours or holds the other nodes at the rendezvous.
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 import socket
@@ -26,19 +27,20 @@ if TYPE_CHECKING:  # the config module is imported inside main(), after argument
     from purrsight.config import Config
 
 EXIT_HEALTH = 3
-REQUIRED_PACKAGES = (
-    "torch",
-    "pytorch_lightning",
-    "transformers",
-    "peft",
-    "datasets",
-    "torchdata",
-    "tokenizers",
-    "soundfile",
-    "PIL",
-    "pydantic",
-    "yaml",
-)
+# import name -> distribution name (for its version)
+REQUIRED_PACKAGES = {
+    "torch": "torch",
+    "pytorch_lightning": "pytorch-lightning",
+    "transformers": "transformers",
+    "peft": "peft",
+    "datasets": "datasets",
+    "torchdata": "torchdata",
+    "tokenizers": "tokenizers",
+    "soundfile": "soundfile",
+    "PIL": "pillow",
+    "pydantic": "pydantic",
+    "yaml": "PyYAML",
+}
 
 
 class CheckFailedError(Exception):
@@ -81,33 +83,51 @@ def check_data(config: Config | None) -> str:
     return "; ".join(counts)
 
 
-def check_packages() -> str:
+def check_packages(packages: dict[str, str] = REQUIRED_PACKAGES) -> str:
+    """Every package the trainer imports is installed here; their versions.
+
+    Found, not imported: importing Lightning, transformers and peft takes about 4 s that
+    every start would pay twice (here, then in the workers). The launcher's probe has
+    already imported torch; a package that is installed but broken fails in the workers,
+    with its traceback in the node log.
+    """
     versions, missing = [], []
-    for name in REQUIRED_PACKAGES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
+    for module, distribution in packages.items():
+        if importlib.util.find_spec(module) is None:
+            missing.append(module)
             continue
-        versions.append(f"{name} {getattr(module, '__version__', '?')}")
+        try:
+            versions.append(f"{module} {importlib.metadata.version(distribution)}")
+        except importlib.metadata.PackageNotFoundError:  # importable from a path without metadata
+            versions.append(f"{module} ?")
     if missing:
         raise CheckFailedError(f"cannot import {', '.join(missing)} (activate the right environment: CONDA_ENV or VENV)")
     return ", ".join(versions)
 
 
-def check_gpus(expect_gpus: bool) -> str:
-    import torch
+def check_gpus(expect_gpus: bool, visible: int | None = None) -> str:
+    """GPUs, their free memory, CUDA and NCCL; ``visible`` is the launcher probe's count.
 
-    if not torch.cuda.is_available():
+    With the probe's count of 0 torch is not imported again (1 s on every CPU start).
+    """
+    if visible == 0 or (visible is None and not _cuda_available()):
         if expect_gpus:
             raise CheckFailedError("BACKEND=nccl but no CUDA device is visible (driver, CUDA_VISIBLE_DEVICES?)")
         raise CheckSkippedError("no GPU: training on CPU")
+    import torch
+
     lines = []
     for i in range(torch.cuda.device_count()):
         free, total = torch.cuda.mem_get_info(i)
         lines.append(f"{i}: {torch.cuda.get_device_name(i)} {free / 2**30:.1f}/{total / 2**30:.1f} GiB free")
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
     return f"{len(lines)} GPU(s), CUDA {torch.version.cuda}, NCCL {nccl}; " + "; ".join(lines)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_disk(folders: list[Path], min_free_gb: float) -> str:
@@ -174,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master-port", type=int, default=29500)
     parser.add_argument("--log-dir", type=Path, default=Path("logs/distributed_training"))
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="gloo")
+    parser.add_argument("--gpus", type=int, default=None, help="visible GPUs as the probe counted them (default: ask torch)")
     parser.add_argument("--min-free-gb", type=float, default=float(os.environ.get("HEALTH_MIN_FREE_GB", "1")))
     parser.add_argument("--master-timeout", type=float, default=float(os.environ.get("RDZV_TIMEOUT", "900")))
     parser.add_argument("overrides", nargs="*")
@@ -192,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         ("config", lambda: check_config(args.config, config, problems)),
         ("packages", check_packages),
         ("data", lambda: check_data(config)),
-        ("gpus", lambda: check_gpus(args.backend == "nccl")),
+        ("gpus", lambda: check_gpus(args.backend == "nccl", args.gpus)),
         ("disk", lambda: check_disk([output_dir, args.log_dir], args.min_free_gb)),
         ("output writable", lambda: check_writable(output_dir)),
     ]

@@ -1,8 +1,8 @@
 """Telemetry and throughput: what each node spends (power, energy, host) and what it gets done.
 
-Every ``telemetry.every_n_steps`` optimizer steps each node's local rank 0 samples its GPUs
-through NVML (power, the energy counter, utilisation, memory, temperature; skipped without
-NVML, on CPU) and the host through psutil (CPU %, RSS of the trainer, load average), appends
+After the first optimizer step and every ``telemetry.every_n_steps`` steps, each node's
+local rank 0 samples its GPUs through NVML (power, the energy counter, utilisation, memory,
+temperature; skipped without NVML, on CPU) and the host through psutil (CPU %, RSS of the trainer, load average), appends
 a row to ``<run>/telemetry/node<N>.csv`` and logs the numbers through the trainer's logger.
 Energy per step and per sample is the energy counter's increase between two samples divided
 by the steps and samples in between.
@@ -108,6 +108,7 @@ class Telemetry(pl.Callback):
         self._samples = self._tokens = 0
         self._window_start = 0.0
         self._last_energy: float | None = None
+        self._last_step = 0
         self.rows: list[dict[str, float]] = []
 
     def _is_node_leader(self, trainer: pl.Trainer) -> bool:
@@ -139,7 +140,9 @@ class Telemetry(pl.Callback):
         step = trainer.global_step
         if self.barrier_every and step and step % self.barrier_every == 0 and trainer.world_size > 1:
             trainer.strategy.barrier("telemetry")  # aligned steps on every GPU: clean power traces
-        if step and step % self.every_n_steps == 0 and self._samples:
+        # Step 1 too: its row measures start-up (compilation, allocator and loader warm-up)
+        # and its wall time marks the first optimizer step (bench/ reads it).
+        if (step == 1 or (step and step % self.every_n_steps == 0)) and self._samples:
             self._sample(trainer, pl_module)
 
     def _sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -148,6 +151,7 @@ class Telemetry(pl.Callback):
         world = trainer.world_size
         row: dict[str, float] = {
             "step": float(trainer.global_step),
+            "time": time.time(),  # wall clock (Unix seconds): lines rows up with scheduler and nvidia-smi logs
             "samples_per_s": self._samples / window,
             "tokens_per_s": self._tokens / window,
             "global_samples_per_s": self._samples / window * world,
@@ -161,7 +165,7 @@ class Telemetry(pl.Callback):
         if "gpu_energy_j" in row:
             if self._last_energy is not None:
                 spent = row["gpu_energy_j"] - self._last_energy
-                row["energy_per_step_j"] = spent / self.every_n_steps
+                row["energy_per_step_j"] = spent / max(1, trainer.global_step - self._last_step)
                 row["energy_per_sample_j"] = spent / self._samples
             self._last_energy = row["gpu_energy_j"]
         if self.flops_per_token and self.peak_tflops and torch.cuda.is_available():
@@ -189,6 +193,7 @@ class Telemetry(pl.Callback):
         self._samples = self._tokens = 0
         self._data_wait = self._compute = 0.0
         self._window_start = now
+        self._last_step = trainer.global_step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._file is not None:

@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from purrsight.cluster.distributed import order_ranks_by_node, worker_generation
-from purrsight.cluster.health import CheckFailedError, check_disk, check_master, check_writable
+from purrsight.cluster.health import (
+    CheckFailedError,
+    CheckSkippedError,
+    check_disk,
+    check_gpus,
+    check_master,
+    check_packages,
+    check_writable,
+)
 from purrsight.cluster.logwriter import parse_ranks, prune_runs
 from tests.helpers import REPO, python_env
 
@@ -107,6 +115,22 @@ def test_disk_and_writable(tmp_path: Path) -> None:
     (tmp_path / "a_file").write_text("")  # a folder under a regular file cannot exist, even for root
     with pytest.raises(CheckFailedError, match="a_file/out: not writable"):
         check_writable(tmp_path / "a_file" / "out")
+
+
+def test_packages_are_found_with_versions_and_a_missing_one_is_named() -> None:
+    found = check_packages({"torch": "torch", "yaml": "PyYAML"})
+    assert found.startswith("torch 2.") and "yaml 6." in found
+    with pytest.raises(CheckFailedError, match=r"cannot import no_such_pkg_xyz \(activate .*CONDA_ENV or VENV"):
+        check_packages({"torch": "torch", "no_such_pkg_xyz": "no-such-pkg-xyz"})
+
+
+def test_gpu_check_trusts_the_probe_count_on_cpu_nodes() -> None:
+    with pytest.raises(CheckSkippedError, match="no GPU"):
+        check_gpus(expect_gpus=False, visible=0)
+    with pytest.raises(CheckFailedError, match="BACKEND=nccl but no CUDA device"):
+        check_gpus(expect_gpus=True, visible=0)
+    with pytest.raises(CheckSkippedError, match="no GPU"):  # no count given: torch is asked (a CPU build here)
+        check_gpus(expect_gpus=False)
 
 
 def test_worker_generation_counts_starts_on_this_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

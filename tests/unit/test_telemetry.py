@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from pathlib import Path
 
 from purrsight.training.telemetry import flops_per_token
@@ -29,7 +30,9 @@ def test_cpu_run_writes_telemetry_report_and_profile(synthetic_dir: Path, tmp_pa
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = list(csv.DictReader((tmp_path / "phase2-tiny" / "telemetry" / "node0.csv").open()))
-    assert [int(float(r["step"])) for r in rows] == [5, 10, 15, 20]
+    assert [int(float(r["step"])) for r in rows] == [1, 5, 10, 15, 20]  # step 1: start-up cost
+    times = [float(r["time"]) for r in rows]
+    assert times == sorted(times) and abs(times[-1] - time.time()) < 600  # wall clock, in order
     for row in rows:
         assert float(row["samples_per_s"]) > 0 and float(row["tokens_per_s"]) > float(row["samples_per_s"])
         assert 0 <= float(row["data_wait_frac"]) < 1
