@@ -77,14 +77,16 @@ class EncoderConfig(_Section):
     enabled: bool = Field(True, description="False drops the modality: its samples train without a prefix.")
     path: str | None = Field(None, description="Local Hugging Face model directory (AutoModel + its processor).")
     config: dict[str, Any] | None = Field(None, description="Config dict for a random-init encoder (tiny default).")
-    model_type: Literal["vit", "wav2vec2"] | None = Field(None, description="Architecture of `config` (needed with config).")
+    model_type: Literal["vit", "siglip", "wav2vec2"] | None = Field(
+        None, description="Architecture of `config` (needed with config)."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> EncoderConfig:
         if self.enabled and (self.path is None) == (self.config is None):
             raise ValueError("set exactly one of path or config")
         if self.config is not None and self.model_type is None:
-            raise ValueError("model_type is required with config (vit or wav2vec2)")
+            raise ValueError("model_type is required with config (vit, siglip or wav2vec2)")
         return self
 
 

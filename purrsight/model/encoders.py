@@ -21,6 +21,8 @@ from transformers import (
     AutoImageProcessor,
     AutoModel,
     PretrainedConfig,
+    SiglipVisionConfig,
+    SiglipVisionModel,
     ViTConfig,
     ViTModel,
     Wav2Vec2Config,
@@ -32,6 +34,7 @@ from purrsight.config import EncoderConfig
 Modality = Literal["image", "audio"]
 TINY_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[nn.Module]]] = {
     "vit": (ViTConfig, ViTModel),
+    "siglip": (SiglipVisionConfig, SiglipVisionModel),  # the vision tower of SigLIP, as the real config uses
     "wav2vec2": (Wav2Vec2Config, Wav2Vec2Model),
 }
 

@@ -88,6 +88,17 @@ def test_same_config_builds_identical_frozen_weights_and_fingerprint(synthetic_d
         assert torch.equal(pa, pb), name
 
 
+def test_siglip_vision_tower_from_a_config_dict(synthetic_dir: Path, tmp_path: Path) -> None:
+    """model_type siglip: the real config's vision architecture, random-initialised (bench/ builds it at full size)."""
+    config = tiny_config(synthetic_dir, tmp_path, **{"model.image_encoder.model_type": "siglip"})
+    built = build_model(config)
+    tower = built.model.encoders["image"].tower
+    assert type(tower).__name__ == "SiglipVisionModel"
+    loss, _, _ = built.model(first_batch(config))
+    loss.backward()
+    assert any(p.grad is not None and torch.count_nonzero(p.grad) for p in built.model.projectors["image"].parameters())
+
+
 def test_lora_target_absent_from_the_model(synthetic_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(synthetic_dir, tmp_path, **{"model.llm.lora.target_modules": "[q_proj, qkv_proj]"})
     with pytest.raises(ModelLoadError, match=r"target_modules: qkv_proj not found in the LLM; its linear layers are: .*q_proj"):
