@@ -168,8 +168,6 @@ activate_python() {
     PYTHON_SOURCE="current environment (no conda env 'purrsight'; set CONDA_ENV or VENV to choose one)"
   fi
   PYTHON="$(command -v python || command -v python3)" || die_usage "no python on PATH"
-  "${PYTHON}" -c 'import purrsight, torch' 2>/dev/null ||
-    die_usage "${PYTHON} cannot import purrsight and torch (install: pip install -r requirements.txt -e .)"
 }
 
 activate_conda() {
@@ -181,12 +179,16 @@ activate_conda() {
 }
 
 probe_node() {
-  local key value
+  local key value report
+  # The probe imports purrsight and torch, so it is also the check that this Python can
+  # run the trainer (a separate import check cost another second on every start).
+  report="$("${PYTHON}" -m purrsight.cluster.probe 2>/dev/null)" ||
+    die_usage "${PYTHON} cannot import purrsight and torch (install: pip install -r requirements.txt -e .)"
   while IFS='=' read -r key value; do
     case "${key}" in
       python | torch | cuda | nccl | gpus | gpu_names) printf -v "NODE_${key^^}" '%s' "${value}" ;;
     esac
-  done < <("${PYTHON}" -m purrsight.cluster.probe)
+  done <<<"${report}"
   if [[ "${BACKEND}" == auto ]]; then
     if ((NODE_GPUS > 0)); then BACKEND=nccl; else BACKEND=gloo; fi
   fi

@@ -68,7 +68,7 @@ def check_config(config_path: str, config: Config | None, problems: list[str]) -
 
 def check_data(config: Config | None) -> str:
     """Scan the JSONL indexes now: a bad line stops this node before torchrun starts (and restarts)."""
-    from purrsight.data.index import IndexFileError, scan_index
+    from purrsight.data.index import IndexFileError, read_index
 
     if config is None:
         raise CheckSkippedError("config invalid (see the config check)")
@@ -77,7 +77,7 @@ def check_data(config: Config | None) -> str:
     if data.synthetic_dir and not all(Path(i).is_file() for i in indexes):
         raise CheckSkippedError(f"synthetic set generated on first use in {data.synthetic_dir}")
     try:
-        counts = [f"{index}: {len(scan_index(index))} samples" for index in indexes]
+        counts = [f"{index}: {len(read_index(index))} samples" for index in indexes]
     except IndexFileError as err:
         raise CheckFailedError(str(err)) from None
     return "; ".join(counts)

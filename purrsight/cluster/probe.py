@@ -6,8 +6,11 @@ reads for its defaults (NPROC_PER_NODE, BACKEND) and its start banner.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -20,10 +23,38 @@ class NodeInfo:
     gpu_names: str
 
 
+def _no_gpu_possible() -> bool:
+    """True when this node cannot have a CUDA device, found out without importing torch.
+
+    NVML ships with the NVIDIA driver: when it fails to start there is no driver, and CUDA
+    sees no GPU either; ROCm builds of torch use /dev/kfd instead. When NVML is not installed
+    nothing can be told this way, and torch is asked.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return False
+    if Path("/dev/kfd").exists():
+        return False
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return True
+    try:
+        return int(pynvml.nvmlDeviceGetCount()) == 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def probe() -> NodeInfo:
+    python = sys.version.split()[0]
+    if _no_gpu_possible():
+        # Importing torch only to learn that CUDA is unavailable costs a second per start.
+        if importlib.util.find_spec("torch") is None:
+            raise ImportError("torch is not installed")
+        return NodeInfo(python, importlib.metadata.version("torch"), "none", "none", 0, "")
     import torch
 
-    python = sys.version.split()[0]
     if not torch.cuda.is_available():
         return NodeInfo(python, torch.__version__, "none", "none", 0, "")
     count = torch.cuda.device_count()

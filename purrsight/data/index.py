@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
+if TYPE_CHECKING:
+    import datasets
 
 REQUIRED_TEXT_FIELDS = ("id", "prompt", "response")
 MEDIA_FIELDS = ("image", "audio")
@@ -67,12 +68,16 @@ def _check_record(record: Any, where: str, root: Path) -> dict[str, Any]:
     return clean
 
 
-def scan_index(path: str | Path) -> SampleIndex:
-    """Validate every line; raise IndexFileError on the first problem, naming where it is."""
+def read_index(path: str | Path) -> list[dict[str, Any]]:
+    """Validate every line; raise IndexFileError on the first problem, naming where it is.
+
+    Without `datasets` (half a second to import): the launcher's health check calls this.
+    """
     path = Path(path)
     if not path.is_file():
         raise IndexFileError(f"{path}: index file does not exist")
-    records, seen_ids = [], {}
+    records: list[dict[str, Any]] = []
+    seen_ids: dict[str, int] = {}
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -89,6 +94,14 @@ def scan_index(path: str | Path) -> SampleIndex:
             records.append(clean)
     if not records:
         raise IndexFileError(f"{path}: index holds no samples")
+    return records
+
+
+def scan_index(path: str | Path) -> SampleIndex:
+    """read_index(), then the records in an Arrow table (one copy, shared by the loader workers)."""
+    import datasets
+
+    records = read_index(path)
     features = datasets.Features(
         {
             "id": datasets.Value("string"),
@@ -98,4 +111,4 @@ def scan_index(path: str | Path) -> SampleIndex:
             "audio": datasets.Value("string"),
         }
     )
-    return SampleIndex(path=path, records=datasets.Dataset.from_list(records, features=features))
+    return SampleIndex(path=Path(path), records=datasets.Dataset.from_list(records, features=features))

@@ -92,6 +92,13 @@ assert_usage_error() {
   assert_usage_error "VENV=/nonexistent is not a virtualenv"
 }
 
+@test "a Python without torch and purrsight is refused" {
+  # a virtualenv of the system Python: no torch, no purrsight
+  python3 -m venv --without-pip "${BATS_TEST_TMPDIR}/bare"
+  VENV="${BATS_TEST_TMPDIR}/bare" run ./cluster_train.sh
+  assert_usage_error "bare/bin/python cannot import purrsight and torch (install: pip install -r requirements.txt -e .)"
+}
+
 @test "--dry-run prints the environment and the torchrun command, starts nothing" {
   OMP_NUM_THREADS=5 NPROC_PER_NODE=2 run ./cluster_train.sh --dry-run config/train_config.yaml 2 1 127.0.0.1 29555 -- trainer.max_steps=7 'run.name=a b'
   [ "${status}" -eq 0 ]

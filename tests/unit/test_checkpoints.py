@@ -8,7 +8,8 @@ import torch
 from purrsight.config import load_config
 from purrsight.training import checkpoints
 from purrsight.training.checkpoints import AtomicCheckpointIO, newest_checkpoint, step_checkpoints
-from purrsight.training.module import CheckpointMismatchError, verify_checkpoint, warmup_cosine
+from purrsight.training.module import CheckpointMismatchError, verify_checkpoint
+from purrsight.training.optim import warmup_cosine
 from purrsight.training.run import ResumeError, choose_resume
 from tests.helpers import DEFAULT_CONFIG
 

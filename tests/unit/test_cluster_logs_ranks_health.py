@@ -140,3 +140,20 @@ def test_worker_generation_counts_starts_on_this_node(tmp_path: Path, monkeypatc
     assert [worker_generation(dict(env)) for _ in range(3)] == [0, 1, 2]
     assert worker_generation({**env, "PURRSIGHT_LAUNCH_ID": "job-2"}) == 0  # another launch starts afresh
     assert worker_generation({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2  # plain torchrun: its own count
+
+
+def test_probe_on_a_cpu_node_does_not_import_torch() -> None:
+    """No NVIDIA driver here: the probe reports no GPU from NVML and reads torch's version from its metadata."""
+    code = "import sys, purrsight.cluster.probe as p; info = p.probe(); print(info.gpus, info.torch, 'torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), check=True)
+    import torch
+
+    assert done.stdout.split() == ["0", torch.__version__, "False"]
+
+
+def test_probe_without_nvml_asks_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from purrsight.cluster import probe
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError: cannot tell without torch
+    assert not probe._no_gpu_possible()
+    assert probe.probe().gpus == 0  # torch says: a CPU build

@@ -1,0 +1,69 @@
+"""Our whole stack against a plain PyTorch DDP loop: samples/s and launch -> first step.
+
+Three ways to train the tiny default on 2 processes (gloo, CPU, one thread each), run in
+turn ``--repeats`` times, medians reported:
+
+- plain: torchrun + bench/plain_ddp.py (same model, samples, batch, optimizer; no Lightning);
+- trainer: torchrun + train_phase2.py (Lightning and our callbacks, no launcher);
+- stack: cluster_train.sh -> torchrun -> train_phase2.py (probe, config check, health checks).
+
+    .venv/bin/python -m bench.stack_vs_plain --repeats 5   # from the repository root
+
+Targets: samples/s stack/plain >= 0.97; launch -> first step stack/plain <= 1.3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from bench.common import TINY_CONFIG, Timing, machine, median_timing, run_plain, run_stack
+
+
+def ensure_synthetic_set() -> None:
+    """Generate the tiny default's data once, outside every timed run."""
+    from purrsight.config import load_config
+    from purrsight.data.synthetic import generate
+
+    config = load_config(TINY_CONFIG, check_paths=False)
+    s = config.data.synthetic
+    assert config.data.synthetic_dir is not None
+    generate(config.data.synthetic_dir, s.num_train, s.num_val, s.seed, s.image_size)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=110, help="optimizer steps per run (window: 20 .. steps-10)")
+    parser.add_argument("--batch-size", type=int, default=16, help="per process")
+    parser.add_argument("--json", type=Path, help="also write the raw timings here")
+    args = parser.parse_args()
+    ensure_synthetic_set()
+    runs: dict[str, list[Timing]] = {"plain": [], "trainer": [], "stack": []}
+    with tempfile.TemporaryDirectory(prefix="bench-stack-") as tmp:
+        work = Path(tmp)
+        for repeat in range(args.repeats):
+            runs["plain"].append(run_plain(2, args.steps, args.batch_size, work))
+            runs["trainer"].append(run_stack(2, args.steps, args.batch_size, work, "trainer", launcher=False))
+            runs["stack"].append(run_stack(2, args.steps, args.batch_size, work, "stack"))
+            print(f"repeat {repeat + 1}/{args.repeats}: " + "; ".join(f"{k} {v[-1]}" for k, v in runs.items()), flush=True)
+    medians = {name: median_timing(timings) for name, timings in runs.items()}
+    plain = medians["plain"]
+    print(f"\nmachine: {machine()}")
+    print(f"{args.repeats} repeats, {args.steps} steps, 2 processes x batch {args.batch_size}; medians:")
+    print("| run | launch -> first step (s) | ratio to plain | samples/s | ratio to plain |")
+    print("|---|---|---|---|---|")
+    for name, m in medians.items():
+        print(
+            f"| {name} | {m.first_step_s:.2f} | {m.first_step_s / plain.first_step_s:.2f} "
+            f"| {m.samples_per_s:.1f} | {m.samples_per_s / plain.samples_per_s:.3f} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({k: [t.__dict__ for t in v] for k, v in runs.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
