@@ -108,10 +108,12 @@ def median_timing(timings: list[Timing]) -> Timing:
     )
 
 
-def run_stack(nproc: int, steps: int, per_process_batch: int, work: Path, name: str, launcher: bool = True) -> Timing:
+def run_stack(
+    nproc: int, steps: int, per_process_batch: int, work: Path, name: str, launcher: bool = True, extra: tuple[str, ...] = ()
+) -> Timing:
     """The tiny default through cluster_train.sh (or torchrun + train_phase2.py when ``launcher`` is off)."""
     run_name = f"{name}-{time.time_ns()}"
-    overrides = [*steps_overrides(steps, work / "runs", per_process_batch), f"run.name={run_name}"]
+    overrides = [*steps_overrides(steps, work / "runs", per_process_batch), f"run.name={run_name}", *extra]
     port = free_port()
     if launcher:
         command = ["bash", str(REPO / "cluster_train.sh"), str(TINY_CONFIG), "1", "0", "127.0.0.1", str(port), "--", *overrides]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -50,16 +51,15 @@ def main() -> int:
             runs["stack"].append(run_stack(2, args.steps, args.batch_size, work, "stack"))
             print(f"repeat {repeat + 1}/{args.repeats}: " + "; ".join(f"{k} {v[-1]}" for k, v in runs.items()), flush=True)
     medians = {name: median_timing(timings) for name, timings in runs.items()}
-    plain = medians["plain"]
     print(f"\nmachine: {machine()}")
-    print(f"{args.repeats} repeats, {args.steps} steps, 2 processes x batch {args.batch_size}; medians:")
+    print(f"{args.repeats} repeats, {args.steps} steps, 2 processes x batch {args.batch_size}; medians")
+    print("(ratios: the median of each repeat's ratio; the three runs of a repeat run back to back)\n")
     print("| run | launch -> first step (s) | ratio to plain | samples/s | ratio to plain |")
     print("|---|---|---|---|---|")
     for name, m in medians.items():
-        print(
-            f"| {name} | {m.first_step_s:.2f} | {m.first_step_s / plain.first_step_s:.2f} "
-            f"| {m.samples_per_s:.1f} | {m.samples_per_s / plain.samples_per_s:.3f} |"
-        )
+        start_ratio = statistics.median(t.first_step_s / p.first_step_s for t, p in zip(runs[name], runs["plain"], strict=True))
+        rate_ratio = statistics.median(t.samples_per_s / p.samples_per_s for t, p in zip(runs[name], runs["plain"], strict=True))
+        print(f"| {name} | {m.first_step_s:.2f} | {start_ratio:.2f} | {m.samples_per_s:.1f} | {rate_ratio:.3f} |")
     if args.json:
         args.json.write_text(json.dumps({k: [t.__dict__ for t in v] for k, v in runs.items()}, indent=1))
     return 0

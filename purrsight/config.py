@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 EXIT_CONFIG_ERROR = 2
 
@@ -198,6 +198,12 @@ class PreflightConfig(_Section):
         None, ge=0, description="Fail the job when bus bandwidth is below this; none: report only."
     )
     straggler_factor: float = Field(2.0, gt=1, description="Name a rank whose local work takes this many times the median.")
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false: `mode: off` must still mean "off".
+        return "off" if value is False else value
 
 
 class TelemetryConfig(_Section):

@@ -23,6 +23,16 @@ def test_precedence_cli_over_file_over_defaults(tmp_path: Path) -> None:
     assert config.trainer.gradient_clip_val == Config().trainer.gradient_clip_val == 1.0  # default
 
 
+def test_bare_yaml_off_means_off(tmp_path: Path) -> None:
+    """YAML 1.1 reads `off` as false; preflight.mode accepts it in the file and as an override."""
+    path = write(tmp_path, "preflight:\n  mode: off\nmodel:\n  llm: {config: {}}\n")
+    assert load_config(path, check_paths=False).preflight.mode == "off"
+    assert load_config(path, ["preflight.mode=quick"], check_paths=False).preflight.mode == "quick"
+    assert load_config(DEFAULT_CONFIG, ["preflight.mode=off"], check_paths=False).preflight.mode == "off"
+    with pytest.raises(ConfigError, match=r"preflight\.mode"):
+        load_config(path, ["preflight.mode=true"], check_paths=False)
+
+
 def test_every_problem_reported_at_once(tmp_path: Path) -> None:
     path = write(tmp_path, "optim:\n  lr: -1\n  betaz: [0.9, 0.99]\ntrainer:\n  max_steps: '8'\nrunn: {}\n")
     with pytest.raises(ConfigError) as caught:
