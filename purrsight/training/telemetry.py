@@ -25,6 +25,8 @@ import psutil
 import pytorch_lightning as pl
 import torch
 
+from purrsight.model.multimodal import PurrSightModel
+
 PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}  # bf16 dense, per GPU (vendor figures)
 
 
@@ -71,9 +73,8 @@ class _NVML:
         }
 
 
-def model_flops_per_token(pl_module: pl.LightningModule, seq_len: int) -> float | None:
+def model_flops_per_token(model: PurrSightModel | None, seq_len: int) -> float | None:
     """flops_per_token() for the built Phase 2 model (None before it exists)."""
-    model = getattr(pl_module, "model", None)
     if model is None:
         return None
     config = model.llm.get_base_model().config
@@ -117,7 +118,7 @@ class Telemetry(pl.Callback):
         return trainer.local_rank == 0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.flops_per_token = model_flops_per_token(pl_module, self.seq_len)
+        self.flops_per_token = model_flops_per_token(getattr(pl_module, "model", None), self.seq_len)
         self.peak_tflops = self.peak_tflops or gpu_peak_tflops()
         self._nvml = _NVML()
         self._process.cpu_percent()  # the first call only starts psutil's measuring interval

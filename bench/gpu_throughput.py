@@ -1,0 +1,137 @@
+"""The real-size model on one GPU: tokens/s, MFU and peak memory at sequence lengths 512 and 1024.
+
+Builds config/qwen2.5-0.5b.yaml's model, randomly initialised from bench/real_size.py's
+config dicts, through build_model as training does (frozen SigLIP and wav2vec2 towers,
+projectors, LoRA r=16 on every linear layer, gradient checkpointing as configured), and
+trains it on random batches already on the GPU: bf16 autocast over fp32 weights (the
+trainer's bf16-mixed), the trainer's AdamW and gradient clipping, batch 8 per GPU, 5 s of
+audio and a 224-px image per sample. Loading data is left out (bench/data_pipeline.py).
+
+MFU = text tokens/s x FLOPs per token / peak, with telemetry's FLOPs count (LLM only; the
+frozen towers' forward adds about 2% at 1024 tokens) and its peak table.
+
+    .venv/bin/python -m bench.gpu_throughput            # on a GPU machine, from the repository root
+    .venv/bin/python -m bench.gpu_throughput model.llm.gradient_checkpointing=false data.batch_size=16
+    .venv/bin/python -m bench.gpu_throughput --smoke    # the tiny default on CPU: checks the script runs
+
+Target: MFU >= 40% on an H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.real_size import REAL_CONFIG, SIGLIP_BASE_224, random_init_overrides
+from purrsight.config import Config, load_config
+from purrsight.data.synthetic import generate
+from purrsight.model.multimodal import PurrSightModel
+from purrsight.training.build import build_model
+from purrsight.training.optim import build_optimizer
+from purrsight.training.telemetry import gpu_peak_tflops, model_flops_per_token
+
+TINY_CONFIG = REAL_CONFIG.parent / "train_config.yaml"
+
+
+def random_batch(config: Config, model: PurrSightModel, batch: int, seq_len: int, device: torch.device) -> dict[str, Any]:
+    vocab = model.llm.get_input_embeddings().num_embeddings
+    image_size = SIGLIP_BASE_224["image_size"] if config.model.image_encoder.model_type == "siglip" else config.data.image_size
+    input_ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+    return {
+        "input_ids": input_ids,
+        "labels": input_ids.clone(),  # every token scored: the loss covers the whole sequence
+        "attention_mask": torch.ones_like(input_ids),
+        "image": torch.randn(batch, 3, image_size, image_size, device=device),
+        "has_image": torch.ones(batch, dtype=torch.bool, device=device),
+        "audio": torch.randn(batch, round(config.data.audio_sample_rate * config.data.audio_seconds), device=device),
+        "has_audio": torch.ones(batch, dtype=torch.bool, device=device),
+        "num_skipped": 0,
+        "ids": [str(i) for i in range(batch)],
+    }
+
+
+def measure(
+    config: Config, model: PurrSightModel, seq_len: int, batch: int, steps: int, warmup: int, device: torch.device
+) -> dict[str, float]:
+    trainable = model.trainable_parameters()
+    optimizer, _ = build_optimizer(trainable, config.optim, steps + warmup)
+    data = random_batch(config, model, batch, seq_len, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    clip = config.trainer.gradient_clip_val
+
+    def step() -> None:
+        with autocast:
+            loss, _, _ = model(data)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(trainable, clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens_per_s = batch * seq_len * steps / elapsed
+    prefix = config.model.prefix_tokens * 2
+    per_token = model_flops_per_token(model, seq_len + prefix) or 0.0
+    peak = config.telemetry.peak_tflops or gpu_peak_tflops()
+    return {
+        "seq_len": seq_len,
+        "step_s": elapsed / steps,
+        "tokens_per_s": tokens_per_s,
+        "mfu": per_token * tokens_per_s / (peak * 1e12) if peak else float("nan"),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. data.batch_size=16")
+    parser.add_argument("--smoke", action="store_true", help="tiny default on CPU, 2 steps: checks the script, measures nothing")
+    args = parser.parse_args()
+    if args.smoke:
+        args.seq_lens, args.steps, args.warmup = [16, 32], 2, 1
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench.gpu_throughput: no CUDA device; run it on a GPU machine (or --smoke to check it on CPU)")
+    device = torch.device("cpu" if args.smoke else "cuda")
+
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+        generate(Path(tmp) / "synthetic", 8, 2, 0, 32)  # only its tokenizer is used
+        tokenizer = Path(tmp) / "synthetic" / "tokenizer"
+        overrides = [f"model.llm.tokenizer={tokenizer}"] if args.smoke else random_init_overrides(tokenizer)
+        overrides += args.overrides
+        config = load_config(TINY_CONFIG if args.smoke else REAL_CONFIG, overrides, check_paths=False)
+        model = build_model(config).model.to(device)
+    model.train()
+    results = [measure(config, model, seq, config.data.batch_size, args.steps, args.warmup, device) for seq in args.seq_lens]
+
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU (smoke run: figures mean nothing)"
+    llm = sum(p.numel() for p in model.llm.parameters()) / 1e6
+    print(f"device: {name}; torch {torch.__version__}; {datetime.date.today()}")
+    print(f"LLM {llm:.0f}M parameters; batch {config.data.batch_size}; {args.steps} timed steps after {args.warmup} warm-up\n")
+    print("| seq len | step (s) | tokens/s | MFU | peak memory (GiB) |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['seq_len']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['peak_mem_gib']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
