@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from bench.common import ROW_EVERY
 from purrsight.config import load_config
+from purrsight.data.synthetic import generate
 from purrsight.training.build import build_model
 from purrsight.training.datasets import build_datasets
 from purrsight.training.optim import build_optimizer
@@ -41,13 +42,18 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     config = load_config(args.config, [f"data.batch_size={args.batch_size}"])
     torch.manual_seed(config.run.seed)
+    synthetic = config.data.synthetic
+    if config.data.synthetic_dir is not None and rank == 0:  # as the DataModule's prepare_data: a no-op once made
+        generate(config.data.synthetic_dir, synthetic.num_train, synthetic.num_val, synthetic.seed, synthetic.image_size)
+    dist.barrier()
     data = build_datasets(config, world)
     model = build_model(config).model
     ddp = DistributedDataParallel(
         model,
         bucket_cap_mb=config.distributed.bucket_cap_mb,
         gradient_as_bucket_view=config.distributed.gradient_as_bucket_view,
-        find_unused_parameters=False,
+        find_unused_parameters=config.distributed.find_unused_parameters,
+        broadcast_buffers=config.distributed.broadcast_buffers,
     )
     trainable = model.trainable_parameters()
     optimizer, scheduler = build_optimizer(trainable, config.optim, args.steps)

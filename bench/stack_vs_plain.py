@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import TINY_CONFIG, Timing, machine, median_timing, run_plain, run_stack
@@ -45,15 +46,20 @@ def main() -> int:
     runs: dict[str, list[Timing]] = {"plain": [], "trainer": [], "stack": []}
     with tempfile.TemporaryDirectory(prefix="bench-stack-") as tmp:
         work = Path(tmp)
+        runners: dict[str, Callable[[], Timing]] = {
+            "plain": lambda: run_plain(2, args.steps, args.batch_size, work),
+            "trainer": lambda: run_stack(2, args.steps, args.batch_size, work, "trainer", launcher=False),
+            "stack": lambda: run_stack(2, args.steps, args.batch_size, work, "stack"),
+        }
+        names = list(runners)
         for repeat in range(args.repeats):
-            runs["plain"].append(run_plain(2, args.steps, args.batch_size, work))
-            runs["trainer"].append(run_stack(2, args.steps, args.batch_size, work, "trainer", launcher=False))
-            runs["stack"].append(run_stack(2, args.steps, args.batch_size, work, "stack"))
+            for name in names[repeat % 3 :] + names[: repeat % 3]:  # each run first in turn: no order bias
+                runs[name].append(runners[name]())
             print(f"repeat {repeat + 1}/{args.repeats}: " + "; ".join(f"{k} {v[-1]}" for k, v in runs.items()), flush=True)
     medians = {name: median_timing(timings) for name, timings in runs.items()}
     print(f"\nmachine: {machine()}")
     print(f"{args.repeats} repeats, {args.steps} steps, 2 processes x batch {args.batch_size}; medians")
-    print("(ratios: the median of each repeat's ratio; the three runs of a repeat run back to back)\n")
+    print("(ratios: the median of each repeat's ratio; a repeat runs the three back to back, each first in turn)\n")
     print("| run | launch -> first step (s) | ratio to plain | samples/s | ratio to plain |")
     print("|---|---|---|---|---|")
     for name, m in medians.items():

@@ -187,6 +187,9 @@ class DistributedConfig(_Section):
     gradient_as_bucket_view: bool = Field(True, description="Gradients alias DDP buckets: saves one copy of them.")
     static_graph: bool = Field(False, description="DDP static graph; every step uses the same parameters.")
     find_unused_parameters: bool = Field(False, description="Not needed: every trainable parameter is used each step.")
+    broadcast_buffers: bool = Field(
+        False, description="DDP re-sends rank 0's buffers every forward; none of this model's buffers change in training."
+    )
     progress_timeout_s: int | None = Field(
         1800, gt=0, description="No finished step for this long: dump every thread's stack and exit; none: off."
     )

@@ -68,6 +68,7 @@ def build_strategy(config: Config, accelerator: str) -> Strategy:
         gradient_as_bucket_view=dist.gradient_as_bucket_view,
         static_graph=dist.static_graph,
         find_unused_parameters=dist.find_unused_parameters,
+        broadcast_buffers=dist.broadcast_buffers,
         checkpoint_io=io,
     )
 
