@@ -20,14 +20,38 @@ class SampleError(ValueError):
     """A sample whose media cannot be decoded; the message names the file and why."""
 
 
+def fused_normalisation(processor: Any | None) -> tuple[float, torch.Tensor, torch.Tensor] | None:
+    """(rescale factor, mean, std) of a processor that rescales, then normalises, as most do.
+
+    Hugging Face's PIL backend does both steps in float64 NumPy: a quarter of the decoding
+    time of a 224-px sample (bench/README.md). Done here in float32 on the processor's
+    resized uint8 output, the result equals the processor's to within 1e-6.
+    """
+    if processor is None or not (getattr(processor, "do_rescale", False) and getattr(processor, "do_normalize", False)):
+        return None
+    factor, mean, std = (getattr(processor, name, None) for name in ("rescale_factor", "image_mean", "image_std"))
+    if factor is None or mean is None or std is None:
+        return None
+    return float(factor), _per_channel(mean), _per_channel(std)
+
+
+def _per_channel(value: float | list[float]) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32).reshape(-1, 1, 1)
+
+
 class ImageDecoder:
     def __init__(self, processor: Any | None, size: int) -> None:
         self.processor = processor
         self.size = size
+        self.normalisation = fused_normalisation(processor)
 
     def _to_tensor(self, image: Image.Image) -> torch.Tensor:
         if self.processor is not None:
-            return self.processor(images=image, return_tensors="pt")["pixel_values"][0]
+            if self.normalisation is None:
+                return self.processor(images=image, return_tensors="pt")["pixel_values"][0]
+            factor, mean, std = self.normalisation
+            resized = self.processor(images=image, return_tensors="pt", do_rescale=False, do_normalize=False)["pixel_values"][0]
+            return (resized.float() * factor - mean) / std
         resized = image.resize((self.size, self.size), Image.Resampling.BILINEAR)
         array = np.asarray(resized, dtype=np.float32) / 127.5 - 1.0
         return torch.from_numpy(array).permute(2, 0, 1).contiguous()

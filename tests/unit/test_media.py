@@ -20,6 +20,24 @@ def test_image_fixed_transform_shape_and_range(tmp_path: Path) -> None:
     assert ImageDecoder(None, 32).blank().abs().sum() == 0
 
 
+@pytest.mark.parametrize("processor_class", ["SiglipImageProcessor", "CLIPImageProcessor"])
+def test_processor_output_is_kept_with_the_fused_normalisation(processor_class: str, tmp_path: Path) -> None:
+    """Rescale + normalise done by the decoder in float32 equals the processor's own (crop included for CLIP)."""
+    import transformers
+
+    processor = getattr(transformers, processor_class)()
+    path = tmp_path / "photo.jpg"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (300, 260, 3), dtype=np.uint8)).save(path, quality=90)
+    decoder = ImageDecoder(processor, size=224)
+    assert decoder.normalisation is not None
+    with Image.open(path) as image:
+        expected = processor(images=image.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+    got = decoder(path)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert torch.allclose(got, expected.float(), atol=1e-5)
+
+
 def test_truncated_png_is_a_sample_error(tmp_path: Path) -> None:
     path = tmp_path / "t.png"
     Image.new("RGB", (64, 64), (1, 2, 3)).save(path)
