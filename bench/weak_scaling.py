@@ -3,7 +3,9 @@
 Efficiency = global samples/s with 2 processes / (2 x samples/s with 1). Every process has
 one thread (OMP_NUM_THREADS=1) and, on a 2-core machine, a core of its own. The 1-process
 run trains without DDP (Lightning's single-device strategy), as a 1-GPU job would; so the
-efficiency includes the gradient all-reduce (gloo, loopback) and DDP's bookkeeping.
+efficiency includes the gradient all-reduce (gloo, loopback) and DDP's bookkeeping. The
+plain DDP loop of bench/plain_ddp.py is measured the same way, as the machine's reference:
+what two processes get on these cores without anything of ours.
 
     .venv/bin/python -m bench.weak_scaling --repeats 5   # from the repository root
 
@@ -17,7 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.common import machine, run_stack
+from bench.common import machine, run_plain, run_stack
 from bench.stack_vs_plain import ensure_synthetic_set
 
 
@@ -28,19 +30,22 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     args = parser.parse_args()
     ensure_synthetic_set()
-    one, two = [], []
+    rates: dict[str, list[float]] = {"stack 1": [], "stack 2": [], "plain 1": [], "plain 2": []}
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
+        work = Path(tmp)
         for repeat in range(args.repeats):
-            one.append(run_stack(1, args.steps, args.batch_size, Path(tmp), "one").samples_per_s)
-            two.append(run_stack(2, args.steps, args.batch_size, Path(tmp), "two").samples_per_s)
-            print(f"repeat {repeat + 1}/{args.repeats}: 1 process {one[-1]:.1f} samples/s, 2 processes {two[-1]:.1f}", flush=True)
-    efficiency = statistics.median(b / (2 * a) for a, b in zip(one, two, strict=True))
+            for nproc in (1, 2):
+                rates[f"stack {nproc}"].append(run_stack(nproc, args.steps, args.batch_size, work, f"n{nproc}").samples_per_s)
+                rates[f"plain {nproc}"].append(run_plain(nproc, args.steps, args.batch_size, work).samples_per_s)
+            print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
     print(f"\nmachine: {machine()}")
-    print(f"{args.repeats} repeats, {args.steps} steps, batch {args.batch_size} per process, cluster_train.sh; medians\n")
-    print("| processes | samples/s | efficiency |")
-    print("|---|---|---|")
-    print(f"| 1 | {statistics.median(one):.1f} | 1 |")
-    print(f"| 2 | {statistics.median(two):.1f} | {efficiency:.3f} |")
+    print(f"{args.repeats} repeats, {args.steps} steps, batch {args.batch_size} per process; medians\n")
+    print("| run | 1 process (samples/s) | 2 processes (samples/s) | efficiency |")
+    print("|---|---|---|---|")
+    for name in ("stack", "plain"):
+        one, two = rates[f"{name} 1"], rates[f"{name} 2"]
+        efficiency = statistics.median(b / (2 * a) for a, b in zip(one, two, strict=True))
+        print(f"| {name} | {statistics.median(one):.1f} | {statistics.median(two):.1f} | {efficiency:.3f} |")
     return 0
 
 
