@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from bench.common import machine
 from bench.real_size import REAL_CONFIG, training_flops_per_sample
 from purrsight.config import load_config
+from purrsight.data.dataset import Collator, MultiModalDataset
 from purrsight.training.datasets import build_datasets
 from purrsight.training.telemetry import PEAK_TFLOPS
 
@@ -78,9 +79,9 @@ def save_processors(folder: Path) -> tuple[Path, Path]:
     return image_dir, audio_dir
 
 
-def loader_rate(dataset: object, collator: object, workers: int, batch_size: int, batches: int) -> float:
+def loader_rate(dataset: MultiModalDataset, collator: Collator, workers: int, batch_size: int, batches: int) -> float:
     """Samples/s once the workers have started (the first batch is not timed)."""
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=collator, shuffle=True)  # type: ignore[arg-type]
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=collator, shuffle=True)
     iterator = iter(loader)
     next(iterator)
     start = time.perf_counter()

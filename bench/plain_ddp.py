@@ -16,6 +16,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,9 @@ def main() -> int:
     )
     trainable = model.trainable_parameters()
     optimizer, scheduler = build_optimizer(trainable, config.optim, args.steps)
-    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=config.run.seed, drop_last=True)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        data.train, num_replicas=world, rank=rank, shuffle=True, seed=config.run.seed, drop_last=True
+    )
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, collate_fn=data.collator, drop_last=True)
     clip = config.trainer.gradient_clip_val
 

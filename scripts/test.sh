@@ -38,8 +38,9 @@ python3 -m venv "${VENV_DIR}"
 "${VENV_DIR}/bin/python" -m pip install -q -r requirements-dev.txt -e .
 export PATH="${PWD}/${VENV_DIR}/bin:${PATH}"
 
-log "lint: ruff, shellcheck"
+log "lint: ruff, mypy, shellcheck"
 ruff check .
+mypy purrsight train_phase2.py bench
 mapfile -t shell_files < <(git ls-files '*.sh' '*.sbatch' '*.pbs' '.ci/run')
 shellcheck "${shell_files[@]}"
 

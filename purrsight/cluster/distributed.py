@@ -58,7 +58,7 @@ def init_process_group_in_node_order(backend: str, timeout: timedelta) -> bool:
     world = int(os.environ["WORLD_SIZE"])
     shared_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     hosts_store = not shared_agent_store and int(os.environ[TORCHRUN_RANK]) == 0
-    store = dist.TCPStore(
+    store: dist.Store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         world,

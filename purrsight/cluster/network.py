@@ -35,7 +35,7 @@ def resolve(host: str) -> str:
     try:
         return str(ipaddress.ip_address(host))
     except ValueError:
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
 
 
 def parse_route(text: str) -> Route | None:

@@ -11,7 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -50,9 +50,9 @@ def _tower(model: nn.Module) -> nn.Module:
     loads as an encoder-decoder (take its encoder). ViT, wav2vec2 and HuBERT are towers.
     """
     if hasattr(model, "vision_model"):
-        return model.vision_model
+        return cast(nn.Module, model.vision_model)
     if getattr(model.config, "is_encoder_decoder", False) and hasattr(model, "get_encoder"):
-        return model.get_encoder()
+        return cast(nn.Module, model.get_encoder())  # type: ignore[operator]  # a method, typed as a Module attribute
     return model
 
 

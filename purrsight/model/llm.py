@@ -76,7 +76,7 @@ def load_llm(cfg: LLMConfig, vocab_size: int, seed: int) -> tuple[PeftModel, str
     base.config.use_cache = False  # no KV cache while training
     lora = LoraConfig(
         r=cfg.lora.r,
-        lora_alpha=cfg.lora.alpha,
+        lora_alpha=cfg.lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works (scale alpha / r)
         lora_dropout=cfg.lora.dropout,
         target_modules=list(cfg.lora.target_modules),
         bias="none",

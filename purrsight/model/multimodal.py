@@ -11,7 +11,7 @@ gradient all-reduce ("parameters that were not used in producing loss"), and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from peft import PeftModel
@@ -47,7 +47,7 @@ class PurrSightModel(nn.Module):
         )
 
     def _prefix(self, modality: str, inputs: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
-        encoder = self.encoders[modality]
+        encoder = cast(FrozenEncoder, self.encoders[modality])
         features = torch.zeros(inputs.shape[0], encoder.width, device=inputs.device)
         if present.any():  # encode only the samples that have this modality
             features[present] = encoder(inputs[present]).to(features.dtype)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 
 from purrsight.config import Config, dump_config
 from purrsight.data.text import IGNORE_INDEX
@@ -87,7 +88,7 @@ class Phase2Module(pl.LightningModule):
 
     # ------------------------------------------------------------------ optimiser
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         assert self.model is not None
         optimizer, scheduler = build_optimizer(self.model.trainable_parameters(), self.config.optim, self.config.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

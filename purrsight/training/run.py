@@ -119,7 +119,8 @@ def train(config: Config, resume: str | None = None, callbacks: list[pl.Callback
     if trainer.is_global_zero:
         for logger in trainer.loggers:
             logger.save()  # the report reads the metrics file
-        preflight = next((c.report for c in trainer.callbacks if isinstance(c, Preflight)), None)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, not declared
+        preflight = next((c.report for c in callbacks if isinstance(c, Preflight)), None)
         report = write_report(config.run.run_dir, preflight.table() if preflight else None)
         log.info("run report: %s", report)
     return TrainOutcome(config.run.run_dir, trainer.global_step, saver.last_saved_path, saver.stopped_by_signal)

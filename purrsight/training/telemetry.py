@@ -19,11 +19,12 @@ import csv
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import pytorch_lightning as pl
 import torch
+from transformers import PreTrainedModel
 
 from purrsight.model.multimodal import PurrSightModel
 
@@ -77,7 +78,7 @@ def model_flops_per_token(model: PurrSightModel | None, seq_len: int) -> float |
     """flops_per_token() for the built Phase 2 model (None before it exists)."""
     if model is None:
         return None
-    config = model.llm.get_base_model().config
+    config = cast(PreTrainedModel, model.llm.get_base_model()).config
     llm_params = sum(p.numel() for p in model.llm.parameters())
     # Per token: the LoRA adapters. The projectors run once per sample, not per token
     # (6 x their parameters per sample: under 0.1% at the real size), so they are left out.
