@@ -23,27 +23,15 @@ class NodeInfo:
     gpu_names: str
 
 
-def _no_gpu_possible() -> bool:
-    """True when this node cannot have a CUDA device, found out without importing torch.
+# Present whenever a GPU driver is loaded: NVIDIA's control device and proc entry, WSL2's
+# GPU paravirtualisation device, ROCm's compute device.
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
 
-    NVML ships with the NVIDIA driver: when it fails to start there is no driver, and CUDA
-    sees no GPU either; ROCm builds of torch use /dev/kfd instead. When NVML is not installed
-    nothing can be told this way, and torch is asked.
-    """
-    try:
-        import pynvml
-    except ImportError:
-        return False
-    if Path("/dev/kfd").exists():
-        return False
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return True
-    try:
-        return int(pynvml.nvmlDeviceGetCount()) == 0
-    finally:
-        pynvml.nvmlShutdown()
+
+def _no_gpu_possible() -> bool:
+    """True when no GPU driver is loaded: CUDA (or ROCm) then sees no device, and torch
+    need not be imported to learn that."""
+    return not any(Path(path).exists() for path in GPU_DRIVER_FILES)
 
 
 def probe() -> NodeInfo:

@@ -43,6 +43,19 @@ def batch_output(tmp: Path, job: str) -> str:
     return (tmp / f"purrsight-phase2-{job}.out").read_text(errors="replace")
 
 
+def release_after_requeue(slurm: SlurmCluster, job: str, tmp: Path, timeout: float) -> None:
+    """Wait for the job's requeue, then lift SLURM's hold on it (its begin time) so the test does not wait.
+
+    Only once the job is PENDING again: released while the previous run is still completing,
+    SLURM starts it with the revoked credential of that run and fails it.
+    """
+    deadline = time.monotonic() + timeout
+    while slurm.job_field(job, "Restarts") != "1" or slurm.job_field(job, "JobState") != "PENDING":
+        assert time.monotonic() < deadline, batch_output(tmp, job)[-3000:]
+        time.sleep(1)
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+
+
 def test_two_node_job_completes(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
     job = submit(slurm, tmp_path, synthetic_dir, trainer__max_steps=20)
     assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300) == "COMPLETED", batch_output(
@@ -65,13 +78,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
         assert time.monotonic() < deadline, batch_output(tmp_path, job)[-3000:]
         time.sleep(0.5)
     slurm.run("scancel", "--signal=USR1", "--batch", job)
-    deadline = time.monotonic() + 180
-    while slurm.job_field(job, "Restarts") != "1":
-        assert time.monotonic() < deadline, batch_output(tmp_path, job)[-3000:]
-        time.sleep(1)
-    # SLURM holds a requeued job back for a while (its begin time); release it now so the
-    # test does not wait. The requeue itself and the resume below happen on their own.
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+    release_after_requeue(slurm, job, tmp_path, timeout=180)
     state = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=400)
     out = batch_output(tmp_path, job)
     assert state == "COMPLETED", out[-4000:]
@@ -87,11 +94,7 @@ def test_a_job_that_fails_right_after_each_start_stops_requeueing(slurm: SlurmCl
     """Every run dies at its first checkpoint write (fault injection) within seconds of starting."""
     fault = {"PURRSIGHT_FAULT": "kill_during_checkpoint_write:1", "MAX_RESTARTS": "0", "MAX_QUICK_REQUEUES": "2"}
     job = submit(slurm, tmp_path, synthetic_dir, extra_env=fault, trainer__max_steps=40)
-    deadline = time.monotonic() + 240
-    while slurm.job_field(job, "Restarts") != "1":
-        assert time.monotonic() < deadline, batch_output(tmp_path, job)[-3000:]
-        time.sleep(1)
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)  # skip SLURM's requeue delay
+    release_after_requeue(slurm, job, tmp_path, timeout=240)
     state = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     out = batch_output(tmp_path, job)
     assert state == "FAILED", out[-3000:]

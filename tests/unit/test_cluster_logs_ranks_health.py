@@ -143,7 +143,7 @@ def test_worker_generation_counts_starts_on_this_node(tmp_path: Path, monkeypatc
 
 
 def test_probe_on_a_cpu_node_does_not_import_torch() -> None:
-    """No NVIDIA driver here: the probe reports no GPU from NVML and reads torch's version from its metadata."""
+    """No GPU driver here: the probe reports no GPU and reads torch's version from its metadata."""
     code = "import sys, purrsight.cluster.probe as p; info = p.probe(); print(info.gpus, info.torch, 'torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), check=True)
     import torch
@@ -151,9 +151,11 @@ def test_probe_on_a_cpu_node_does_not_import_torch() -> None:
     assert done.stdout.split() == ["0", torch.__version__, "False"]
 
 
-def test_probe_without_nvml_asks_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_probe_with_a_driver_asks_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver file (here a stand-in under tmp) means torch must be asked; this CPU build says no GPU."""
     from purrsight.cluster import probe
 
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError: cannot tell without torch
+    (tmp_path / "nvidiactl").touch()
+    monkeypatch.setattr(probe, "GPU_DRIVER_FILES", (str(tmp_path / "nvidiactl"),))
     assert not probe._no_gpu_possible()
-    assert probe.probe().gpus == 0  # torch says: a CPU build
+    assert probe.probe().gpus == 0
