@@ -46,11 +46,18 @@ def batch_output(tmp: Path, job: str) -> str:
 def release_after_requeue(slurm: SlurmCluster, job: str, tmp: Path, timeout: float) -> None:
     """Wait for the job's requeue, then lift SLURM's hold on it (its begin time) so the test does not wait.
 
-    Only once the job is PENDING again: released while the previous run is still completing,
-    SLURM starts it with the revoked credential of that run and fails it.
+    Only once the previous run has ended and freed the nodes: a requeued job reads PENDING
+    while its old batch script still runs, and released then, SLURM starts it with that run's
+    revoked credential and fails it.
     """
     deadline = time.monotonic() + timeout
-    while slurm.job_field(job, "Restarts") != "1" or slurm.job_field(job, "JobState") != "PENDING":
+
+    def requeued_and_nodes_free() -> bool:
+        if slurm.job_field(job, "Restarts") != "1" or slurm.job_field(job, "JobState") != "PENDING":
+            return False
+        return set(slurm.run("sinfo", "-h", "-o", "%T").split()) == {"idle"}
+
+    while not requeued_and_nodes_free():
         assert time.monotonic() < deadline, batch_output(tmp, job)[-3000:]
         time.sleep(1)
     slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
