@@ -29,7 +29,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from bench.common import machine
-from bench.real_size import REAL_CONFIG, training_flops_per_sample
+from bench.real_size import REAL_CONFIG, synthetic_tokenizer, training_flops_per_sample
 from purrsight.config import load_config
 from purrsight.data.dataset import Collator, MultiModalDataset
 from purrsight.training.datasets import build_datasets
@@ -102,16 +102,13 @@ def main() -> int:
         work = Path(tmp)
         index = write_samples(work / "data", args.samples)
         image_dir, audio_dir = save_processors(work)
-        from purrsight.data.synthetic import generate
-
-        generate(work / "synthetic", 8, 2, 0, 32)  # only its tokenizer is used
         config = load_config(
             REAL_CONFIG,
             [
                 f"data.train_index={index}",
                 "data.val_index=null",
                 "data.audio_seconds=1.0",
-                f"model.llm.tokenizer={work / 'synthetic' / 'tokenizer'}",
+                f"model.llm.tokenizer={synthetic_tokenizer(work / 'synthetic')}",
                 f"model.image_encoder.path={image_dir}",
                 f"model.audio_encoder.path={audio_dir}",
             ],

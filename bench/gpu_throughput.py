@@ -28,15 +28,13 @@ from typing import Any
 
 import torch
 
-from bench.real_size import REAL_CONFIG, SIGLIP_BASE_224, random_init_overrides
+from bench.common import TINY_CONFIG
+from bench.real_size import REAL_CONFIG, SIGLIP_BASE_224, random_init_overrides, synthetic_tokenizer
 from purrsight.config import Config, load_config
-from purrsight.data.synthetic import generate
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.training.build import build_model
 from purrsight.training.optim import build_optimizer
 from purrsight.training.telemetry import gpu_peak_tflops, model_flops_per_token
-
-TINY_CONFIG = REAL_CONFIG.parent / "train_config.yaml"
 
 
 def random_batch(config: Config, model: PurrSightModel, batch: int, seq_len: int, device: torch.device) -> dict[str, Any]:
@@ -113,8 +111,7 @@ def main() -> int:
     device = torch.device("cpu" if args.smoke else "cuda")
 
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
-        generate(Path(tmp) / "synthetic", 8, 2, 0, 32)  # only its tokenizer is used
-        tokenizer = Path(tmp) / "synthetic" / "tokenizer"
+        tokenizer = synthetic_tokenizer(Path(tmp) / "synthetic")
         overrides = [f"model.llm.tokenizer={tokenizer}"] if args.smoke else random_init_overrides(tokenizer)
         overrides += args.overrides
         config = load_config(TINY_CONFIG if args.smoke else REAL_CONFIG, overrides, check_paths=False)

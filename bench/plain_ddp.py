@@ -25,9 +25,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from bench.common import ROW_EVERY
 from purrsight.config import load_config
-from purrsight.data.synthetic import generate
 from purrsight.training.build import build_model
-from purrsight.training.datasets import build_datasets
+from purrsight.training.datasets import build_datasets, prepare_synthetic
 from purrsight.training.optim import build_optimizer
 
 
@@ -43,9 +42,8 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     config = load_config(args.config, [f"data.batch_size={args.batch_size}"])
     torch.manual_seed(config.run.seed)
-    synthetic = config.data.synthetic
-    if config.data.synthetic_dir is not None and rank == 0:  # as the DataModule's prepare_data: a no-op once made
-        generate(config.data.synthetic_dir, synthetic.num_train, synthetic.num_val, synthetic.seed, synthetic.image_size)
+    if rank == 0:  # as the DataModule's prepare_data: a no-op once made
+        prepare_synthetic(config)
     dist.barrier()
     data = build_datasets(config, world)
     model = build_model(config).model

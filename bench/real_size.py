@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from bench.common import REPO
+from purrsight.data.synthetic import generate
 from purrsight.training.telemetry import flops_per_token
 
-REAL_CONFIG = Path(__file__).resolve().parent.parent / "config" / "qwen2.5-0.5b.yaml"
+REAL_CONFIG = REPO / "config" / "qwen2.5-0.5b.yaml"
 
 QWEN2_5_0_5B: dict[str, Any] = {
     "vocab_size": 151936,
@@ -38,6 +40,12 @@ SIGLIP_BASE_224: dict[str, Any] = {
     "num_attention_heads": 12,
 }
 WAV2VEC2_BASE: dict[str, Any] = {}  # transformers' Wav2Vec2Config defaults are wav2vec2-base
+
+
+def synthetic_tokenizer(folder: Path) -> Path:
+    """A tokenizer directory made offline (the synthetic set's); Qwen's own cannot be fetched here."""
+    generate(folder, 8, 2, 0, 32)  # a tiny set: only its tokenizer is used
+    return folder / "tokenizer"
 
 
 def random_init_overrides(tokenizer_dir: Path) -> list[str]:

@@ -27,12 +27,9 @@ from bench.common import TINY_CONFIG, Timing, machine, median_timing, run_plain,
 def ensure_synthetic_set() -> None:
     """Generate the tiny default's data once, outside every timed run."""
     from purrsight.config import load_config
-    from purrsight.data.synthetic import generate
+    from purrsight.training.datasets import prepare_synthetic
 
-    config = load_config(TINY_CONFIG, check_paths=False)
-    s = config.data.synthetic
-    assert config.data.synthetic_dir is not None
-    generate(config.data.synthetic_dir, s.num_train, s.num_val, s.seed, s.image_size)
+    prepare_synthetic(load_config(TINY_CONFIG, check_paths=False))
 
 
 def main() -> int:

@@ -11,8 +11,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, MultiModalDataset
-from purrsight.data.synthetic import generate
-from purrsight.training.datasets import build_datasets
+from purrsight.training.datasets import build_datasets, prepare_synthetic
 
 
 class Phase2DataModule(pl.LightningDataModule):
@@ -25,10 +24,7 @@ class Phase2DataModule(pl.LightningDataModule):
         self.collator: Collator | None = None
 
     def prepare_data(self) -> None:
-        data = self.config.data
-        if data.synthetic_dir is not None:
-            s = data.synthetic
-            generate(data.synthetic_dir, s.num_train, s.num_val, s.seed, s.image_size)
+        prepare_synthetic(self.config)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:

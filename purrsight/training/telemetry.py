@@ -2,8 +2,9 @@
 
 After the first optimizer step and every ``telemetry.every_n_steps`` steps, each node's
 local rank 0 samples its GPUs through NVML (power, the energy counter, utilisation, memory,
-temperature; skipped without NVML, on CPU) and the host through psutil (CPU %, RSS of the trainer, load average), appends
-a row to ``<run>/telemetry/node<N>.csv`` and logs the numbers through the trainer's logger.
+temperature; skipped without NVML, on CPU) and the host through psutil (CPU %, RSS of the
+trainer, load average), appends a row to ``<run>/telemetry/node<N>.csv`` and logs the
+numbers through the trainer's logger.
 Energy per step and per sample is the energy counter's increase between two samples divided
 by the steps and samples in between.
 
