@@ -4,6 +4,11 @@ munged, slurmctld and two slurmd daemons (`slurmd -N node0`, `slurmd -N node1`) 
 Debian's slurm-wlm and munge, with their own config, key, state and logs in a temporary
 folder, distinct ports, and both nodes at NodeAddr 127.0.0.1. Nothing is faked. A daemon
 that does not start fails the test (with its log), it never skips it.
+
+`cred_expire=15` (default 120) shortens SLURM's wait before a requeued job may start again.
+That wait is what keeps the new run's launch credential from being taken for the old run's
+revoked one, so the tests wait it out rather than forcing an earlier start (`scontrol update
+StartTime=now` raced it and failed the restarted job now and then).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={root}/munge.sock
+AuthInfo=socket={root}/munge.sock,cred_expire=15
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
