@@ -68,7 +68,8 @@ def write_report(run_dir: Path, preflight_table: str | None = None) -> Path:
     for node, rows in nodes.items():
         if rows:
             last = rows[-1]
-            energy = last.get("energy_per_sample_j") or "not measured (no NVML)"
+            joules = last.get("energy_per_sample_j")
+            energy = f"{float(joules):.3g} J (this node's GPUs)" if joules else "not measured (no NVML)"
             lines.append(
                 f"- {node}: {float(last['global_tokens_per_s']):.1f} tokens/s (job), "
                 f"{float(last['data_wait_frac']) * 100:.1f}% of step time waiting for data, "

@@ -1,12 +1,12 @@
 """Telemetry and throughput: what each node spends (power, energy, host) and what it gets done.
 
 After the first optimizer step and every ``telemetry.every_n_steps`` steps, each node's
-local rank 0 samples its GPUs through NVML (power, the energy counter, utilisation, memory,
+local rank 0 samples the GPUs its node trains on through NVML (power, the energy counter, utilisation, memory,
 temperature; skipped without NVML, on CPU) and the host through psutil (CPU %, RSS of the
 trainer, load average), appends a row to ``<run>/telemetry/node<N>.csv`` and logs the
 numbers through the trainer's logger.
-Energy per step and per sample is the energy counter's increase between two samples divided
-by the steps and samples in between.
+Energy per step and per sample is the increase of those GPUs' energy counters between two
+samples divided by the steps, and by the samples those GPUs ran, in between.
 
 Throughput: samples/s and tokens/s on this rank and for the job (x world size); the step
 time is split between waiting for data (batch end -> next batch start) and computing
@@ -43,25 +43,44 @@ def flops_per_token(llm_params: int, trainable_params: int, layers: int, hidden:
     return 4 * llm_params + 2 * trainable_params + 12 * layers * hidden * seq_len
 
 
-class _NVML:
-    """NVML handles for this node's GPUs, or nothing (no driver, no package, CPU)."""
+def cuda_uuids_of_this_node(local_ranks: int) -> list[str]:
+    """CUDA UUIDs of the GPUs this node's ranks train on (local rank i drives cuda:i); none on CPU."""
+    if not torch.cuda.is_available():
+        return []
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(local_ranks)]
 
-    def __init__(self) -> None:
+
+class _NVML:
+    """NVML handles for the GPUs this node's ranks train on, or none (no package, no driver, CPU).
+
+    NVML numbers every GPU in the machine and ignores CUDA_VISIBLE_DEVICES, so GPUs are
+    matched by UUID (NVML's carries a "GPU-" prefix, CUDA's does not): a job given four GPUs
+    of a shared eight-GPU node measures its own four, not its neighbours'.
+    """
+
+    def __init__(self, cuda_uuids: list[str]) -> None:
         self.handles: list[Any] = []
+        if not cuda_uuids:
+            return
         try:
             import pynvml
 
             pynvml.nvmlInit()
             self.nvml = pynvml
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        except Exception:  # any NVML failure (no package, no driver, CPU) means host metrics only
+            by_uuid = {}
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)
+                by_uuid[(uuid.decode() if isinstance(uuid, bytes) else uuid).removeprefix("GPU-")] = handle
+            self.handles = [by_uuid[uuid] for uuid in cuda_uuids if uuid in by_uuid]
+        except Exception:  # any NVML failure (no package, no driver) means host metrics only
             self.handles = []
 
     def sample(self) -> dict[str, float]:
         if not self.handles:
             return {}
         nv = self.nvml
-        power = sum(nv.nvmlDeviceGetPowerUsage(h) for h in self.handles) / 1e3
+        power = sum(nv.nvmlDeviceGetPowerUsage(h) for h in self.handles) / 1e3  # mW -> W
         energy = sum(nv.nvmlDeviceGetTotalEnergyConsumption(h) for h in self.handles) / 1e3  # mJ -> J
         util = sum(nv.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles) / len(self.handles)
         memory = sum(nv.nvmlDeviceGetMemoryInfo(h).used for h in self.handles) / 2**30
@@ -122,7 +141,7 @@ class Telemetry(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.flops_per_token = model_flops_per_token(getattr(pl_module, "model", None), self.seq_len)
         self.peak_tflops = self.peak_tflops or gpu_peak_tflops()
-        self._nvml = _NVML()
+        self._nvml = _NVML(cuda_uuids_of_this_node(trainer.num_devices))
         self._process.cpu_percent()  # the first call only starts psutil's measuring interval
         self._window_start = self._batch_end = time.perf_counter()
         if self._is_node_leader(trainer):
@@ -166,12 +185,15 @@ class Telemetry(pl.Callback):
             "rss_gib": self._process.memory_info().rss / 2**30,
             "load_1m": os.getloadavg()[0],
         }
+        gpus = self._nvml.handles if self._nvml else []
         row.update(self._nvml.sample() if self._nvml else {})
-        if "gpu_energy_j" in row:
+        if gpus:
             if self._last_energy is not None:
                 spent = row["gpu_energy_j"] - self._last_energy
                 row["energy_per_step_j"] = spent / max(1, trainer.global_step - self._last_step)
-                row["energy_per_sample_j"] = spent / self._samples
+                # The energy is that of every GPU measured on this node; each ran as many
+                # samples as this rank did (DDP: one rank per GPU, the same batch size).
+                row["energy_per_sample_j"] = spent / (self._samples * len(gpus))
             self._last_energy = row["gpu_energy_j"]
         if self.flops_per_token and self.peak_tflops and torch.cuda.is_available():
             row["mfu"] = self.flops_per_token * row["tokens_per_s"] / (self.peak_tflops * 1e12)
@@ -190,7 +212,11 @@ class Telemetry(pl.Callback):
                 pl_module.log(f"perf/{key}", row[key], on_step=True, batch_size=1, rank_zero_only=True)
         if self._file is not None:
             if self._writer is None:
-                self._writer = csv.DictWriter(self._file, fieldnames=list(row), extrasaction="ignore")
+                # The first row has no energy deltas yet (nothing to subtract): name those
+                # columns now, or every later row's would be dropped.
+                energy = ["energy_per_step_j", "energy_per_sample_j"] if gpus else []
+                fields = list(row) + [key for key in energy if key not in row]
+                self._writer = csv.DictWriter(self._file, fieldnames=fields, restval="", extrasaction="ignore")
                 if self._file.tell() == 0:
                     self._writer.writeheader()
             self._writer.writerow(row)

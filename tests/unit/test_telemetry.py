@@ -1,10 +1,19 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
+import sys
 import time
+import types
 from pathlib import Path
 
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from purrsight.training import telemetry
+from purrsight.training.report import write_report
 from purrsight.training.telemetry import flops_per_token
 from tests.helpers import run_trainer, tiny_overrides
 
@@ -52,3 +61,97 @@ def test_cpu_run_writes_telemetry_report_and_profile(synthetic_dir: Path, tmp_pa
     # the profiler window
     trace = json.loads((tmp_path / "phase2-tiny" / "profiler" / "rank0.json").read_text())
     assert any("aten::" in event.get("name", "") for event in trace["traceEvents"])
+
+
+class FakeNVML(types.ModuleType):
+    """Stands in for nvidia-ml-py on a three-GPU node: no GPU or NVML driver exists here.
+
+    GPU k draws 100 x (k + 1) W, and its energy counter gains 1000 x (k + 1) mJ at each read,
+    so every telemetry row's interval costs the measured GPUs a known number of joules.
+    """
+
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self) -> None:
+        super().__init__("pynvml")
+        self.energy_mj = [0, 0, 0]
+        self.read: set[int] = set()
+
+    def nvmlInit(self) -> None:  # noqa: N802 (NVML's names)
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802 (NVML's names)
+        return 3
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802 (NVML's names)
+        return index
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:  # noqa: N802 (NVML's names)
+        return f"GPU-0000000{handle}-aaaa-bbbb-cccc-dddddddddddd"
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:  # noqa: N802 (NVML's names)
+        self.read.add(handle)
+        return 100_000 * (handle + 1)
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: int) -> int:  # noqa: N802 (NVML's names)
+        self.energy_mj[handle] += 1000 * (handle + 1)
+        return self.energy_mj[handle]
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> types.SimpleNamespace:  # noqa: N802 (NVML's names)
+        return types.SimpleNamespace(gpu=50)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> types.SimpleNamespace:  # noqa: N802 (NVML's names)
+        return types.SimpleNamespace(used=2**30)
+
+    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:  # noqa: N802 (NVML's names)
+        return 60 + handle
+
+
+class TokenBatches(pl.LightningModule):
+    """A one-weight model fed batches shaped like the trainer's (input_ids, attention_mask)."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[dict[str, torch.Tensor]]:
+        items = [{"input_ids": torch.ones(6, dtype=torch.long), "attention_mask": torch.ones(6)} for _ in range(64)]
+        return torch.utils.data.DataLoader(items, batch_size=self.batch_size)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return (self.weight * batch["attention_mask"]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_energy_is_measured_on_the_jobs_gpus_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The job trains on GPUs 1 and 2 of three (CUDA_VISIBLE_DEVICES=1,2): NVML must not read GPU 0."""
+    nvml = FakeNVML()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    job_gpus = ["00000001-aaaa-bbbb-cccc-dddddddddddd", "00000002-aaaa-bbbb-cccc-dddddddddddd"]
+    # stands in for torch.cuda's device properties (no CUDA here): the UUIDs of cuda:0 and cuda:1
+    monkeypatch.setattr(telemetry, "cuda_uuids_of_this_node", lambda local_ranks: job_gpus)
+    batch = 4
+    callback = telemetry.Telemetry(tmp_path, every_n_steps=2, barrier_every=None, peak_tflops=None, seq_len=6)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=6, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(TokenBatches(batch))
+
+    assert nvml.read == {1, 2}
+    rows = list(csv.DictReader((tmp_path / "telemetry" / "node0.csv").open()))
+    assert [int(float(r["step"])) for r in rows] == [1, 2, 4, 6]
+    spent_per_row = (1000 * 2 + 1000 * 3) / 1e3  # joules: GPU 1 and GPU 2 per read
+    assert rows[0]["energy_per_sample_j"] == ""  # nothing to subtract yet
+    for previous, row in itertools.pairwise(rows):
+        steps = float(row["step"]) - float(previous["step"])
+        assert float(row["gpu_power_w"]) == 200 + 300
+        assert float(row["energy_per_step_j"]) == pytest.approx(spent_per_row / steps)
+        # each of the two GPUs ran `batch` samples per step
+        assert float(row["energy_per_sample_j"]) == pytest.approx(spent_per_row / (2 * batch * steps))
+
+    report = write_report(tmp_path).read_text()
+    assert f"energy per sample: {spent_per_row / (2 * batch * 2):.3g} J" in report
+    assert (tmp_path / "power.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](power.png)" in report
