@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -12,7 +13,7 @@ from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 from pytorch_lightning.plugins.environments import TorchElasticEnvironment
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
-from purrsight.config import Config
+from purrsight.config import Config, ConfigError
 from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
 from purrsight.training.preflight_callback import Preflight
 from purrsight.training.profiling import StepProfiler
@@ -78,6 +79,14 @@ def build_loggers(config: Config, run_dir: Path) -> list[Logger]:
     if config.logging.csv:
         loggers.append(CSVLogger(save_dir=str(run_dir), name="metrics", version=""))
     if config.logging.tensorboard:
+        # Lightning would fail only once training starts, with a traceback; say it now.
+        if not any(importlib.util.find_spec(package) for package in ("tensorboard", "tensorboardX")):
+            raise ConfigError(
+                [
+                    "logging.tensorboard is true but the tensorboard package is not installed: "
+                    "pip install -e .[tensorboard], or set logging.tensorboard=false"
+                ]
+            )
         loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
     return loggers
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import itertools
 import json
 import sys
@@ -11,11 +12,14 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from purrsight.config import ConfigError
 from purrsight.training import telemetry
+from purrsight.training.factory import build_loggers
 from purrsight.training.report import write_report
 from purrsight.training.telemetry import flops_per_token
-from tests.helpers import run_trainer, tiny_overrides
+from tests.helpers import read_metrics, run_trainer, tiny_config, tiny_overrides
 
 
 def test_flops_per_token_matches_a_hand_count() -> None:
@@ -24,12 +28,13 @@ def test_flops_per_token_matches_a_hand_count() -> None:
     assert flops_per_token(llm_params=100, trainable_params=10, layers=1, hidden=4, seq_len=8) == 804
 
 
-def test_cpu_run_writes_telemetry_report_and_profile(synthetic_dir: Path, tmp_path: Path) -> None:
+def test_cpu_run_writes_telemetry_report_profile_and_tensorboard(synthetic_dir: Path, tmp_path: Path) -> None:
     done = run_trainer(
         *tiny_overrides(
             synthetic_dir,
             tmp_path,
             trainer__max_steps=20,
+            logging__tensorboard="true",
             telemetry__every_n_steps=5,
             telemetry__barrier_every=5,
             profiler__enabled="true",
@@ -47,8 +52,8 @@ def test_cpu_run_writes_telemetry_report_and_profile(synthetic_dir: Path, tmp_pa
         assert 0 <= float(row["data_wait_frac"]) < 1
         assert float(row["rss_gib"]) > 0.05 and float(row["cpu_pct"]) >= 0
         assert "gpu_power_w" not in row  # no NVML on CPU: host metrics only, no error
-    metrics = (tmp_path / "phase2-tiny" / "metrics" / "metrics.csv").read_text().splitlines()[0]
-    assert "perf/tokens_per_s" in metrics and "perf/data_wait_frac" in metrics
+    metrics = read_metrics(tmp_path / "phase2-tiny")
+    assert "perf/tokens_per_s" in metrics[0] and "perf/data_wait_frac" in metrics[0]
 
     # the run report and its plots, from the same run
     report = (tmp_path / "phase2-tiny" / "report.md").read_text()
@@ -58,6 +63,12 @@ def test_cpu_run_writes_telemetry_report_and_profile(synthetic_dir: Path, tmp_pa
         assert (tmp_path / "phase2-tiny" / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({plot})" in report
     assert not (tmp_path / "phase2-tiny" / "power.png").exists()  # no power without NVML: no empty plot
+    # the TensorBoard logger gets what the CSV logger gets
+    events = EventAccumulator(str(tmp_path / "phase2-tiny" / "tensorboard"))
+    events.Reload()
+    assert {"train/loss", "val/loss", "perf/tokens_per_s"} <= set(events.Tags()["scalars"])
+    csv_steps = [int(row["step"]) for row in metrics if row["perf/tokens_per_s"]]
+    assert csv_steps and [event.step for event in events.Scalars("perf/tokens_per_s")] == csv_steps
     # the profiler window
     trace = json.loads((tmp_path / "phase2-tiny" / "profiler" / "rank0.json").read_text())
     assert any("aten::" in event.get("name", "") for event in trace["traceEvents"])
@@ -155,3 +166,11 @@ def test_energy_is_measured_on_the_jobs_gpus_only(monkeypatch: pytest.MonkeyPatc
     report = write_report(tmp_path).read_text()
     assert f"energy per sample: {spent_per_row / (2 * batch * 2):.3g} J" in report
     assert (tmp_path / "power.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](power.png)" in report
+
+
+def test_tensorboard_without_its_package_is_a_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """find_spec answering None stands in for a machine without tensorboard (CI installs it)."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)
+    config = tiny_config(tmp_path / "data", tmp_path / "runs", logging__tensorboard="true")
+    with pytest.raises(ConfigError, match=r"pip install -e \.\[tensorboard\], or set logging.tensorboard=false"):
+        build_loggers(config, tmp_path / "run")
