@@ -141,6 +141,12 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
             pytest.fail(f"SLURM nodes never became idle: {cluster.run('sinfo', check=False)}\n{cluster.log('slurmctld')}")
         time.sleep(1)
     yield cluster
+    # Jobs a failed test left running: cancel them and let their steps end (up to KillWait
+    # and a margin), or their processes would outlive the daemons.
+    cluster.run("scancel", "--partition=debug", check=False)
+    deadline = time.monotonic() + 90
+    while cluster.run("squeue", "-h", check=False).strip() and time.monotonic() < deadline:
+        time.sleep(1)
     for pid_file in [*root.glob("slurmd-*.pid"), root / "slurmctld.pid", root / "munged.pid"]:
         with contextlib.suppress(OSError, ValueError):
             os.kill(int(pid_file.read_text().strip()), 15)

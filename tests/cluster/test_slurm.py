@@ -86,3 +86,25 @@ def test_a_job_that_fails_right_after_each_start_stops_requeueing(slurm: SlurmCl
     assert out.count("requeueing; the next run resumes") == 1
     assert "not requeueing: 2 runs in a row ended within 300 s (MAX_QUICK_REQUEUES)" in out
     assert slurm.job_field(job, "Restarts") == "1"
+
+
+def test_scancel_checkpoints_on_every_node_and_does_not_requeue(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
+    """Plain `scancel`: SLURM sends SIGTERM to every step, then SIGKILL after KillWait (60 s here)."""
+    job = submit(slurm, tmp_path, synthetic_dir, trainer__max_steps=100000, checkpoint__every_n_steps=100000)
+    logs = [tmp_path / "logs" / f"latest_node{n}.log" for n in (0, 1)]
+    deadline = time.monotonic() + 300
+    while not (logs[0].exists() and "step 20/" in logs[0].read_text(errors="replace")):
+        assert time.monotonic() < deadline, batch_output(tmp_path, job)[-3000:]
+        time.sleep(0.5)
+    slurm.run("scancel", job)
+    assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=120) == "CANCELLED"
+    while set(slurm.run("sinfo", "-h", "-o", "%T").split()) != {"idle"}:  # the steps have ended
+        assert time.monotonic() < deadline, slurm.log("slurmctld")
+        time.sleep(1)
+    checkpoints = sorted((tmp_path / "runs" / "phase2-tiny" / "checkpoints").glob("step-*.ckpt"))
+    assert len(checkpoints) == 1, checkpoints  # no periodic checkpoint was due: this is the signal's
+    step = int(checkpoints[0].stem.split("-")[1])
+    for log in logs:
+        assert f"stopped by SIGTERM at step {step}" in log.read_text(errors="replace"), log.read_text()[-3000:]
+    assert "stopped by SIGTERM (scancel or preemption): not requeueing" in batch_output(tmp_path, job)
+    assert slurm.job_field(job, "Restarts") == "0"
