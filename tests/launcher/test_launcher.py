@@ -23,25 +23,27 @@ def workers(launcher_pid: int) -> list[psutil.Process]:
 
 
 def test_two_nodes_one_job_worker_started_first(cluster: Cluster) -> None:
-    """Node 1 starts 10 s before its master and waits for it; both then train one job.
+    """Node 1 starts 10 s before its master and waits for it; both then train one job, 2 ranks each.
 
     Node 0 advertises 127.0.0.3 and node 1 127.0.0.2 (both loopback), so torchrun's
-    rendezvous, which orders nodes by address, makes node 1 its rank 0; the trainer must
-    still give node 0 global rank 0.
+    rendezvous, which orders nodes by address, makes node 1 its group rank 0 (ranks 0 and 1);
+    the trainer must still give node 0 global ranks 0 and 1.
     """
-    worker = cluster.start(2, 1, env={"NODE_ADDR": "127.0.0.2"}, trainer__max_steps=20)
+    two_ranks = {"NPROC_PER_NODE": "2", "BACKEND": "gloo"}
+    worker = cluster.start(2, 1, env={"NODE_ADDR": "127.0.0.2", **two_ranks}, trainer__max_steps=20)
     time.sleep(10)
     assert worker.proc.poll() is None, worker.text()  # still waiting for the master, not failed
-    master = cluster.start(2, 0, env={"NODE_ADDR": "127.0.0.3"}, trainer__max_steps=20)
+    master = cluster.start(2, 0, env={"NODE_ADDR": "127.0.0.3", **two_ranks}, trainer__max_steps=20)
     assert master.wait(timeout=300) == 0, master.text()[-3000:]
     assert worker.wait(timeout=120) == 0, worker.text()[-3000:]
     logs = [cluster.node_log(0), cluster.node_log(1)]
-    assert "global rank 0 (torchrun assigned 1)" in logs[0]  # node order, not rendezvous order
-    assert "global rank 1 (torchrun assigned 0)" in logs[1]
-    assert "process group ready: global rank 0 of 2" in logs[0]  # one process group of two
-    assert "process group ready: global rank 1 of 2" in logs[1]
+    for node, log in enumerate(logs):
+        for local in (0, 1):
+            rank, assigned = 2 * node + local, 2 * (1 - node) + local  # node order, not rendezvous order
+            assert f"global rank {rank} (torchrun assigned {assigned})" in log, log[-3000:]
+            assert f"process group ready: global rank {rank} of 4" in log  # one process group of four
+            assert f"[node{node} rank{rank}]" in log
     assert re.search(r"master reachable +127\.0\.0\.1:\d+ answered after (\d+) attempt", logs[1])
-    assert "[node1 rank1]" in logs[1] and "[node0 rank0]" in logs[0]
     assert "step 20/20" in logs[0]
     steps = sorted(p.name for p in (cluster.run_dir / "checkpoints").glob("step-*.ckpt"))
     assert steps[-1] == "step-00000020.ckpt"  # one global step count for the job
