@@ -1,10 +1,10 @@
 """Telemetry and throughput: what each node spends (power, energy, host) and what it gets done.
 
 After the first optimizer step and every ``telemetry.every_n_steps`` steps, each node's
-local rank 0 samples the GPUs its node trains on through NVML (power, the energy counter, utilisation, memory,
-temperature; skipped without NVML, on CPU) and the host through psutil (CPU %, RSS of the
-trainer, load average), appends a row to ``<run>/telemetry/node<N>.csv`` and logs the
-numbers through the trainer's logger.
+local rank 0 samples the GPUs its node trains on through NVML (power, the energy counter,
+utilisation, memory, temperature; skipped without NVML, on CPU) and the host through psutil
+(CPU %, RSS of the trainer, load average), appends a row to ``<run>/telemetry/node<N>.csv``
+and logs the numbers through the trainer's logger.
 Energy per step and per sample is the increase of those GPUs' energy counters between two
 samples divided by the steps, and by the samples those GPUs ran, in between.
 
@@ -133,7 +133,6 @@ class Telemetry(pl.Callback):
         self._window_start = 0.0
         self._last_energy: float | None = None
         self._last_step = 0
-        self.rows: list[dict[str, float]] = []
 
     def _is_node_leader(self, trainer: pl.Trainer) -> bool:
         return trainer.local_rank == 0
@@ -141,10 +140,13 @@ class Telemetry(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.flops_per_token = model_flops_per_token(getattr(pl_module, "model", None), self.seq_len)
         self.peak_tflops = self.peak_tflops or gpu_peak_tflops()
-        self._nvml = _NVML(cuda_uuids_of_this_node(trainer.num_devices))
+        # The node's leader alone reads NVML: it writes the node's CSV, and the logged
+        # numbers come from global rank 0, a leader too.
+        leader = self._is_node_leader(trainer)
+        self._nvml = _NVML(cuda_uuids_of_this_node(trainer.num_devices) if leader else [])
         self._process.cpu_percent()  # the first call only starts psutil's measuring interval
         self._window_start = self._batch_end = time.perf_counter()
-        if self._is_node_leader(trainer):
+        if leader:
             self.folder.mkdir(parents=True, exist_ok=True)
             node = int(os.environ.get("GROUP_RANK", "0"))
             path = self.folder / f"node{node}.csv"
@@ -197,7 +199,6 @@ class Telemetry(pl.Callback):
             self._last_energy = row["gpu_energy_j"]
         if self.flops_per_token and self.peak_tflops and torch.cuda.is_available():
             row["mfu"] = self.flops_per_token * row["tokens_per_s"] / (self.peak_tflops * 1e12)
-        self.rows.append(row)
         for key in (
             "samples_per_s",
             "tokens_per_s",
