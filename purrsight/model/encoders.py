@@ -95,7 +95,14 @@ class LoadedEncoder:
 
 
 def _config_digest(config: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    """A digest of an architecture; where its folder lies is no part of it.
+
+    Hugging Face configs carry the folder they were read from (``_name_or_path``): a model
+    moved, or mounted elsewhere on another node, is the same model. Its weights are
+    fingerprinted by content (training/build.py).
+    """
+    architecture = {key: value for key, value in config.items() if key != "_name_or_path"}
+    return hashlib.sha256(json.dumps(architecture, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def load_encoder(cfg: EncoderConfig, modality: Modality, seed: int) -> LoadedEncoder:
@@ -140,5 +147,5 @@ def _from_directory(path: Path, modality: Modality, processor: Any, seed: int) -
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"{path}: cannot load the {modality} encoder ({err})") from None
     input_name = "pixel_values" if modality == "image" else processor.model_input_names[0]
-    source = f"dir:{path.resolve()}:{_config_digest(config.to_dict())}"
+    source = f"dir:{_config_digest(config.to_dict())}"
     return LoadedEncoder(FrozenEncoder(_tower(model), input_name, _width(config)), source)

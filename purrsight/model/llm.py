@@ -49,7 +49,7 @@ def _base_llm(cfg: LLMConfig, vocab_size: int, seed: int) -> tuple[PreTrainedMod
                 )
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"{path}: cannot load the LLM ({err})") from None
-        return model, f"dir:{path.resolve()}:{_config_digest(model.config.to_dict())}"
+        return model, f"dir:{_config_digest(model.config.to_dict())}"
     options = {"vocab_size": vocab_size, **(cfg.config or {})}
     try:
         config = Qwen2Config(**options)

@@ -56,7 +56,7 @@ def build_model(config: Config) -> BuiltModel:
     if config.model.aligner_checkpoint is not None:
         widths = {name: enc.width for name, enc in encoders.items()}
         aligner = load_aligner(config.model.aligner_checkpoint, widths, config.model.aligner_dim)
-        sources.append(f"aligner:{config.model.aligner_checkpoint}")
+        sources.append("aligner")  # its weights are in the tensor digest; its path is not identity
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 10)  # projector init: identical on every rank and restart
         model = PurrSightModel(llm, encoders, aligner, config.model.prefix_tokens, config.model.projector_hidden)

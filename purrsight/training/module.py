@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any
 
 import pytorch_lightning as pl
@@ -16,6 +17,9 @@ from purrsight.training.build import build_model
 from purrsight.training.optim import build_optimizer
 
 CHECKPOINT_META_KEY = "purrsight"
+# 2: model folders are identified by architecture and weights, no longer by absolute path.
+FINGERPRINT_VERSION = 2
+log = logging.getLogger(__name__)
 
 
 class CheckpointMismatchError(ValueError):
@@ -104,6 +108,7 @@ class Phase2Module(pl.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         checkpoint[CHECKPOINT_META_KEY] = {
             "fingerprint": self.fingerprint,
+            "fingerprint_version": FINGERPRINT_VERSION,
             "trainable_shapes": keep,
             "config": dump_config(self.config),
         }
@@ -117,7 +122,14 @@ def verify_checkpoint(checkpoint: dict[str, Any], fingerprint: str, shapes: dict
     meta = checkpoint.get(CHECKPOINT_META_KEY)
     if not isinstance(meta, dict):
         raise CheckpointMismatchError("not a PurrSight Phase 2 checkpoint (no 'purrsight' section)")
-    if meta.get("fingerprint") != fingerprint:
+    if meta.get("fingerprint") != fingerprint and "fingerprint_version" not in meta:
+        # Saved before version 2, whose fingerprint included the model folders' absolute
+        # paths: it cannot be recomputed here, and refusing would strand every such run.
+        log.warning(
+            "checkpoint saved by an earlier PurrSight: its frozen-source fingerprint (path-bound) cannot be "
+            "checked; the trainable shapes are"
+        )
+    elif meta.get("fingerprint") != fingerprint:
         raise CheckpointMismatchError(
             "frozen-source fingerprint differs: the checkpoint was trained on other frozen weights "
             "(LLM, encoders, aligner or their config/seed changed)"

@@ -6,6 +6,7 @@ model.llm.path, model.image_encoder.path and model.audio_encoder.path at them.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,32 @@ def test_directories_load_and_train_a_step(model_dirs: dict[str, Path], syntheti
     assert torch.isfinite(loss)
     assert all(p.grad is not None for p in model.trainable_parameters())
     assert build_model(config).fingerprint == built.fingerprint
+
+
+def test_a_moved_model_folder_is_the_same_model(model_dirs: dict[str, Path], synthetic_dir: Path, tmp_path: Path) -> None:
+    """Checkpoints name their frozen sources by architecture and weights, not by path.
+
+    A model folder moved, or mounted elsewhere on another node, must not strand every
+    checkpoint; changed weights in the same place must still be refused.
+    """
+
+    def fingerprint(folder: Path, encoder: Path) -> str:
+        overrides = {
+            "model.llm.path": folder,
+            "model.llm.config": "null",
+            "model.llm.lora.target_modules": "[q_proj, v_proj]",
+            "model.image_encoder.path": encoder,
+            "model.image_encoder.config": "null",
+        }
+        return build_model(tiny_config(synthetic_dir, tmp_path, **overrides)).fingerprint
+
+    original = fingerprint(model_dirs["llm"], model_dirs["vit"])
+    moved_llm, moved_vit = tmp_path / "mnt" / "llm", tmp_path / "mnt" / "vit"
+    shutil.copytree(model_dirs["llm"], moved_llm)
+    shutil.copytree(model_dirs["vit"], moved_vit)
+    assert fingerprint(moved_llm, moved_vit) == original
+    retrained = AutoModelForCausalLM.from_pretrained(moved_llm)
+    with torch.no_grad():
+        retrained.model.layers[0].mlp.up_proj.weight.mul_(1.01)
+    retrained.save_pretrained(moved_llm)
+    assert fingerprint(moved_llm, moved_vit) != original
