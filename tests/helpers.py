@@ -77,8 +77,32 @@ def torchrun_two_ranks(script: Path, *args: str) -> list[str]:
     ]
 
 
-def run_python(args: list[str], timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=python_env(), capture_output=True, text=True, timeout=timeout)
+def run_python(
+    args: list[str], timeout: float = 300, cwd: Path = REPO, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``prefix`` runs the interpreter under another command (setpriv, say); ``env`` adds variables."""
+    return subprocess.run(
+        [*prefix, sys.executable, *args],
+        cwd=cwd,
+        env={**python_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def train_tiny(
+    synthetic_dir: Path, out: Path, *extra: str, env: dict[str, str] | None = None, **overrides: object
+) -> subprocess.CompletedProcess[str]:
+    """train_phase2.py on the tiny config in one process; ``extra`` are options such as --resume."""
+    args = [
+        str(REPO / "train_phase2.py"),
+        "--config",
+        str(DEFAULT_CONFIG),
+        *extra,
+        *tiny_overrides(synthetic_dir, out, **overrides),
+    ]
+    return run_python(args, env=env)
 
 
 def trainable_state(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import soundfile
 from PIL import Image, ImageDraw
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
@@ -86,16 +86,37 @@ def write_split(folder: Path, split: str, count: int, rng: np.random.Generator, 
         record["prompt"] = questions[int(rng.integers(0, len(questions)))]
         record["response"] = _answer(colour, pitch)
         lines.append(json.dumps(record))
-        texts += [record["prompt"], record["response"]]
+        texts += [record["prompt"], " " + record["response"]]  # as TextEncoder feeds the response
     (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     return texts
 
 
+# Qwen2's pre-tokenisation (split, then byte-level), so the tiny set's tokenizer is of the
+# same family as the tiny Qwen2 LM's real counterpart: AutoTokenizer on an exported folder
+# (config.json says qwen2) builds a Qwen2Tokenizer from these files and must get the same
+# ids. A word-level tokenizer came back from there as one token per sentence.
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+TOKENIZER_VOCAB = 512  # 256 bytes, 4 specials and merges enough to make every word of the set one token
+
+
 def train_tokenizer(texts: list[str], folder: Path) -> None:
-    """A word-level tokenizer over the set's text, saved as a Hugging Face directory."""
-    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS))
+    """A Qwen2-style byte-level BPE over the set's text, saved as a Hugging Face directory."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
     )

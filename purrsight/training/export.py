@@ -9,9 +9,11 @@ frozen encoders and the prefix layout).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from transformers import AutoTokenizer
 
 from purrsight.config import Config, ConfigError, safe_yaml_load, write_resolved
 from purrsight.training.build import build_model
@@ -55,4 +57,31 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     if projectors:
         save_file(projectors, str(out / "projectors.safetensors"))
     write_resolved(config, out)
+    check_tokenizer_reloads(tokenizer, out)
     return out
+
+
+class ExportError(ValueError):
+    """The exported folder would not load as promised; the message says why."""
+
+
+PROBE_TEXTS = ("What colour is the cat in the picture?", " The sound is high.", "Ünïcode, digits 1234 and\nlines")
+
+
+def check_tokenizer_reloads(trained: Any, out: Path) -> None:
+    """The promise of the export: plain AutoTokenizer on the folder gives the trained ids.
+
+    AutoTokenizer picks the class from config.json's model type (Qwen2Tokenizer for qwen2),
+    not from the saved tokenizer: one of another family (the word-level tokenizer of older
+    synthetic sets) came back from there turning a sentence into one token.
+    """
+    reloaded = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    for text in PROBE_TEXTS:
+        expected = trained(text, add_special_tokens=False)["input_ids"]
+        got = reloaded(text, add_special_tokens=False)["input_ids"]
+        if got != expected:
+            raise ExportError(
+                f"{out}: AutoTokenizer.from_pretrained loads a {type(reloaded).__name__} that splits {text!r} into "
+                f"{len(got)} tokens where the trained tokenizer made {len(expected)}; the tokenizer is not of the "
+                "LLM's family (an older synthetic set? delete its folder so it is generated anew, and train again)"
+            )

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from purrsight.training.export import load_trained
 from tests.helpers import (
@@ -23,22 +24,18 @@ from tests.helpers import (
     read_metrics,
     run_python,
     tiny_overrides,
+    train_tiny,
     trainable_state,
 )
 
 TRAIN = str(REPO / "train_phase2.py")
 
 
-def train(synthetic_dir: Path, out: Path, *extra: str, **overrides: object) -> subprocess.CompletedProcess[str]:
-    args = [TRAIN, "--config", str(DEFAULT_CONFIG), *extra, *tiny_overrides(synthetic_dir, out, **overrides)]
-    return run_python(args)
-
-
 @pytest.fixture(scope="module")
 def trained(synthetic_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One real training run shared by the checks below: 60 steps, checkpoints every 10."""
     out = tmp_path_factory.mktemp("runs")
-    result = train(synthetic_dir, out, trainer__max_steps=60, data__batch_size=16, trainer__val_every_n_steps=30)
+    result = train_tiny(synthetic_dir, out, trainer__max_steps=60, data__batch_size=16, trainer__val_every_n_steps=30)
     assert result.returncode == 0, result.stderr[-3000:]
     return out / "phase2-tiny"
 
@@ -83,10 +80,10 @@ def test_resume_mid_epoch_matches_an_uninterrupted_run(synthetic_dir: Path, tmp_
     Past epoch 0 on purpose: a sampler that skips seen samples before set_epoch replays epoch 0.
     """
     common = {"trainer__max_steps": 30, "run__deterministic": "true", "checkpoint__keep_last": 5}
-    whole = train(synthetic_dir, tmp_path / "a", **common)
+    whole = train_tiny(synthetic_dir, tmp_path / "a", **common)
     assert whole.returncode == 0, whole.stderr[-3000:]
     stopped_at = tmp_path / "a" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt"
-    resumed = train(synthetic_dir, tmp_path / "b", "--resume", str(stopped_at), **common)
+    resumed = train_tiny(synthetic_dir, tmp_path / "b", "--resume", str(stopped_at), **common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from checkpoint {stopped_at}" in resumed.stderr
     a = trainable_state(tmp_path / "a" / "phase2-tiny" / "checkpoints" / "last.ckpt")
@@ -119,7 +116,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_nonzero(synthetic_dir: Path, tmp_p
     saved = sorted(folder.glob("step-*.ckpt"))[-1]
     step = int(saved.stem.split("-")[1])
     assert step >= 12 and f"checkpoint: {saved}" in rest
-    again = train(synthetic_dir, tmp_path, "--resume", trainer__max_steps=step + 3)
+    again = train_tiny(synthetic_dir, tmp_path, "--resume", trainer__max_steps=step + 3)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resuming from checkpoint {saved}" in again.stderr
     assert (folder / f"step-{step + 3:08d}.ckpt").is_file()
@@ -135,31 +132,62 @@ def test_sigterm_saves_a_checkpoint_and_exits_nonzero(synthetic_dir: Path, tmp_p
 def test_mismatched_checkpoint_is_refused(
     trained: Path, synthetic_dir: Path, tmp_path: Path, override: dict[str, object], message: str
 ) -> None:
-    result = train(
+    result = train_tiny(
         synthetic_dir, tmp_path, "--resume", str(trained / "checkpoints" / "last.ckpt"), trainer__max_steps=70, **override
     )
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
-def test_export_round_trip(trained: Path, tmp_path: Path) -> None:
-    result = run_python([TRAIN, "export", "--checkpoint", str(trained / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "x")])
+def test_export_loads_with_plain_transformers(trained: Path, tmp_path: Path) -> None:
+    """The README's promise: AutoTokenizer + AutoModelForCausalLM on the folder give the trained model's ids and logits."""
+    out = tmp_path / "x"
+    result = run_python([TRAIN, "export", "--checkpoint", str(trained / "checkpoints" / "last.ckpt"), "--out", str(out)])
     assert result.returncode == 0, result.stderr[-2000:]
-    assert (tmp_path / "x" / "model.safetensors").is_file() and (tmp_path / "x" / "projectors.safetensors").is_file()
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "x")  # plain transformers, no peft
-    _, model, tokenizer = load_trained(trained / "checkpoints" / "last.ckpt")
-    ids = tokenizer("What colour is the cat ?", return_tensors="pt")["input_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(out)  # picked by config.json's model type, as a user's would be
+    exported = AutoModelForCausalLM.from_pretrained(out)  # plain transformers, no peft
+    _, model, trained_tokenizer = load_trained(trained / "checkpoints" / "last.ckpt")
+    text = "What colour is the cat in the picture?"
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    assert ids.shape[1] == 9  # one token per word and the question mark
+    assert ids.tolist() == trained_tokenizer(text, return_tensors="pt")["input_ids"].tolist()
     with torch.no_grad():
         expected = model.llm(input_ids=ids).logits
         got = exported(input_ids=ids).logits
     assert torch.allclose(expected, got, atol=1e-5)
+    projectors = load_file(str(out / "projectors.safetensors"))
+    checkpoint = trainable_state(trained / "checkpoints" / "last.ckpt")
+    assert projectors.keys() == {k.removeprefix("model.projectors.") for k in checkpoint if k.startswith("model.projectors.")}
+    for key, tensor in projectors.items():
+        assert torch.equal(tensor, checkpoint[f"model.projectors.{key}"]), key
+
+
+def test_export_refuses_a_tokenizer_that_would_not_reload(trained: Path, tmp_path: Path) -> None:
+    """A word-level tokenizer (older synthetic sets) comes back from AutoTokenizer as a Qwen2Tokenizer: refused."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from purrsight.training.export import ExportError, check_tokenizer_reloads
+
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "What": 1, "colour": 2}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>")
+    out = tmp_path / "x"
+    AutoModelForCausalLM.from_config(
+        Qwen2Config(
+            vocab_size=3, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16
+        )
+    ).save_pretrained(out)
+    word_level.save_pretrained(out)
+    with pytest.raises(ExportError, match="Qwen2Tokenizer that splits 'What colour is the cat in the picture"):
+        check_tokenizer_reloads(word_level, out)
 
 
 def test_resume_without_checkpoint_and_bad_config_are_one_line(synthetic_dir: Path, tmp_path: Path) -> None:
-    result = train(synthetic_dir, tmp_path, "--resume")
+    result = train_tiny(synthetic_dir, tmp_path, "--resume")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: --resume: no checkpoint in")
-    bad = train(synthetic_dir, tmp_path, optim__lr=-1)
+    bad = train_tiny(synthetic_dir, tmp_path, optim__lr=-1)
     assert bad.returncode == 2 and "optim.lr: Input should be greater than 0" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
 

@@ -23,7 +23,7 @@ def test_labels_cover_the_response_only(tokenizer) -> None:  # type: ignore[no-u
     assert encoded.labels[:prompt_len] == [IGNORE_INDEX] * prompt_len
     assert encoded.labels[prompt_len:] == encoded.input_ids[prompt_len:]
     assert encoded.input_ids[-1] == tokenizer.eos_token_id
-    assert tokenizer.decode(encoded.input_ids[prompt_len:-1]).strip() == "The cat is red ."
+    assert tokenizer.decode(encoded.input_ids[prompt_len:-1]).strip() == "The cat is red."
 
 
 def test_truncation_keeps_the_prompt_and_refuses_a_prompt_too_long(tokenizer) -> None:  # type: ignore[no-untyped-def]
