@@ -69,11 +69,12 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
         help="resume from PATH, or from the newest checkpoint of the run when PATH is omitted",
     )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may stand before and after --resume PATH
     # `--resume trainer.max_steps=9` means "resume the newest" followed by an override,
     # not a checkpoint file with that odd name.
     if args.resume not in (None, NEWEST) and OVERRIDE.match(args.resume) and not Path(args.resume).exists():
-        args.overrides.insert(0, args.resume)
+        before = argv.index("--resume") if "--resume" in argv else 0  # keep the command line's order: later wins
+        args.overrides.insert(sum(1 for arg in argv[:before] if OVERRIDE.match(arg)), args.resume)
         args.resume = NEWEST
     return args
 
