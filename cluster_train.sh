@@ -52,7 +52,9 @@ Environment variables (default in brackets; a variable you export yourself is ne
   NCCL_PRESET     auto | ib | ethernet | none [auto: InfiniBand when an active port exists]
   NODE_ADDR       this node's address as the other nodes reach it [auto: source of the route to the master]
   RESUME          auto: continue from the newest checkpoint of the run when one exists [unset: start
-                  fresh unless torchrun restarted the workers]; the SLURM wrapper sets it after a requeue
+                  fresh unless torchrun restarted the workers]; the SLURM wrapper sets it after a requeue.
+                  Unset, a run folder that already holds a run is refused (exit 2): resume it, pick
+                  another run.name, or set run.if_exists=archive|overwrite after --
 
 Examples:
   ./cluster_train.sh                                              # one node, the embedded default
@@ -210,6 +212,17 @@ check_config() {
   fi
 }
 
+# A start without RESUME into a run folder that holds another run would mix the two; it is
+# refused here, on every node, before torchrun (which would restart refused workers).
+check_run_folder() {
+  local problems
+  if ! problems="$(PURRSIGHT_RESUME="${RESUME:-}" "${PYTHON}" -m purrsight.training.run_folder check \
+    "${CONFIG}" "${OVERRIDES[@]}" 2>&1 >/dev/null)"; then
+    printf '%s [cluster_train] %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "${problems}" >&2
+    exit "${EXIT_USAGE}"
+  fi
+}
+
 # ------------------------------------------------------------------ environment and logs
 
 EXPORTED=()   # for the banner
@@ -340,6 +353,7 @@ main() {
     printf '\n'
     exit 0
   fi
+  check_run_folder
   start_node_log
   build_torchrun_args
   print_banner

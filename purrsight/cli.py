@@ -18,11 +18,24 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from purrsight.data.index import IndexFileError
     from purrsight.data.media import SampleError
     from purrsight.model.encoders import ModelLoadError
-    from purrsight.training.checkpoints import CheckpointWriteError
+    from purrsight.training.checkpoints import CheckpointReadError, CheckpointWriteError
+    from purrsight.training.export import ExportError
     from purrsight.training.module import CheckpointMismatchError
     from purrsight.training.run import ResumeError
+    from purrsight.training.run_folder import RunFolderError
 
-    return (ConfigError, IndexFileError, SampleError, ModelLoadError, CheckpointMismatchError, ResumeError, CheckpointWriteError)
+    return (
+        ConfigError,
+        IndexFileError,
+        SampleError,
+        ModelLoadError,
+        CheckpointMismatchError,
+        ResumeError,
+        RunFolderError,
+        CheckpointWriteError,
+        CheckpointReadError,
+        ExportError,
+    )
 
 
 def setup_logging() -> None:

@@ -65,6 +65,10 @@ class RunConfig(_Section):
     output_dir: str = Field("runs", description="Parent folder of run folders (checkpoints, logs, resolved config).")
     seed: int = Field(1234, description="Seeds python, numpy and torch; each rank derives its own stream.")
     deterministic: bool = Field(False, description="torch deterministic algorithms; exact resume on CPU, slower on GPU.")
+    if_exists: Literal["refuse", "archive", "overwrite"] = Field(
+        "refuse",
+        description="A start without resume into a folder holding a run: refuse (exit 2), archive it beside, or overwrite it.",
+    )
 
     @property
     def run_dir(self) -> Path:

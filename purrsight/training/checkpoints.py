@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 import tempfile
@@ -22,9 +21,9 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from purrsight.training.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
+
 log = logging.getLogger(__name__)
-STEP_PATTERN = re.compile(r"^step-(\d+)\.ckpt$")
-LAST_NAME = "last.ckpt"
 
 
 FAULT_ENV = "PURRSIGHT_FAULT"  # fault injection for the reliability tests (docs/RELIABILITY.md)
@@ -86,29 +85,37 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
 
-def step_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the step checkpoints in ``folder``, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_PATTERN.match(p.name))]
-    return sorted(found)
-
-
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, quota, permissions); earlier ones are intact."""
 
 
-def is_loadable(path: Path) -> bool:
-    """True when ``path`` unpickles safely into a PurrSight checkpoint (not torn, not truncated)."""
+class CheckpointReadError(RuntimeError):
+    """A checkpoint could not be read at all (permissions, I/O error, stale NFS handle)."""
+
+
+def saved_step(path: Path) -> int | None:
+    """The optimizer step a PurrSight checkpoint was saved at; None when it is torn or not one.
+
+    Only a file that reads but does not parse is corrupt. A file that cannot be read at
+    all (permissions, an I/O error, a stale NFS handle) says nothing about its contents:
+    skipping it would resume an older checkpoint, or start over, while it may be whole,
+    so that raises CheckpointReadError naming the file and the cause.
+    """
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
-        return False
-    return isinstance(state, dict) and "purrsight" in state and "state_dict" in state
+    except OSError as err:
+        raise CheckpointReadError(
+            f"cannot read checkpoint {path}: {err.strerror or err}; fix access to it (or move it away) and start again"
+        ) from None
+    except Exception:  # a torn zip, a truncated pickle, objects that weights_only refuses
+        return None
+    if not (isinstance(state, dict) and "purrsight" in state and "state_dict" in state):
+        return None
+    return int(state.get("global_step", 0))
 
 
-def newest_checkpoint(folder: Path) -> Path | None:
-    """The checkpoint a resume takes: the newest readable step file, else last.ckpt, else none.
+def newest_checkpoint(folder: Path) -> tuple[Path, int] | None:
+    """(path, step) of the checkpoint a resume takes: the newest intact step file, else last.ckpt.
 
     A newest file that is corrupted or truncated (a disk that filled, a bad copy) is skipped
     with a warning: a run never restarts from scratch while a good checkpoint exists.
@@ -118,20 +125,11 @@ def newest_checkpoint(folder: Path) -> Path | None:
     if last.is_file():
         candidates.append(last)
     for path in candidates:
-        if is_loadable(path):
-            return path
+        step = saved_step(path)
+        if step is not None:
+            return path, step
         log.warning("checkpoint %s is unreadable (corrupted or truncated): trying the previous one", path)
     return None
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    tmp = target.with_name(f".{target.name}.link")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(source, tmp)
-    except OSError:
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, target)
 
 
 class StopRequest:
@@ -204,15 +202,18 @@ class CheckpointSaver(pl.Callback):
 
     def save(self, trainer: pl.Trainer) -> Path:
         step = trainer.global_step
-        path = self.folder / f"step-{step:08d}.ckpt"
+        path = self.folder / step_name(step)
         # Every rank calls; rank 0 writes, then all meet at a barrier. A failed write (disk
         # full) stops the run with CheckpointWriteError: going on would train hours that no
         # checkpoint holds. The previous checkpoints are left as they were.
         trainer.save_checkpoint(path)
         if trainer.is_global_zero:
-            _link_or_copy(path, self.folder / LAST_NAME)
+            link_or_copy(path, self.folder / LAST_NAME)
+            # Oldest first; the file just written is never among those removed, whatever
+            # else lies in the folder.
             for _, old in step_checkpoints(self.folder)[: -self.keep_last]:
-                old.unlink(missing_ok=True)
+                if old != path:
+                    old.unlink(missing_ok=True)
             log.info("checkpoint saved: %s (step %d)", path, step)
         self.last_saved_step, self.last_saved_path = step, path
         return path

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from datetime import timedelta
-from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 from pytorch_lightning.plugins.environments import TorchElasticEnvironment
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
-from purrsight.config import Config, ConfigError
+from purrsight.config import Config
 from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
+from purrsight.training.loggers import FitStepNumbering, build_loggers
 from purrsight.training.preflight_callback import Preflight
 from purrsight.training.profiling import StepProfiler
 from purrsight.training.progress import LineProgress, use_progress_bar
@@ -74,29 +72,15 @@ def build_strategy(config: Config, accelerator: str) -> Strategy:
     )
 
 
-def build_loggers(config: Config, run_dir: Path) -> list[Logger]:
-    loggers: list[Logger] = []
-    if config.logging.csv:
-        loggers.append(CSVLogger(save_dir=str(run_dir), name="metrics", version=""))
-    if config.logging.tensorboard:
-        # Lightning would fail only once training starts, with a traceback; say it now.
-        if not any(importlib.util.find_spec(package) for package in ("tensorboard", "tensorboardX")):
-            raise ConfigError(
-                [
-                    "logging.tensorboard is true but the tensorboard package is not installed: "
-                    "pip install -e .[tensorboard], or set logging.tensorboard=false"
-                ]
-            )
-        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
-    return loggers
-
-
-def build_trainer(config: Config, saver: CheckpointSaver, extra_callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
+def build_trainer(
+    config: Config, saver: CheckpointSaver, extra_callbacks: list[pl.Callback] | None = None, resumed_step: int = 0
+) -> pl.Trainer:
+    """The trainer for a run that continues after ``resumed_step`` (0: a new run)."""
     accelerator = resolve_accelerator(config)
     local, nodes = launch_world()
     run_dir = config.run.run_dir
     bar = use_progress_bar(config.logging.progress)
-    callbacks: list[pl.Callback] = [saver, *(extra_callbacks or [])]
+    callbacks: list[pl.Callback] = [saver, FitStepNumbering(), *(extra_callbacks or [])]
     callbacks.append(Preflight(config.preflight))
     if config.profiler.enabled:
         callbacks.append(StepProfiler(run_dir / "profiler", config.profiler.start_step, config.profiler.end_step))
@@ -137,7 +121,7 @@ def build_trainer(config: Config, saver: CheckpointSaver, extra_callbacks: list[
         enable_progress_bar=bar,
         enable_model_summary=False,
         log_every_n_steps=config.logging.every_n_steps,
-        logger=build_loggers(config, run_dir) or False,
+        logger=build_loggers(config, run_dir, resumed_step) or False,
         callbacks=callbacks,
         default_root_dir=str(run_dir),
     )

@@ -28,6 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from purrsight.model.multimodal import PurrSightModel
+from purrsight.training.run_folder import truncate_history
 
 PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}  # bf16 dense, per GPU (vendor figures)
 
@@ -150,6 +151,9 @@ class Telemetry(pl.Callback):
             self.folder.mkdir(parents=True, exist_ok=True)
             node = int(os.environ.get("GROUP_RANK", "0"))
             path = self.folder / f"node{node}.csv"
+            # Rows after the step this run starts from are redone now (a resume) or belong to
+            # nothing (a new run): they go, the rows before stay.
+            truncate_history(path, trainer.global_step)
             self._file = path.open("a", newline="")
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers import run_trainer, tiny_overrides, trainable_state
+from tests.helpers import read_metrics, run_trainer, tiny_overrides, trainable_state
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers
 
@@ -61,6 +61,9 @@ def test_kill9_random_rank_at_random_step(seed: int, cluster: Cluster, uninterru
     # at most one checkpoint interval redone: the kill landed after step kill_after
     assert kill_after - int(resumed.group(1)) <= 10 + 2, (kill_after, resumed.group(1))
     assert_same_weights(final_weights(cluster, "victim"), uninterrupted)
+    # one history: the rows before the resumed step kept, the redone ones once
+    history = read_metrics(cluster.tmp / "runs" / "victim")
+    assert [int(float(row["step"])) for row in history if row.get("train/loss")] == list(range(1, 61))
 
 
 def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Cluster) -> None:

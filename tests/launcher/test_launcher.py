@@ -9,6 +9,7 @@ import time
 
 import psutil
 
+from tests.helpers import read_metrics
 from tests.launcher.conftest import Cluster, descendants, wait_for
 
 
@@ -99,3 +100,25 @@ def test_sigterm_checkpoints_and_leaves_no_process(cluster: Cluster) -> None:
     log = cluster.node_log(0)
     assert "stopped by SIGTERM at step" in log and "received SIGTERM" in log
     assert list((cluster.run_dir / "checkpoints").glob("step-*.ckpt"))
+
+
+def test_two_nodes_sharing_a_run_folder_refuse_a_second_run_and_resume_as_one(cluster: Cluster) -> None:
+    """Both nodes see the same run.output_dir: a second start is refused on each before torchrun,
+    RESUME=auto continues the run, and the metrics history runs from the first step to the last."""
+    for node in (0, 1):
+        cluster.start(2, node, trainer__max_steps=10)
+    assert [launcher.wait(timeout=300) for launcher in cluster.launchers] == [0, 0], cluster.launchers[0].text()[-3000:]
+    saved = sorted(p.name for p in (cluster.run_dir / "checkpoints").iterdir())
+
+    start = time.monotonic()
+    refused = [cluster.start(2, node, trainer__max_steps=20) for node in (0, 1)]
+    assert [launcher.wait(timeout=120) for launcher in refused] == [2, 2]
+    assert time.monotonic() - start < 60  # no node waits for the rendezvous timeout
+    for launcher in refused:
+        assert "already holds a run (checkpoints up to step 10" in launcher.text()
+    assert sorted(p.name for p in (cluster.run_dir / "checkpoints").iterdir()) == saved
+
+    resumed = [cluster.start(2, node, env={"RESUME": "auto"}, trainer__max_steps=20) for node in (0, 1)]
+    assert [launcher.wait(timeout=300) for launcher in resumed] == [0, 0], resumed[0].text()[-3000:]
+    assert "resume=auto: continuing from" in cluster.node_log(0)
+    assert [int(float(r["step"])) for r in read_metrics(cluster.run_dir) if r.get("train/loss")] == [5, 10, 15, 20]

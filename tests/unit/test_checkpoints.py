@@ -1,16 +1,24 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from purrsight.config import load_config
+from purrsight.config import Config, load_config
 from purrsight.training import checkpoints
-from purrsight.training.checkpoints import AtomicCheckpointIO, newest_checkpoint, step_checkpoints
+from purrsight.training.checkpoints import (
+    AtomicCheckpointIO,
+    CheckpointReadError,
+    newest_checkpoint,
+    saved_step,
+    step_checkpoints,
+)
 from purrsight.training.module import CheckpointMismatchError, verify_checkpoint
 from purrsight.training.optim import warmup_cosine
-from purrsight.training.run import ResumeError, choose_resume
+from purrsight.training.run import ResumeError, choose_start
+from purrsight.training.run_folder import RunFolderError
 from tests.helpers import DEFAULT_CONFIG
 
 
@@ -41,55 +49,113 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path: Path) -> None:
         AtomicCheckpointIO().load_checkpoint(path)
 
 
-def write_checkpoint(path: Path) -> Path:
-    """The smallest file that reads as a PurrSight checkpoint."""
-    torch.save({"purrsight": {}, "state_dict": {"model.w": torch.zeros(64)}}, path)
+def write_checkpoint(path: Path, step: int = 0) -> Path:
+    """The smallest file that reads as a PurrSight checkpoint saved at ``step``."""
+    torch.save({"purrsight": {}, "state_dict": {"model.w": torch.zeros(64)}, "global_step": step}, path)
     return path
 
 
 def test_newest_checkpoint_prefers_the_highest_step(tmp_path: Path) -> None:
     assert newest_checkpoint(tmp_path) is None
-    write_checkpoint(tmp_path / "last.ckpt")
-    assert newest_checkpoint(tmp_path) == tmp_path / "last.ckpt"
+    write_checkpoint(tmp_path / "last.ckpt", 7)
+    assert newest_checkpoint(tmp_path) == (tmp_path / "last.ckpt", 7)
     for step in (5, 100, 20):
-        write_checkpoint(tmp_path / f"step-{step:08d}.ckpt")
+        write_checkpoint(tmp_path / f"step-{step:08d}.ckpt", step)
     (tmp_path / "step-junk.ckpt").write_bytes(b"x")
     assert [s for s, _ in step_checkpoints(tmp_path)] == [5, 20, 100]
-    assert newest_checkpoint(tmp_path) == tmp_path / "step-00000100.ckpt"
+    assert newest_checkpoint(tmp_path) == (tmp_path / "step-00000100.ckpt", 100)
 
 
 def test_unreadable_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     for step in (10, 20, 30):
-        write_checkpoint(tmp_path / f"step-{step:08d}.ckpt")
+        write_checkpoint(tmp_path / f"step-{step:08d}.ckpt", step)
     newest = tmp_path / "step-00000030.ckpt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
     (tmp_path / "step-00000020.ckpt").write_bytes(b"\x00garbage" * 100)  # corrupted
-    assert newest_checkpoint(tmp_path) == tmp_path / "step-00000010.ckpt"
+    assert newest_checkpoint(tmp_path) == (tmp_path / "step-00000010.ckpt", 10)
     assert "step-00000030.ckpt is unreadable" in caplog.text and "step-00000020.ckpt is unreadable" in caplog.text
     (tmp_path / "step-00000010.ckpt").write_bytes(b"")
     assert newest_checkpoint(tmp_path) is None  # nothing usable: the caller says so (never a silent pick)
 
 
-def test_choose_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_checkpoint_that_cannot_be_read_stops_instead_of_being_skipped(tmp_path: Path) -> None:
+    """An OSError says nothing about the file: skipping it would resume an older one, or step 0."""
+    write_checkpoint(tmp_path / "step-00000010.ckpt", 10)
+    (tmp_path / "step-00000020.ckpt").mkdir()  # open() fails with EISDIR, a real OSError
+    with pytest.raises(CheckpointReadError, match=r"cannot read checkpoint .*step-00000020\.ckpt: Is a directory"):
+        newest_checkpoint(tmp_path)
+    assert saved_step(write_checkpoint(tmp_path / "other.ckpt", 3)) == 3
+
+
+def start(config: Config, resume: str | None = None, generation: int = 0) -> tuple[str | None, int]:
+    plan = choose_start(config, resume, generation)
+    return (plan.checkpoint.name if plan.checkpoint else None), plan.step
+
+
+def test_choose_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PURRSIGHT_LAUNCH_ID", "launch-1")
     config = load_config(DEFAULT_CONFIG, [f"run.output_dir={tmp_path}"], check_paths=False)
     folder = tmp_path / "phase2-tiny" / "checkpoints"
-    assert choose_resume(config, None) is None
-    assert choose_resume(config, "auto") is None  # nothing to continue: a fresh start, no error
+    assert start(config) == (None, 0)
+    assert start(config, "auto") == (None, 0)  # nothing to continue: a fresh start, no error
     with pytest.raises(ResumeError, match="no checkpoint in"):
-        choose_resume(config, "newest")
+        start(config, "newest")
     with pytest.raises(ResumeError, match=r"checkpoint /nope\.ckpt does not exist"):
-        choose_resume(config, "/nope.ckpt")
-    assert choose_resume(config, None, generation=1) is None  # restarted before any checkpoint: from scratch
+        start(config, "/nope.ckpt")
+    assert start(config, None, generation=1) == (None, 0)  # restarted before any checkpoint: from scratch
+    folder.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(folder / "step-00000010.ckpt", 10)
+    assert start(config, None, generation=1) == ("step-00000010.ckpt", 10)  # restarted: resumes by itself
+    assert start(config, "auto") == ("step-00000010.ckpt", 10)  # PURRSIGHT_RESUME=auto (SLURM requeue)
+    with pytest.raises(RunFolderError, match="already holds a run"):
+        start(config, None, generation=0)  # a first start never resumes silently, nor mixes runs
+
+
+def test_restarts_of_a_refused_start_are_refused_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun restarts workers that exited 2; they must not resume the run that was refused."""
+    config = load_config(DEFAULT_CONFIG, [f"run.output_dir={tmp_path}"], check_paths=False)
+    folder = tmp_path / "phase2-tiny" / "checkpoints"
+    monkeypatch.setenv("PURRSIGHT_LAUNCH_ID", "the-earlier-run")
+    assert start(config) == (None, 0)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(folder / "step-00000150.ckpt", 150)
+    monkeypatch.setenv("PURRSIGHT_LAUNCH_ID", "a-new-launch")
+    for generation in (0, 1, 2):
+        with pytest.raises(RunFolderError, match="already holds a run"):
+            start(config, None, generation)
+    monkeypatch.setenv("PURRSIGHT_LAUNCH_ID", "the-earlier-run")
+    assert start(config, None, generation=1) == ("step-00000150.ckpt", 150)
+
+
+def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PURRSIGHT_LAUNCH_ID", "launch-1")
+    config = load_config(DEFAULT_CONFIG, [f"run.output_dir={tmp_path}"], check_paths=False)
+    folder = tmp_path / "phase2-tiny" / "checkpoints"
     folder.mkdir(parents=True)
-    write_checkpoint(folder / "step-00000010.ckpt")
-    assert choose_resume(config, None, generation=1) == folder / "step-00000010.ckpt"  # restarted: resumes by itself
-    assert choose_resume(config, None, generation=0) is None  # a first start never resumes silently
-    assert choose_resume(config, "auto") == folder / "step-00000010.ckpt"  # PURRSIGHT_RESUME=auto (SLURM requeue)
+    for step in (50, 100, 150):
+        write_checkpoint(folder / f"step-{step:08d}.ckpt", step)
+    os.link(folder / "step-00000150.ckpt", folder / "last.ckpt")
+    assert start(config, str(folder / "step-00000050.ckpt")) == ("step-00000050.ckpt", 50)
+    assert [s for s, _ in step_checkpoints(folder)] == [50]
+    (aside,) = folder.glob("superseded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["last.ckpt", "step-00000100.ckpt", "step-00000150.ckpt"]
+    assert (folder / "last.ckpt").samefile(folder / "step-00000050.ckpt")
+    assert start(config, "newest") == ("step-00000050.ckpt", 50)  # the abandoned future is not resumed
+
+
+def test_resuming_another_runs_checkpoint_into_a_folder_holding_a_run_is_refused(tmp_path: Path) -> None:
+    elsewhere = write_checkpoint(tmp_path / "other.ckpt", 20)
+    config = load_config(DEFAULT_CONFIG, [f"run.output_dir={tmp_path}"], check_paths=False)
+    assert start(config, str(elsewhere)) == ("other.ckpt", 20)  # an empty folder: a new lineage from step 20
+    (tmp_path / "phase2-tiny" / "metrics").mkdir(parents=True)
+    (tmp_path / "phase2-tiny" / "metrics" / "metrics.csv").write_text("step,train/loss\n10,1.0\n")
+    with pytest.raises(RunFolderError, match=r"phase2-tiny already holds a run \(a metrics history"):
+        start(config, str(elsewhere))
 
 
 def test_verify_checkpoint_names_the_difference() -> None:
     shapes = {"model.a": [2, 3]}
-    good = {"purrsight": {"fingerprint": "f"}, "state_dict": {"model.a": torch.zeros(2, 3)}}
+    good = {"purrsight": {"fingerprint": "f", "fingerprint_version": 2}, "state_dict": {"model.a": torch.zeros(2, 3)}}
     verify_checkpoint(good, "f", shapes)
     with pytest.raises(CheckpointMismatchError, match="fingerprint differs"):
         verify_checkpoint(good, "g", shapes)
@@ -97,6 +163,15 @@ def test_verify_checkpoint_names_the_difference() -> None:
         verify_checkpoint(good, "f", {**shapes, "model.b": [1]})
     with pytest.raises(CheckpointMismatchError, match="not a PurrSight"):
         verify_checkpoint({"state_dict": {}}, "f", shapes)
+
+
+def test_checkpoints_from_before_path_free_fingerprints_still_resume(caplog: pytest.LogCaptureFixture) -> None:
+    """Their fingerprint hashed absolute model paths: it cannot be recomputed, so it is not held against them."""
+    old = {"purrsight": {"fingerprint": "path-bound"}, "state_dict": {"model.a": torch.zeros(2, 3)}}
+    verify_checkpoint(old, "f", {"model.a": [2, 3]})
+    assert "earlier PurrSight" in caplog.text
+    with pytest.raises(CheckpointMismatchError, match=r"model\.a: checkpoint shape \[2, 3\]"):
+        verify_checkpoint(old, "f", {"model.a": [3, 2]})  # the shapes are still checked
 
 
 def test_warmup_then_cosine_to_the_floor() -> None:

@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from purrsight.config import ConfigError
 from purrsight.training import telemetry
-from purrsight.training.factory import build_loggers
+from purrsight.training.loggers import build_loggers
 from purrsight.training.report import write_report
 from purrsight.training.telemetry import flops_per_token
 from tests.helpers import read_metrics, run_trainer, tiny_config, tiny_overrides
@@ -173,4 +173,4 @@ def test_tensorboard_without_its_package_is_a_config_error(monkeypatch: pytest.M
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)
     config = tiny_config(tmp_path / "data", tmp_path / "runs", logging__tensorboard="true")
     with pytest.raises(ConfigError, match=r"pip install -e \.\[tensorboard\], or set logging.tensorboard=false"):
-        build_loggers(config, tmp_path / "run")
+        build_loggers(config, tmp_path / "run", resumed_step=0)

@@ -1,0 +1,231 @@
+"""A run folder holds one run: never mixed with another, nothing deleted unless asked.
+
+``<run.output_dir>/<run.name>/`` is one run's lineage: its checkpoints, its metrics
+history, its telemetry and report. The rules (docs/RELIABILITY.md):
+
+- A start without a resume into a folder that already holds a run (a checkpoint or a
+  metrics history) is refused, unless ``run.if_exists`` says ``archive`` (the old run is
+  renamed to ``<name>.archived-<UTC time>`` beside it) or ``overwrite`` (deleted).
+- Resuming from an older checkpoint of the same folder sets the later checkpoints aside in
+  ``checkpoints/superseded-<UTC time>/``: they belong to a future this run abandons.
+- Resuming at step S keeps the history (metrics, telemetry) up to S; rows after S are
+  redone by the resumed run and replaced.
+
+No Lightning and no torch here: the launcher runs ``python -m purrsight.training.run_folder
+check`` on every node before torchrun, so a refused start costs a second, not a rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+METRICS_CSV = Path("metrics") / "metrics.csv"
+LAST_NAME = "last.ckpt"
+STEP_PATTERN = re.compile(r"^step-(\d+)\.ckpt$")
+LAUNCH_MARKER = ".launch"  # which launch last started training here (see launched_here)
+IF_EXISTS = ("refuse", "archive", "overwrite")
+
+
+class RunFolderError(ValueError):
+    """The run folder cannot be used as asked; the message names it and the choices."""
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / CHECKPOINTS
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}.ckpt"
+
+
+def step_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the step checkpoints in ``folder``, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_PATTERN.match(p.name))]
+    return sorted(found)
+
+
+def existing_run(run_dir: Path) -> str | None:
+    """What an earlier run left in ``run_dir`` that a new one would mix with; None when nothing."""
+    found = []
+    steps = step_checkpoints(checkpoint_dir(run_dir))
+    if steps:
+        found.append(f"checkpoints up to step {steps[-1][0]}")
+    elif (checkpoint_dir(run_dir) / LAST_NAME).is_file():
+        found.append(LAST_NAME)
+    if (run_dir / METRICS_CSV).is_file():
+        found.append(f"a metrics history in {METRICS_CSV}")
+    return " and ".join(found) or None
+
+
+def utc_stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+
+def refusal(run_dir: Path, found: str) -> str:
+    return (
+        f"run folder {run_dir} already holds a run ({found}); "
+        "continue it with --resume (RESUME=auto with the launcher), "
+        "or start another with a new run.name=..., "
+        "or start over here with run.if_exists=archive (keeps the old run beside it) "
+        "or run.if_exists=overwrite (deletes it)"
+    )
+
+
+def clear_for_new_run(run_dir: Path, if_exists: str) -> None:
+    """Make ``run_dir`` ready for a run that does not continue the one in it, as ``if_exists`` allows."""
+    found = existing_run(run_dir)
+    if found is None:
+        return
+    if if_exists == "archive":
+        target = run_dir.with_name(f"{run_dir.name}.archived-{utc_stamp()}")
+        os.rename(run_dir, target)
+        log.warning("run.if_exists=archive: the earlier run in %s (%s) is now %s", run_dir, found, target)
+    elif if_exists == "overwrite":
+        shutil.rmtree(run_dir)
+        log.warning("run.if_exists=overwrite: deleted the earlier run in %s (%s)", run_dir, found)
+    else:
+        raise RunFolderError(refusal(run_dir, found))
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """Point ``target`` at ``source``: a hard link, or a copy where the filesystem has none."""
+    tmp = target.with_name(f".{target.name}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
+
+
+def set_aside_later_checkpoints(resumed: Path, step: int) -> Path | None:
+    """Resuming from an older checkpoint of its own folder: move the later ones out of the way.
+
+    Left in place, rotation (which keeps the highest steps) would delete the resumed run's
+    new checkpoints as soon as they are written, and the next resume would jump back into
+    the abandoned future. Returns the folder they went to, or None when there were none.
+    """
+    folder = resumed.parent
+    later = [path for saved, path in step_checkpoints(folder) if saved > step]
+    if not later:
+        return None
+    aside = folder / f"superseded-{utc_stamp()}"
+    aside.mkdir(exist_ok=True)
+    for path in later:
+        os.replace(path, aside / path.name)
+    last = folder / LAST_NAME
+    if last.exists() and not last.samefile(resumed):
+        os.replace(last, aside / LAST_NAME)
+        link_or_copy(resumed, last)
+    log.warning(
+        "resuming at step %d: set aside %d later checkpoint(s) (up to step %s) in %s",
+        step,
+        len(later),
+        STEP_PATTERN.match(later[-1].name).group(1).lstrip("0"),  # type: ignore[union-attr]  # names came from the pattern
+        aside,
+    )
+    return aside
+
+
+def truncate_history(path: Path, through_step: int) -> list[str]:
+    """Keep the rows of the CSV ``path`` up to ``through_step``; its header (empty if no file).
+
+    Rows after the step a run resumes from are redone by it: kept, they would show twice.
+    The file is rewritten to a temporary name and renamed, so a crash leaves one version.
+    """
+    if not path.is_file():
+        return []
+    with path.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        header = list(reader.fieldnames or [])
+        rows = list(reader)
+    kept = [row for row in rows if not row.get("step") or float(row["step"]) <= through_step]
+    if len(kept) == len(rows):
+        return header
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(kept)
+    os.replace(tmp, path)
+    dropped = len(rows) - len(kept)
+    log.info("%s: kept %d rows up to step %d, dropped %d after it (redone now)", path, len(kept), through_step, dropped)
+    return header
+
+
+def launch_id() -> str:
+    """This launch, the same for every worker generation torchrun starts within it.
+
+    The launcher names each launch (PURRSIGHT_LAUNCH_ID); under plain torchrun the agent
+    (this process's parent, alive across worker restarts) does: host, pid and start time.
+    """
+    named = os.environ.get("PURRSIGHT_LAUNCH_ID")
+    if named:
+        return named
+    import psutil
+
+    parent = psutil.Process(os.getppid())
+    return f"{socket.gethostname()}:{parent.pid}:{parent.create_time():.0f}"
+
+
+def record_launch(run_dir: Path, launch: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f"{LAUNCH_MARKER}.tmp"
+    tmp.write_text(launch + "\n")
+    os.replace(tmp, run_dir / LAUNCH_MARKER)
+
+
+def launched_here(run_dir: Path, launch: str) -> bool:
+    """True when this launch already started training in ``run_dir``.
+
+    A torchrun restart resumes on its own only then. When the first start was refused (the
+    folder held another run), its restarts must be refused too, not resume that other run.
+    """
+    try:
+        return (run_dir / LAUNCH_MARKER).read_text().strip() == launch
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``check CONFIG [overrides]``: exit 2 when a start would be refused (the launcher's pre-check)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m purrsight.training.run_folder",
+        description="Check that a start (a resume when PURRSIGHT_RESUME is set) may use the config's run folder.",
+    )
+    parser.add_argument("command", choices=["check"])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = parser.parse_args(argv)
+    from purrsight.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides, check_paths=False)
+    except ConfigError as err:
+        print("\n".join(f"config error: {line}" for line in err.problems), file=sys.stderr)
+        return 2
+    run_dir = config.run.run_dir
+    found = existing_run(run_dir)
+    if found and not os.environ.get("PURRSIGHT_RESUME") and config.run.if_exists == "refuse":
+        print(f"error: {refusal(run_dir, found)}", file=sys.stderr)
+        return 2
+    print(f"run folder OK: {run_dir}" + (f" ({found})" if found else " (new run)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
