@@ -171,6 +171,14 @@ CASES = [
     ),
     Case("data-via-launcher", "launcher", "health check data", exit_code=3, prepare=data_case('{"id": broken')),
     # --- checkpoints
+    # A second start into the earlier run's folder: refused, and the harness checks that run is untouched.
+    Case("run-folder-in-use", "train", "runs/phase2-tiny already holds a run", prepare=lambda tmp, syn: ["run.name=phase2-tiny"]),
+    Case(
+        "run-folder-in-use-via-launcher",
+        "launcher",
+        "runs/phase2-tiny already holds a run",
+        prepare=lambda tmp, syn: ["run.name=phase2-tiny"],
+    ),
     Case("resume-missing", "train", "checkpoint /nonexistent.ckpt does not exist", args=["--resume", "/nonexistent.ckpt"]),
     Case("resume-malicious-pickle", "train", "is not a readable PurrSight checkpoint", prepare=malicious_checkpoint),
     # --- launcher arguments
