@@ -52,6 +52,23 @@ def setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def user_error_lines(err: BaseException) -> list[str]:
+    """The lines a user reads for ``err``: its problems, or its message.
+
+    A loader worker's exception comes back re-raised by torch as the same type, but with
+    "Caught SampleError in DataLoader worker process 0." and the worker's traceback as its
+    message; the original message is the traceback's last line, after the class name.
+    """
+    problems = getattr(err, "problems", None)
+    if problems:
+        return list(problems)
+    text = str(err)
+    if text.startswith("Caught ") and " in DataLoader worker process " in text.partition("\n")[0]:
+        last = text.rstrip().rpartition("\n")[2]
+        return [last.partition(": ")[2] or last]
+    return [text]
+
+
 def run_guarded(command: Callable[[T], int], args: T) -> int:
     """Run ``command``; a user error becomes one line on stderr and exit 2.
 
@@ -63,7 +80,6 @@ def run_guarded(command: Callable[[T], int], args: T) -> int:
     except errors as err:
         if os.environ.get("LOG_LEVEL", "").upper() == "DEBUG":
             logging.getLogger("purrsight").exception("user error")
-        lines = getattr(err, "problems", None) or [str(err)]
-        for line in lines:
+        for line in user_error_lines(err):
             print(f"error: {line}", file=sys.stderr)
         return EXIT_USAGE

@@ -143,14 +143,34 @@ class DataConfig(_Section):
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     max_length: int = Field(64, gt=0, description="Text tokens per sample (prompt + response), truncated beyond.")
     image_size: int = Field(32, gt=0, description="Resize side for the tiny default's fixed image transform.")
+    max_image_pixels: int = Field(
+        250_000_000, gt=0, description="Larger pictures are refused from their header (a bad sample); 200-MP phone photos fit."
+    )
+    image_background: list[int] = Field(
+        default_factory=lambda: [255, 255, 255],
+        min_length=3,
+        max_length=3,
+        description="RGB that transparent pixels are composited onto.",
+    )
     audio_sample_rate: int = Field(16000, gt=0, description="Sample rate the audio encoder expects.")
     audio_seconds: float = Field(0.25, gt=0, description="Clips are cropped or zero-padded to this length.")
     resample: bool = Field(True, description="Resample audio at another rate (true) or refuse it (false).")
     on_bad_sample: Literal["error", "skip"] = Field("error", description="A sample that fails to decode: stop, or skip and count.")
     max_bad_samples: int = Field(16, ge=0, description="With skip: more skipped samples than this stops the run.")
+    max_consecutive_bad_samples: int = Field(
+        8, gt=0, description="With skip: this many bad samples in a row (a broken folder, not a bad file) stops the run."
+    )
     batch_size: int = Field(8, gt=0, description="Samples per process per step (before accumulation).")
     num_workers: int = Field(0, ge=0, description="Loader worker processes per rank; 0 decodes in the training process.")
     pin_memory: bool | Literal["auto"] = Field("auto", description="Pinned host memory; auto: on when training on GPUs.")
+
+
+    @field_validator("image_background")
+    @classmethod
+    def _rgb(cls, value: list[int]) -> list[int]:
+        if not all(0 <= channel <= 255 for channel in value):
+            raise ValueError(f"each of red, green, blue must lie in 0..255, got {value}")
+        return value
 
 
 class OptimConfig(_Section):

@@ -4,15 +4,16 @@
 #   bash scripts/test.sh                 # everything (what CI runs)
 #   bash scripts/test.sh tests/unit -x   # extra arguments go to pytest (shell lint and bats still run)
 #
-# System tools (shellcheck, bats, iproute2, and slurm-wlm + munge for the real SLURM
-# cluster that tests/cluster starts) come from Debian's packages when missing and we
-# are root. The CPU build of torch is installed first and pinned: requirements.txt holds a
+# System tools (shellcheck, bats, iproute2, slurm-wlm + munge for the real SLURM cluster
+# that tests/cluster starts, and alsa-utils + sound-theme-freedesktop for the real speech and
+# sound recordings that tests/unit/test_real_media.py decodes) come from Debian's packages
+# when missing and we are root. The CPU build of torch is installed first and pinned: requirements.txt holds a
 # range (right for GPU users), and with 2.13.0 already present pip fetches nothing larger.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 readonly VENV_DIR="${VENV_DIR:-.venv}"
-readonly SYSTEM_PACKAGES=(shellcheck bats iproute2 slurm-wlm munge)
+readonly SYSTEM_PACKAGES=(shellcheck bats iproute2 slurm-wlm munge alsa-utils sound-theme-freedesktop)
 
 log() { printf '[test.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }
 die() { printf '[test.sh] error: %s\n' "$*" >&2; exit 1; }

@@ -17,11 +17,6 @@ from purrsight.data.text import IGNORE_INDEX, PromptTooLongError, TextEncoder
 
 log = logging.getLogger(__name__)
 
-# With on_bad_sample=skip a failed sample is replaced by the next index's sample, so
-# every rank still yields full, equally sized batches (a short batch on one DDP rank
-# would desynchronise the collectives). Give up after this many bad neighbours in a row.
-MAX_CONSECUTIVE_BAD = 8
-
 
 @dataclass
 class Sample:
@@ -41,12 +36,14 @@ class MultiModalDataset(Dataset[Sample]):
         image: ImageDecoder | None,
         audio: AudioDecoder | None,
         on_bad_sample: Literal["error", "skip"] = "error",
+        max_consecutive_bad: int = 8,
     ) -> None:
         self.index = index
         self.text = text
         self.image = image
         self.audio = audio
         self.on_bad_sample = on_bad_sample
+        self.max_consecutive_bad = max_consecutive_bad
 
     def __len__(self) -> int:
         return len(self.index)
@@ -63,13 +60,16 @@ class MultiModalDataset(Dataset[Sample]):
             image = self._media(self.image, record["image"])
             audio = self._media(self.audio, record["audio"])
         except (SampleError, PromptTooLongError) as err:
-            raise SampleError(f"sample {record['id']!r} ({self.index.path}): {err}") from None
+            raise SampleError(f"{self.index.path}:{record['line']} (id {record['id']!r}): {err}") from None
         return Sample(record["id"], text.input_ids, text.labels, image, audio, skipped=0)
 
     def __getitem__(self, i: int) -> Sample:
         if self.on_bad_sample == "error":
             return self._decode(i)
-        for attempt in range(MAX_CONSECUTIVE_BAD):
+        # A failed sample is replaced by the next index's sample, so every rank still yields
+        # full, equally sized batches (a short batch on one DDP rank would desynchronise the
+        # collectives). Many bad neighbours in a row mean a broken folder: give up.
+        for attempt in range(self.max_consecutive_bad):
             try:
                 sample = self._decode((i + attempt) % len(self))
             except SampleError as err:
@@ -77,7 +77,10 @@ class MultiModalDataset(Dataset[Sample]):
                 continue
             sample.skipped = attempt
             return sample
-        raise SampleError(f"{MAX_CONSECUTIVE_BAD} consecutive bad samples from index {i} in {self.index.path}")
+        raise SampleError(
+            f"{self.max_consecutive_bad} consecutive bad samples from record {i + 1} of {self.index.path} "
+            "(data.max_consecutive_bad_samples); the media folder is likely broken"
+        )
 
 
 class Collator:

@@ -91,7 +91,7 @@ def read_index(path: str | Path) -> list[dict[str, Any]]:
             if clean["id"] in seen_ids:
                 raise IndexFileError(f"{where}: duplicate id {clean['id']!r} (first on line {seen_ids[clean['id']]})")
             seen_ids[clean["id"]] = number
-            records.append(clean)
+            records.append({**clean, "line": number})  # decode errors in training name it too
     if not records:
         raise IndexFileError(f"{path}: index holds no samples")
     return records
@@ -109,6 +109,7 @@ def scan_index(path: str | Path) -> SampleIndex:
             "response": datasets.Value("string"),
             "image": datasets.Value("string"),
             "audio": datasets.Value("string"),
+            "line": datasets.Value("int32"),
         }
     )
     return SampleIndex(path=Path(path), records=datasets.Dataset.from_list(records, features=features))

@@ -3,17 +3,36 @@
 A real encoder directory brings its own processor (image processor or feature
 extractor), which is used as is. The tiny default has none, so it gets a fixed
 transform: resize + [-1, 1] scaling for images, zero-mean unit-variance for audio.
+
+Images are taken as a person sees them (real files, docs/DATA.md):
+
+- EXIF orientation is applied: phones store an upright photo rotated, with a tag saying so;
+- transparency is composited onto a stated background (``data.image_background``);
+- 16-bit grayscale (Pillow mode ``I;16``/``I``) is scaled by its range: converted to RGB
+  directly it was clipped at 255, and most pictures came out white;
+- an animation gives its first frame;
+- a picture above ``data.max_image_pixels`` is refused from its header, before decoding.
+
+Audio reads only the window the encoder uses (``data.audio_seconds`` from the start), in
+every format libsndfile reads: an hour-long recording costs what a clip costs.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import soundfile
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+WHITE = (255, 255, 255)
+SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}  # how Pillow opens 16-bit grayscale PNG/TIFF
+ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
+AUDIO_FORMATS = "WAV, FLAC, Ogg Vorbis, Opus, MP3, AIFF"  # what libsndfile (soundfile) decodes
 
 
 class SampleError(ValueError):
@@ -39,11 +58,34 @@ def _per_channel(value: float | list[float]) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32).reshape(-1, 1, 1)
 
 
+def as_displayed_rgb(image: Image.Image, background: Sequence[int] = WHITE) -> Image.Image:
+    """An 8-bit RGB picture of ``image`` as a viewer shows it (orientation applied beforehand)."""
+    if image.mode in SIXTEEN_BIT_MODES:
+        levels = np.asarray(image, dtype=np.float32) / 257.0  # 0..65535 -> 0..255
+        image = Image.fromarray(np.clip(levels + 0.5, 0, 255).astype(np.uint8), mode="L")
+    elif image.mode == "F":  # float samples: 0..1 by convention
+        levels = np.asarray(image, dtype=np.float32) * 255.0
+        image = Image.fromarray(np.clip(levels + 0.5, 0, 255).astype(np.uint8), mode="L")
+    if image.mode in ALPHA_MODES or "transparency" in image.info:
+        canvas = Image.new("RGBA", image.size, (*background, 255))
+        canvas.alpha_composite(image.convert("RGBA"))
+        return canvas.convert("RGB")
+    return image.convert("RGB")
+
+
 class ImageDecoder:
-    def __init__(self, processor: Any | None, size: int) -> None:
+    def __init__(
+        self, processor: Any | None, size: int, max_pixels: int | None = None, background: Sequence[int] = WHITE
+    ) -> None:
         self.processor = processor
         self.size = size
+        self.max_pixels = max_pixels
+        self.background = tuple(background)
         self.normalisation = fused_normalisation(processor)
+        if max_pixels is not None:
+            # Our limit, checked from the header with a message naming the file and the
+            # setting, replaces Pillow's (DecompressionBombError at 2x its own default).
+            Image.MAX_IMAGE_PIXELS = None
 
     def _to_tensor(self, image: Image.Image) -> torch.Tensor:
         if self.processor is not None:
@@ -56,36 +98,64 @@ class ImageDecoder:
         array = np.asarray(resized, dtype=np.float32) / 127.5 - 1.0
         return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
-    def __call__(self, path: Path) -> torch.Tensor:
+    def load(self, path: Path) -> Image.Image:
+        """The picture in ``path`` as displayed, 8-bit RGB; SampleError when it cannot be used."""
         try:
             with Image.open(path) as image:
+                width, height = image.size
+                if self.max_pixels is not None and width * height > self.max_pixels:
+                    raise SampleError(
+                        f"{path}: {width}x{height} image ({width * height / 1e6:.0f} megapixels) is above "
+                        f"data.max_image_pixels={self.max_pixels}; downscale the file or raise the limit"
+                    )
                 image.load()  # decode now: a truncated file must fail here, not later
-                return self._to_tensor(image.convert("RGB"))
-        except (UnidentifiedImageError, OSError, SyntaxError) as err:
+                ImageOps.exif_transpose(image, in_place=True)
+                return as_displayed_rgb(image, self.background)
+        except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as err:
             raise SampleError(f"{path}: cannot decode image ({err})") from None
+
+    def __call__(self, path: Path) -> torch.Tensor:
+        return self._to_tensor(self.load(path))
 
     def blank(self) -> torch.Tensor:
         """The tensor stood in for a sample without an image (zero-weighted in the model)."""
         return torch.zeros_like(self._to_tensor(Image.new("RGB", (self.size, self.size))))
 
 
-def resample_linear(wave: np.ndarray, source_rate: int, target_rate: int) -> np.ndarray:
-    """Linear-interpolation resampling: cheap and adequate for pitch-level content.
+RESAMPLE_MARGIN = 256  # frames mirrored (and read past the window) so the spectrum sees no jump at the edges
 
-    It does not low-pass filter, so content above the new Nyquist aliases; point a real
-    run at audio already at the encoder's rate, or set data.resample=false to refuse it.
+
+def resample(wave: np.ndarray, source_rate: int, target_rate: int) -> np.ndarray:
+    """Band-limited resampling through the spectrum: what lies above the lower rate's
+    Nyquist frequency is dropped, not folded back into the band (as linear interpolation did).
+
+    The FFT takes the window as one period of a periodic signal, so a jump between its two
+    ends would ring into both; the window is mirrored at each end first and cropped after.
+    Cheap on the short windows decoded here (one FFT of the window each way).
     """
-    duration = len(wave) / source_rate
-    target_len = max(1, round(duration * target_rate))
-    source_t = np.arange(len(wave)) / source_rate
-    target_t = np.arange(target_len) / target_rate
-    return np.interp(target_t, source_t, wave).astype(np.float32)
+    if len(wave) == 0 or source_rate == target_rate:
+        return wave
+    # Source samples per whole number of target samples (6 for 96 -> 16 kHz, 441 for 44.1 ->
+    # 16 kHz): margins and length in multiples of it keep the output on the input's grid,
+    # instead of shifted or stretched by a fraction of a sample.
+    period = source_rate // math.gcd(source_rate, target_rate)
+    margin = min(math.ceil(RESAMPLE_MARGIN / period) * period, (len(wave) - 1) // period * period)
+    padded = np.pad(wave, margin, mode="reflect") if margin else wave
+    padded = np.pad(padded, (0, -len(padded) % period))
+    padded_len = len(padded) * target_rate // source_rate
+    spectrum = np.fft.rfft(padded)
+    bins = padded_len // 2 + 1
+    spectrum = spectrum[:bins] if len(spectrum) >= bins else np.pad(spectrum, (0, bins - len(spectrum)))
+    out = np.fft.irfft(spectrum, n=padded_len) * (padded_len / len(padded))
+    start = margin * target_rate // source_rate
+    return out[start : start + max(1, round(len(wave) * target_rate / source_rate))].astype(np.float32)
 
 
 class AudioDecoder:
     def __init__(self, feature_extractor: Any | None, sample_rate: int, seconds: float, resample: bool) -> None:
         self.feature_extractor = feature_extractor
         self.sample_rate = sample_rate
+        self.seconds = seconds
         self.num_samples = round(sample_rate * seconds)
         self.resample = resample
 
@@ -96,19 +166,28 @@ class AudioDecoder:
         std = float(wave.std())
         return torch.from_numpy((wave - wave.mean()) / (std + 1e-7)).float()
 
-    def __call__(self, path: Path) -> torch.Tensor:
+    def read_window(self, path: Path) -> tuple[np.ndarray, int]:
+        """(the first ``seconds`` of ``path``, mono float32, at the file's rate; that rate)."""
         try:
-            wave, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+            with soundfile.SoundFile(str(path)) as sound:
+                rate = sound.samplerate
+                if rate != self.sample_rate and not self.resample:
+                    raise SampleError(
+                        f"{path}: sample rate {rate} Hz, the encoder expects {self.sample_rate} Hz "
+                        "(convert the file, or set data.resample=true)"
+                    )
+                # Only the frames used: decoding stops there, whatever the file's length.
+                frames = self.num_samples if rate == self.sample_rate else math.ceil(self.seconds * rate) + RESAMPLE_MARGIN
+                wave = sound.read(frames=frames, dtype="float32", always_2d=True)
         except (RuntimeError, soundfile.LibsndfileError, OSError) as err:
-            raise SampleError(f"{path}: cannot decode audio ({err})") from None
-        wave = wave.mean(axis=1)  # mono: average the channels
-        if rate != self.sample_rate:
-            if not self.resample:
-                raise SampleError(
-                    f"{path}: sample rate {rate} Hz, the encoder expects {self.sample_rate} Hz "
-                    "(convert the file, or set data.resample=true)"
-                )
-            wave = resample_linear(wave, rate, self.sample_rate)
+            kind = f"{path.suffix} file" if path.suffix else "file"
+            raise SampleError(f"{path}: cannot decode audio, {kind} ({err}); readable formats: {AUDIO_FORMATS}") from None
+        return wave.mean(axis=1), rate  # mono: average the channels
+
+    def __call__(self, path: Path) -> torch.Tensor:
+        wave, rate = self.read_window(path)
+        if self.resample:
+            wave = resample(wave, rate, self.sample_rate)
         wave = np.pad(wave[: self.num_samples], (0, max(0, self.num_samples - len(wave))))  # crop or pad
         return self._features(wave)
 

@@ -45,7 +45,11 @@ def build_decoders(config: Config) -> tuple[ImageDecoder | None, AudioDecoder | 
         for modality in MODALITIES
         if getattr(config.model, f"{modality}_encoder").enabled
     }
-    image = ImageDecoder(processors["image"], data.image_size) if "image" in processors else None
+    image = (
+        ImageDecoder(processors["image"], data.image_size, data.max_image_pixels, data.image_background)
+        if "image" in processors
+        else None
+    )
     audio = (
         AudioDecoder(processors["audio"], data.audio_sample_rate, data.audio_seconds, data.resample)
         if "audio" in processors
@@ -63,7 +67,7 @@ def build_datasets(config: Config, world_size: int) -> Datasets:
     collator = Collator(tokenizer.pad_token_id, image.blank() if image else None, audio.blank() if audio else None)
     train_index = scan_index(data.train_index)
     check_prompt_lengths(train_index, text.prompt_length, data.max_length)
-    train = MultiModalDataset(train_index, text, image, audio, data.on_bad_sample)
+    train = MultiModalDataset(train_index, text, image, audio, data.on_bad_sample, data.max_consecutive_bad_samples)
     if len(train) < data.batch_size * world_size:
         # drop_last would leave no batch at all: a run that "finishes" at step 0 is a silent no-op.
         raise IndexFileError(
@@ -74,6 +78,6 @@ def build_datasets(config: Config, world_size: int) -> Datasets:
     if data.val_index is not None:
         val_index = scan_index(data.val_index)
         check_prompt_lengths(val_index, text.prompt_length, data.max_length)
-        val = MultiModalDataset(val_index, text, image, audio, data.on_bad_sample)
+        val = MultiModalDataset(val_index, text, image, audio, data.on_bad_sample, data.max_consecutive_bad_samples)
     log.info("data: %d train samples (%s), %d val samples", len(train), data.train_index, len(val) if val else 0)
     return Datasets(train, val, collator)

@@ -77,11 +77,11 @@ def data_case(
     return prepare
 
 
-def png_bytes(truncate: bool) -> bytes:
+def png_bytes(truncate: bool, size: tuple[int, int] = (64, 64)) -> bytes:
     from io import BytesIO
 
     buffer = BytesIO()
-    Image.new("RGB", (64, 64), (200, 10, 10)).save(buffer, format="PNG")
+    Image.new("RGB", size, (200, 10, 10)).save(buffer, format="PNG")
     data = buffer.getvalue()
     return data[: len(data) // 3] if truncate else data
 
@@ -145,6 +145,25 @@ CASES = [
         "train",
         "bad.png: cannot decode image",
         prepare=data_case(sample(image="bad.png"), {"bad.png": png_bytes(truncate=True)}, keep=1, more=ONE_PER_STEP),
+    ),
+    Case(
+        "truncated-png-in-loader-worker",  # the first line names the index line and file, as with no workers
+        "train",
+        "train.jsonl:2 (id 'bad-1'): ",
+        prepare=data_case(
+            sample(image="bad.png"), {"bad.png": png_bytes(truncate=True)}, keep=1, more=[*ONE_PER_STEP, "data.num_workers=2"]
+        ),
+    ),
+    Case(
+        "image-above-the-pixel-limit",
+        "train",
+        "big.png: 1500x1000 image (2 megapixels) is above data.max_image_pixels=1000000",
+        prepare=data_case(
+            sample(image="big.png"),
+            {"big.png": png_bytes(False, size=(1500, 1000))},
+            keep=1,
+            more=[*ONE_PER_STEP, "data.max_image_pixels=1000000"],
+        ),
     ),
     Case(
         "wav-not-audio",

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_prompt_lengths
 from purrsight.data.index import scan_index
@@ -69,9 +70,32 @@ def test_bad_sample_error_or_skip(tmp_path: Path, synthetic_dir: Path, tokenizer
     records = index.records.map(lambda r, i: {"image": "broken.png"} if i == 0 else {}, with_indices=True)
     index = type(index)(index.path, records)
     decoders = (ImageDecoder(None, 32), AudioDecoder(None, 16000, 0.25, True))
-    with pytest.raises(SampleError, match=r"sample 'train-00000' .*broken.png: cannot decode image"):
+    with pytest.raises(SampleError, match=r"train\.jsonl:1 \(id 'train-00000'\): .*broken.png: cannot decode image"):
         MultiModalDataset(index, TextEncoder(tokenizer, 64), *decoders, on_bad_sample="error")[0]
     sample = MultiModalDataset(index, TextEncoder(tokenizer, 64), *decoders, on_bad_sample="skip")[0]
     assert sample.id == "train-00001" and sample.skipped == 1
+
+
+def test_skip_covers_oversized_images_and_stops_at_the_consecutive_limit(
+    tmp_path: Path,
+    synthetic_dir: Path,
+    tokenizer,  # type: ignore[no-untyped-def]
+) -> None:
+    """Before, a too-large picture raised Pillow's DecompressionBombError past skip mode, and the
+    run of bad neighbours allowed was a hidden 8 whatever the config said."""
+    lines = (synthetic_dir / "train.jsonl").read_text().splitlines()[:6]
+    for name in ("images", "audio"):
+        (tmp_path / name).symlink_to(synthetic_dir / name)
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    Image.new("L", (3000, 2000)).save(tmp_path / "big.png")
+    index = scan_index(tmp_path / "train.jsonl")
+    records = index.records.map(lambda r, i: {"image": "big.png"} if i < 3 else {}, with_indices=True)
+    index = type(index)(index.path, records)
+    decoders = (ImageDecoder(None, 32, max_pixels=1_000_000), AudioDecoder(None, 16000, 0.25, True))
+    text = TextEncoder(tokenizer, 64)
+    sample = MultiModalDataset(index, text, *decoders, on_bad_sample="skip", max_consecutive_bad=4)[0]
+    assert sample.id == "train-00003" and sample.skipped == 3
+    with pytest.raises(SampleError, match=r"3 consecutive bad samples from record 1 .*data\.max_consecutive_bad_samples"):
+        MultiModalDataset(index, text, *decoders, on_bad_sample="skip", max_consecutive_bad=3)[0]
     with pytest.raises(SampleError, match=r"prompt is \d+ tokens, data.max_length is 3"):
         check_prompt_lengths(index, TextEncoder(tokenizer, 3).prompt_length, 3)
