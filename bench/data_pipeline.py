@@ -11,12 +11,21 @@ What one GPU consumes: samples/s = MFU x peak / training FLOPs per sample, for a
 
     .venv/bin/python -m bench.data_pipeline --repeats 3   # from the repository root
 
-Target: samples/s per worker >= 5 x one GPU's consumption.
+Target: samples/s per worker >= 5 x one GPU's consumption, and a 4000 x 3000 phone JPEG no
+slower than 3 x a 224-px one. Side by side in one run, order rotated per repeat, one worker:
+
+- ``processor``: the image processor called on each picture, JPEGs decoded whole, as before;
+- ``ours``: the processor's own Pillow steps replayed (purrsight/data/pil_processing.py) and
+  large JPEGs decoded at reduced scale (draft), as the trainer now does;
+
+each on 224-px JPEGs and on 4000 x 3000 ones, plus ``ours`` with every clip cut from one
+five-minute 44.1 kHz stereo recording (only the window used is read).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import tempfile
@@ -30,29 +39,34 @@ from torch.utils.data import DataLoader
 
 from bench.common import machine
 from bench.real_size import REAL_CONFIG, synthetic_tokenizer, training_flops_per_sample
-from purrsight.config import load_config
+from purrsight.config import Config, load_config
 from purrsight.data.dataset import Collator, MultiModalDataset
-from purrsight.training.datasets import build_datasets
+from purrsight.training.datasets import Datasets, build_datasets
 from purrsight.training.telemetry import PEAK_TFLOPS
 
 TARGET_MFU = 0.40
 SAMPLE_RATE = 16000
 
 
-def write_samples(folder: Path, count: int, seed: int = 0) -> Path:
-    """Photo-like JPEGs (smooth shapes plus sensor noise, ~20 KB) and noisy tones; the index."""
+def write_samples(folder: Path, count: int, seed: int = 0, size: tuple[int, int] = (224, 224), long_audio: bool = False) -> Path:
+    """Photo-like JPEGs (smooth shapes plus sensor noise) and noisy tones, or clips of one long recording; the index."""
     rng = np.random.default_rng(seed)
     (folder / "images").mkdir(parents=True)
     (folder / "audio").mkdir()
+    if long_audio:  # five minutes of 44.1 kHz stereo that every sample points at
+        t = np.arange(44100 * 300) / 44100
+        tone = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+        soundfile.write(folder / "audio" / "podcast.wav", np.stack([tone, tone], axis=1), 44100, subtype="PCM_16")
     lines = []
     for i in range(count):
         coarse = rng.integers(0, 256, size=(7, 7, 3), dtype=np.uint8)
-        smooth = np.asarray(Image.fromarray(coarse).resize((224, 224), Image.Resampling.BICUBIC), dtype=np.int16)
+        smooth = np.asarray(Image.fromarray(coarse).resize(size, Image.Resampling.BICUBIC), dtype=np.int16)
         noisy = np.clip(smooth + rng.normal(0, 6, smooth.shape), 0, 255).astype(np.uint8)
         Image.fromarray(noisy).save(folder / "images" / f"{i}.jpg", quality=90)
-        t = np.arange(SAMPLE_RATE) / SAMPLE_RATE
-        wave = 0.3 * np.sin(2 * np.pi * rng.uniform(100, 1000) * t) + 0.05 * rng.normal(size=t.shape)
-        soundfile.write(folder / "audio" / f"{i}.wav", wave.astype(np.float32), SAMPLE_RATE, subtype="PCM_16")
+        if not long_audio:
+            t = np.arange(SAMPLE_RATE) / SAMPLE_RATE
+            wave = 0.3 * np.sin(2 * np.pi * rng.uniform(100, 1000) * t) + 0.05 * rng.normal(size=t.shape)
+            soundfile.write(folder / "audio" / f"{i}.wav", wave.astype(np.float32), SAMPLE_RATE, subtype="PCM_16")
         lines.append(
             json.dumps(
                 {
@@ -60,7 +74,7 @@ def write_samples(folder: Path, count: int, seed: int = 0) -> Path:
                     "prompt": f"Describe what you see and hear in clip {i}.",
                     "response": "A blurred coloured picture and a steady tone over soft noise. " * 4,
                     "image": f"images/{i}.jpg",
-                    "audio": f"audio/{i}.wav",
+                    "audio": "audio/podcast.wav" if long_audio else f"audio/{i}.wav",
                 }
             )
         )
@@ -90,9 +104,36 @@ def loader_rate(dataset: MultiModalDataset, collator: Collator, workers: int, ba
     return batches * batch_size / (time.perf_counter() - start)
 
 
+def corpus_config(work: Path, name: str, image_dir: Path, audio_dir: Path, **kwargs: object) -> Config:
+    index = write_samples(work / name, **kwargs)  # type: ignore[arg-type]
+    return load_config(
+        REAL_CONFIG,
+        [
+            f"data.train_index={index}",
+            "data.val_index=null",
+            "data.audio_seconds=1.0",
+            f"model.llm.tokenizer={synthetic_tokenizer(work / 'synthetic')}",
+            f"model.image_encoder.path={image_dir}",
+            f"model.audio_encoder.path={audio_dir}",
+        ],
+        check_paths=False,
+    )
+
+
+def processor_path(data: Datasets) -> Datasets:
+    """The same datasets with the image decoder as it was: processor called, JPEGs decoded whole."""
+    image = copy.copy(data.train.image)
+    assert image is not None
+    image.plan, image.draft_box = None, None
+    train = copy.copy(data.train)
+    train.image = image
+    return Datasets(train, None, data.collator)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=400)
+    parser.add_argument("--large-samples", type=int, default=48, help="4000 x 3000 JPEGs (generating them takes a while)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batches", type=int, default=40, help="timed batches per measurement")
     parser.add_argument("--repeats", type=int, default=3)
@@ -100,24 +141,35 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         work = Path(tmp)
-        index = write_samples(work / "data", args.samples)
         image_dir, audio_dir = save_processors(work)
-        config = load_config(
-            REAL_CONFIG,
-            [
-                f"data.train_index={index}",
-                "data.val_index=null",
-                "data.audio_seconds=1.0",
-                f"model.llm.tokenizer={synthetic_tokenizer(work / 'synthetic')}",
-                f"model.image_encoder.path={image_dir}",
-                f"model.audio_encoder.path={audio_dir}",
-            ],
-            check_paths=False,
-        )
-        data = build_datasets(config, world_size=1)
+        config = corpus_config(work, "small", image_dir, audio_dir, count=args.samples)
+        ours = {
+            "224 px": build_datasets(config, world_size=1),
+            "4000x3000": build_datasets(
+                corpus_config(work, "large", image_dir, audio_dir, count=args.large_samples, size=(4000, 3000)), world_size=1
+            ),
+            "224 px + 5-min audio": build_datasets(
+                corpus_config(work, "long", image_dir, audio_dir, count=args.samples, long_audio=True), world_size=1
+            ),
+        }
         batch = config.data.batch_size
+        variants = {
+            ("processor", "224 px"): processor_path(ours["224 px"]),
+            ("ours", "224 px"): ours["224 px"],
+            ("processor", "4000x3000"): processor_path(ours["4000x3000"]),
+            ("ours", "4000x3000"): ours["4000x3000"],
+            ("ours", "224 px + 5-min audio"): ours["224 px + 5-min audio"],
+        }
+        large_batches = max(1, min(args.batches, args.large_samples // batch - 1))
+        side_by_side: dict[tuple[str, str], list[float]] = {key: [] for key in variants}
+        keys = list(variants)
+        for repeat in range(args.repeats):
+            for key in keys[repeat % len(keys) :] + keys[: repeat % len(keys)]:  # rotate the order per repeat
+                batches = large_batches if key[1] == "4000x3000" else args.batches
+                side_by_side[key].append(loader_rate(variants[key].train, variants[key].collator, 1, batch, batches))
         rates = {
-            w: [loader_rate(data.train, data.collator, w, batch, args.batches) for _ in range(args.repeats)] for w in args.workers
+            w: [loader_rate(ours["224 px"].train, ours["224 px"].collator, w, batch, args.batches) for _ in range(args.repeats)]
+            for w in args.workers
         }
 
     flops = training_flops_per_sample(
@@ -128,6 +180,7 @@ def main() -> int:
         audio_s=1.0,
     )
     gpu_rate = TARGET_MFU * PEAK_TFLOPS["H100"] * 1e12 / flops
+    median = {key: statistics.median(values) for key, values in side_by_side.items()}
     print(f"machine: {machine()}")
     print(f"{args.samples} samples (224-px JPEG + 1 s WAV), batch {batch}, {args.batches} timed batches, {args.repeats} repeats")
     print(f"one H100 at {TARGET_MFU:.0%} MFU consumes {gpu_rate:.1f} samples/s ({flops / 1e12:.2f} TFLOP per sample)\n")
@@ -137,6 +190,19 @@ def main() -> int:
         rate = statistics.median(values)
         per_worker = rate / workers
         print(f"| {workers} | {rate:.1f} | {per_worker:.1f} | {per_worker / gpu_rate:.2f} |")
+    print("\nSide by side, one worker (samples/s, median):\n")
+    print("| pictures | processor path (before) | ours | ours / before | ours / GPU consumption |")
+    print("|---|---|---|---|---|")
+    for picture in ("224 px", "4000x3000"):
+        before, after = median[("processor", picture)], median[("ours", picture)]
+        print(f"| {picture} | {before:.1f} | {after:.1f} | {after / before:.2f} | {after / gpu_rate:.2f} |")
+    long_audio = median[("ours", "224 px + 5-min audio")]
+    print(f"| 224 px + 5-min 44.1 kHz stereo audio | | {long_audio:.1f} | | {long_audio / gpu_rate:.2f} |")
+    slowdown = median[("ours", "224 px")] / median[("ours", "4000x3000")]
+    print(
+        f"\na 4000x3000 JPEG costs {slowdown:.2f}x a 224-px one (target <= 3; the processor path: "
+        f"{median[('processor', '224 px')] / median[('processor', '4000x3000')]:.2f}x)"
+    )
     return 0
 
 

@@ -164,7 +164,6 @@ class DataConfig(_Section):
     num_workers: int = Field(0, ge=0, description="Loader worker processes per rank; 0 decodes in the training process.")
     pin_memory: bool | Literal["auto"] = Field("auto", description="Pinned host memory; auto: on when training on GPUs.")
 
-
     @field_validator("image_background")
     @classmethod
     def _rgb(cls, value: list[int]) -> list[int]:

@@ -29,6 +29,8 @@ import soundfile
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from purrsight.data.pil_processing import plan_for
+
 WHITE = (255, 255, 255)
 SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}  # how Pillow opens 16-bit grayscale PNG/TIFF
 ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
@@ -74,20 +76,38 @@ def as_displayed_rgb(image: Image.Image, background: Sequence[int] = WHITE) -> I
 
 
 class ImageDecoder:
-    def __init__(
-        self, processor: Any | None, size: int, max_pixels: int | None = None, background: Sequence[int] = WHITE
-    ) -> None:
+    def __init__(self, processor: Any | None, size: int, max_pixels: int | None = None, background: Sequence[int] = WHITE) -> None:
         self.processor = processor
         self.size = size
         self.max_pixels = max_pixels
         self.background = tuple(background)
+        self.plan = plan_for(processor) if processor is not None else None
         self.normalisation = fused_normalisation(processor)
+        self.draft_box = self._draft_box()
         if max_pixels is not None:
             # Our limit, checked from the header with a message naming the file and the
             # setting, replaces Pillow's (DecompressionBombError at 2x its own default).
             Image.MAX_IMAGE_PIXELS = None
 
+    def _draft_box(self) -> tuple[int, int] | None:
+        """The smallest (width, height) a JPEG is decoded at: twice what the tower's resize keeps.
+
+        libjpeg decodes at 1/2, 1/4 or 1/8 scale for little more than the cost of the smaller
+        picture: a 12-MP phone photo fed to a 224-px tower need not be decoded whole. With
+        twice the final size left, the resize that follows still does the real filtering
+        (tested against the full decode, docs/DATA.md). None: the processor's size is unknown.
+        """
+        if self.plan is not None:
+            if self.plan.shortest_edge is not None:
+                side = 2 * self.plan.shortest_edge
+                return side, side
+            assert self.plan.width is not None and self.plan.height is not None
+            return 2 * self.plan.width, 2 * self.plan.height
+        return (2 * self.size, 2 * self.size) if self.processor is None else None
+
     def _to_tensor(self, image: Image.Image) -> torch.Tensor:
+        if self.plan is not None:
+            return self.plan(image)
         if self.processor is not None:
             if self.normalisation is None:
                 return self.processor(images=image, return_tensors="pt")["pixel_values"][0]
@@ -108,6 +128,8 @@ class ImageDecoder:
                         f"{path}: {width}x{height} image ({width * height / 1e6:.0f} megapixels) is above "
                         f"data.max_image_pixels={self.max_pixels}; downscale the file or raise the limit"
                     )
+                if self.draft_box is not None and image.format == "JPEG":
+                    image.draft(image.mode, self.draft_box)  # the smallest DCT scale still >= the box
                 image.load()  # decode now: a truncated file must fail here, not later
                 ImageOps.exif_transpose(image, in_place=True)
                 return as_displayed_rgb(image, self.background)

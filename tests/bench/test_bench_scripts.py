@@ -28,15 +28,32 @@ def test_gpu_script_smoke_run_on_cpu() -> None:
 
 def test_data_pipeline_script_small_run() -> None:
     done = run_python(
-        ["-m", "bench.data_pipeline", "--samples", "24", "--workers", "1", "--batches", "2", "--repeats", "1"], timeout=300
+        [
+            "-m",
+            "bench.data_pipeline",
+            "--samples",
+            "24",
+            "--large-samples",
+            "16",
+            "--workers",
+            "1",
+            "--batches",
+            "2",
+            "--repeats",
+            "1",
+        ],
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     consumption = re.search(r"one H100 at 40% MFU consumes ([\d.]+) samples/s \(([\d.]+) TFLOP per sample\)", done.stdout)
     assert consumption, done.stdout
     # 1088 tokens x about 2.3 GFLOP per token (4 x 0.5B parameters, plus attention), plus the towers
     assert 1.5 < float(consumption.group(2)) < 4
-    [row] = table_rows(done.stdout)
-    assert row[0] == "1" and float(row[1]) > 0
+    workers, *side_by_side = table_rows(done.stdout)
+    assert workers[0] == "1" and float(workers[1]) > 0
+    assert [row[0] for row in side_by_side] == ["224 px", "4000x3000", "224 px + 5-min 44.1 kHz stereo audio"]
+    assert all(float(row[2]) > 0 for row in side_by_side)
+    assert re.search(r"a 4000x3000 JPEG costs [\d.]+x a 224-px one", done.stdout)
 
 
 def test_plain_ddp_loop_on_two_ranks(tmp_path: Path) -> None:

@@ -1,0 +1,94 @@
+"""An image processor's own steps, called directly: the same tensor at a fraction of the cost.
+
+Hugging Face's PIL image processors (SigLIP, CLIP, ViT and the like, when torchvision is not
+installed: it is not with the CPU build of torch) run each picture through a generic
+pipeline: Pillow ``resize`` with the processor's filter, a centre crop, rescale, normalise.
+Around those few calls they convert PIL -> NumPy -> PIL -> NumPy, infer channel layouts and
+validate arguments, about half of a sample's decoding time (bench/README.md). A plan made
+from the processor's own settings replays the same Pillow calls on the decoded picture, so
+the tower gets what it was trained on (tested equal to the processor's output to 1e-6).
+
+A processor this does not reproduce exactly (its own ``_preprocess``, padding, other size
+rules) gets no plan and is called as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+@dataclass(frozen=True)
+class PilPlan:
+    height: int | None  # an exact output size, or...
+    width: int | None
+    shortest_edge: int | None  # ...the shorter side, the aspect ratio kept
+    resample: int  # Pillow's filter number
+    crop: tuple[int, int] | None  # (height, width) of the centre crop
+    factor: float
+    mean: torch.Tensor  # per channel, shaped (3, 1, 1)
+    std: torch.Tensor
+
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) after the resize, by the processor's rule (transformers' integer truncation)."""
+        if self.shortest_edge is None:
+            assert self.width is not None and self.height is not None
+            return self.width, self.height
+        short, long = (width, height) if width <= height else (height, width)
+        new_long = int(self.shortest_edge * long / short)
+        return (self.shortest_edge, new_long) if width <= height else (new_long, self.shortest_edge)
+
+    def output_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) of the tensor made from a ``width`` x ``height`` picture."""
+        if self.crop is not None:
+            return self.crop[1], self.crop[0]
+        return self.resized_size(width, height)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        image = image.resize(self.resized_size(*image.size), resample=self.resample, reducing_gap=None)
+        if self.crop is not None:
+            crop_height, crop_width = self.crop
+            top, left = (image.height - crop_height) // 2, (image.width - crop_width) // 2
+            image = image.crop((left, top, left + crop_width, top + crop_height))
+        pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1).float()  # a copy: PIL's buffer is read-only
+        return (pixels * self.factor - self.mean) / self.std
+
+
+def plan_for(processor: Any) -> PilPlan | None:
+    """The plan that reproduces ``processor`` exactly, or None when there is none."""
+    try:
+        from transformers.image_processing_backends import PilBackend
+    except ImportError:  # an older transformers: its processors are called as they are
+        return None
+    if not isinstance(processor, PilBackend) or type(processor)._preprocess is not PilBackend._preprocess:
+        return None
+    settings: Any = processor  # its fields are set from its class and its saved config, not declared
+    if not (settings.do_resize and settings.do_rescale and settings.do_normalize) or getattr(settings, "do_pad", False):
+        return None
+    size, crop_size = settings.size, getattr(settings, "crop_size", None)
+    rules = {name for name in ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_width") if size.get(name)}
+    if rules not in ({"height", "width"}, {"shortest_edge"}):
+        return None
+    crop = None
+    if settings.do_center_crop:
+        if crop_size is None or not (crop_size.get("height") and crop_size.get("width")):
+            return None
+        crop = (int(crop_size["height"]), int(crop_size["width"]))
+        smallest = (size["shortest_edge"],) * 2 if "shortest_edge" in rules else (size["height"], size["width"])
+        if crop[0] > smallest[0] or crop[1] > smallest[1]:
+            return None  # the processor pads a crop larger than the picture: not reproduced here
+    mean, std = settings.image_mean, settings.image_std
+    return PilPlan(
+        height=size.get("height"),
+        width=size.get("width"),
+        shortest_edge=size.get("shortest_edge"),
+        resample=int(settings.resample if settings.resample is not None else Image.Resampling.BILINEAR),
+        crop=crop,
+        factor=float(settings.rescale_factor),
+        mean=torch.tensor(mean, dtype=torch.float32).reshape(-1, 1, 1),
+        std=torch.tensor(std, dtype=torch.float32).reshape(-1, 1, 1),
+    )
