@@ -71,6 +71,28 @@ def init_process_group_in_node_order(backend: str, timeout: timedelta) -> bool:
     return True
 
 
+def init_process_group(backend: str, timeout: timedelta) -> bool:
+    """Start the default process group before Lightning does; False in a single process.
+
+    Under the launcher the ranks are node-ordered (above). Under plain torchrun the group
+    comes from torchrun's environment (env://). Either way it exists before training starts,
+    so rank 0 can decide how the run starts and tell every rank (Lightning, which would
+    otherwise start it later, sees it and skips its own).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not (init_process_group_in_node_order(backend, timeout) or dist.is_initialized()):
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return False
+        dist.init_process_group(backend, timeout=timeout)  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun
+    if backend == "nccl":
+        # Object collectives (the start decision) run on the current device: each rank's own
+        # GPU, not cuda:0 for all, before Lightning would set it.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return True
+
+
 def worker_generation(environ: MutableMapping[str, str]) -> int:
     """How many earlier worker generations this launch started on this node (0: the first).
 

@@ -14,7 +14,7 @@ from purrsight.cluster.distributed import (
     TORCHRUN_RANK,
     agreed_max,
     from_rank_zero,
-    init_process_group_in_node_order,
+    init_process_group,
     worker_generation,
 )
 from purrsight.config import Config, write_resolved
@@ -137,17 +137,22 @@ def train(config: Config, resume: str | None = None, callbacks: list[pl.Callback
     backend = resolve_backend(config)
     # Our own process group (Lightning skips its init when one exists): node-ordered ranks,
     # and a collective decision about resuming, so no rank starts over while others resume.
-    distributed = init_process_group_in_node_order(backend, timedelta(seconds=config.distributed.timeout_s))
+    distributed = init_process_group(backend, timedelta(seconds=config.distributed.timeout_s))
     generation = worker_generation(os.environ)
     if distributed:
+        order = (
+            f"ranks ordered by node, torchrun rank {os.environ[TORCHRUN_RANK]}"
+            if TORCHRUN_RANK in os.environ
+            else "torchrun's ranks"
+        )
         log.info(
-            "process group ready: global rank %s of %s (%s, ranks ordered by node; store %s:%s, torchrun rank %s)",
+            "process group ready: global rank %s of %s (%s, %s; store %s:%s)",
             os.environ["RANK"],
             os.environ["WORLD_SIZE"],
             backend,
+            order,
             os.environ["MASTER_ADDR"],
             os.environ["MASTER_PORT"],
-            os.environ.get(TORCHRUN_RANK),
         )
         generation = agreed_max(generation, backend)
     plan = agreed_start(config, resume or os.environ.get("PURRSIGHT_RESUME") or None, generation, distributed)

@@ -11,6 +11,7 @@ import torch
 from tests.helpers import (
     CHANCE_ACCURACY,
     DEFAULT_CONFIG,
+    LEARNED_NATS,
     REPO,
     column,
     python_env,
@@ -47,6 +48,6 @@ def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir
 
     rows = read_metrics(tmp_path / "phase2-tiny")
     losses = column(rows, "train/loss")
-    assert sum(losses[-2:]) / 2 < 0.8 * losses[0], losses
+    assert losses[0] - sum(losses[-2:]) / 2 > LEARNED_NATS, losses
     assert column(rows, "val/accuracy")[-1] > CHANCE_ACCURACY + 0.2
     assert (tmp_path / "phase2-tiny" / "checkpoints" / "step-00000080.ckpt").is_file()
