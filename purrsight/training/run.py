@@ -72,7 +72,7 @@ def choose_start(config: Config, resume: str | None, generation: int = 0) -> Sta
     checkpoint sets the later ones aside.
     """
     run_dir = config.run.run_dir
-    folder = checkpoint_dir(config.run.run_dir)
+    folder = checkpoint_dir(run_dir)
     launch = launch_id()
     if resume is None and generation > 0 and not launched_here(run_dir, launch):
         log.warning("torchrun restart %d: this launch has not trained in %s yet; starting as the first time", generation, run_dir)
@@ -90,8 +90,9 @@ def choose_start(config: Config, resume: str | None, generation: int = 0) -> Sta
         if plan.checkpoint is None:
             raise ResumeError(f"--resume: no checkpoint in {folder}; start without --resume or pass a checkpoint path")
     elif resume is not None:
-        plan = StartPlan(Path(resume), _step_of(Path(resume)))
-        if plan.checkpoint.resolve().parent != folder.resolve():  # type: ignore[union-attr]  # set just above
+        path = Path(resume)
+        plan = StartPlan(path, _step_of(path))
+        if path.resolve().parent != folder.resolve():
             clear_for_new_run(run_dir, config.run.if_exists)  # another run's checkpoint: a new lineage here
     else:
         clear_for_new_run(run_dir, config.run.if_exists)

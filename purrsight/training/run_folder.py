@@ -120,12 +120,12 @@ def set_aside_later_checkpoints(resumed: Path, step: int) -> Path | None:
     the abandoned future. Returns the folder they went to, or None when there were none.
     """
     folder = resumed.parent
-    later = [path for saved, path in step_checkpoints(folder) if saved > step]
+    later = [(saved, path) for saved, path in step_checkpoints(folder) if saved > step]
     if not later:
         return None
     aside = folder / f"superseded-{utc_stamp()}"
     aside.mkdir(exist_ok=True)
-    for path in later:
+    for _, path in later:
         os.replace(path, aside / path.name)
     last = folder / LAST_NAME
     if last.exists() and not last.samefile(resumed):
@@ -135,7 +135,7 @@ def set_aside_later_checkpoints(resumed: Path, step: int) -> Path | None:
         "resuming at step %d: set aside %d later checkpoint(s) (up to step %s) in %s",
         step,
         len(later),
-        STEP_PATTERN.match(later[-1].name).group(1).lstrip("0"),  # type: ignore[union-attr]  # names came from the pattern
+        later[-1][0],
         aside,
     )
     return aside
