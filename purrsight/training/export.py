@@ -65,7 +65,7 @@ class ExportError(ValueError):
     """The exported folder would not load as promised; the message says why."""
 
 
-PROBE_TEXTS = ("What colour is the cat in the picture?", " The sound is high.", "Ünïcode, digits 1234 and\nlines")
+PROBE_TEXTS = ("What colour is the cat in the picture?", " The sound is high.", "Digits 1234, and\nlines; Ünïcode too")
 
 
 def check_tokenizer_reloads(trained: Any, out: Path) -> None:
