@@ -11,6 +11,7 @@ import torch
 from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 
 from purrsight.config import Config, dump_config
+from purrsight.data.media import SampleError
 from purrsight.data.text import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.training.build import build_model
@@ -68,7 +69,7 @@ class Phase2Module(pl.LightningModule):
         assert self.model is not None
         self.skipped_samples += int(batch["num_skipped"])
         if self.skipped_samples > self.config.data.max_bad_samples:
-            raise RuntimeError(
+            raise SampleError(  # bad data, not a bug: one line and exit 2, as for any bad sample
                 f"{self.skipped_samples} bad samples skipped on rank {self.global_rank}, "
                 f"above data.max_bad_samples={self.config.data.max_bad_samples}; fix the data or raise the cap"
             )

@@ -166,6 +166,17 @@ CASES = [
         ),
     ),
     Case(
+        "more-bad-samples-than-allowed",  # skip mode's cap: was a traceback and exit 1
+        "train",
+        "1 bad samples skipped on rank 0, above data.max_bad_samples=0",
+        prepare=data_case(
+            sample(image="bad.png"),
+            {"bad.png": png_bytes(truncate=True)},
+            keep=1,
+            more=["data.on_bad_sample=skip", "data.max_bad_samples=0", *ONE_PER_STEP],
+        ),
+    ),
+    Case(
         "wav-not-audio",
         "train",
         "bad.wav: cannot decode audio",
