@@ -29,7 +29,7 @@ import soundfile
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from purrsight.data.pil_processing import plan_for
+from purrsight.data.pil_processing import fused_normalisation, normalise, plan_for
 
 WHITE = (255, 255, 255)
 SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}  # how Pillow opens 16-bit grayscale PNG/TIFF
@@ -39,25 +39,6 @@ AUDIO_FORMATS = "WAV, FLAC, Ogg Vorbis, Opus, MP3, AIFF"  # what libsndfile (sou
 
 class SampleError(ValueError):
     """A sample whose media cannot be decoded; the message names the file and why."""
-
-
-def fused_normalisation(processor: Any | None) -> tuple[float, torch.Tensor, torch.Tensor] | None:
-    """(rescale factor, mean, std) of a processor that rescales, then normalises, as most do.
-
-    Hugging Face's PIL backend does both steps in float64 NumPy: a quarter of the decoding
-    time of a 224-px sample (bench/README.md). Done here in float32 on the processor's
-    resized uint8 output, the result equals the processor's to within 1e-6.
-    """
-    if processor is None or not (getattr(processor, "do_rescale", False) and getattr(processor, "do_normalize", False)):
-        return None
-    factor, mean, std = (getattr(processor, name, None) for name in ("rescale_factor", "image_mean", "image_std"))
-    if factor is None or mean is None or std is None:
-        return None
-    return float(factor), _per_channel(mean), _per_channel(std)
-
-
-def _per_channel(value: float | list[float]) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32).reshape(-1, 1, 1)
 
 
 def as_displayed_rgb(image: Image.Image, background: Sequence[int] = WHITE) -> Image.Image:
@@ -111,9 +92,8 @@ class ImageDecoder:
         if self.processor is not None:
             if self.normalisation is None:
                 return self.processor(images=image, return_tensors="pt")["pixel_values"][0]
-            factor, mean, std = self.normalisation
             resized = self.processor(images=image, return_tensors="pt", do_rescale=False, do_normalize=False)["pixel_values"][0]
-            return (resized.float() * factor - mean) / std
+            return normalise(resized, self.normalisation)
         resized = image.resize((self.size, self.size), Image.Resampling.BILINEAR)
         array = np.asarray(resized, dtype=np.float32) / 127.5 - 1.0
         return torch.from_numpy(array).permute(2, 0, 1).contiguous()
@@ -208,8 +188,7 @@ class AudioDecoder:
 
     def __call__(self, path: Path) -> torch.Tensor:
         wave, rate = self.read_window(path)
-        if self.resample:
-            wave = resample(wave, rate, self.sample_rate)
+        wave = resample(wave, rate, self.sample_rate)  # read_window refused another rate when resample is off
         wave = np.pad(wave[: self.num_samples], (0, max(0, self.num_samples - len(wave))))  # crop or pad
         return self._features(wave)
 
