@@ -26,12 +26,18 @@ Resume from the newest checkpoint of the run, or from a given one::
     python train_phase2.py --config config/train_config.yaml --resume
     python train_phase2.py --config config/train_config.yaml --resume runs/phase2-tiny/checkpoints/step-00000050.ckpt
 
+On a Ray cluster (README "Ray clusters"; workers and resources in the config's ray: section)::
+
+    ray job submit --address http://HEAD:8265 --working-dir . -- \
+        python train_phase2.py --engine ray --config config/train_config.yaml ray.shared_dir=/shared/purrsight
+
 Export (LoRA merged, Hugging Face directory, projectors beside it)::
 
     python train_phase2.py export --checkpoint runs/phase2-tiny/checkpoints/last.ckpt --out exported/phase2-tiny
 
 Exit codes: 0 done; 2 bad config, data, checkpoint or arguments (one line says which);
-3 the preflight all-reduce failed (wrong sums, or bus bandwidth below preflight.min_busbw_gbps);
+3 the preflight all-reduce failed (wrong sums, or bus bandwidth below preflight.min_busbw_gbps),
+or (--engine ray) no Ray cluster to join, or one too small for the ray: section;
 128+N stopped by signal N after saving a checkpoint (143 for SIGTERM); 1 training failed.
 """
 
@@ -68,6 +74,13 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
         metavar="PATH",
         help="resume from PATH, or from the newest checkpoint of the run when PATH is omitted",
     )
+    parser.add_argument(
+        "--engine",
+        choices=["torchrun", "ray"],
+        default="torchrun",
+        help="torchrun: train in this process (one rank of torchrun, or alone); "
+        "ray: be the driver of a Ray Train job on the Ray cluster (the ray: section of the config)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)  # overrides may stand before and after --resume PATH
     # `--resume trainer.max_steps=9` means "resume the newest" followed by an override,
@@ -93,9 +106,13 @@ def train_command(args: argparse.Namespace) -> int:
     from purrsight.config import load_config
     from purrsight.training.run import train
 
-    config = load_config(args.config, args.overrides)
     try:
-        outcome = train(config, args.resume)
+        if args.engine == "ray":
+            from purrsight.ray_engine.driver import run_on_ray
+
+            # Paths are checked by the driver, under ray.shared_dir where the workers see them.
+            return run_on_ray(load_config(args.config, args.overrides, check_paths=False), args.resume, args.config)
+        outcome = train(load_config(args.config, args.overrides), args.resume)
     except PreflightError as err:  # the fabric, not the input: the launcher's health-check code
         print(f"error: {err}", file=sys.stderr)
         return EXIT_PREFLIGHT

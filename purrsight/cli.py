@@ -38,7 +38,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-def setup_logging() -> None:
+def setup_logging(force: bool = False) -> None:
+    """Our line format, with the rank when there is one; ``force`` replaces handlers set before (Ray's)."""
     rank = os.environ.get("RANK")
     where = f" [rank {rank}]" if rank is not None else ""
     level = logging.DEBUG if os.environ.get("LOG_LEVEL", "INFO").upper() == "DEBUG" else logging.INFO
@@ -47,6 +48,7 @@ def setup_logging() -> None:
         format=f"%(asctime)s{where} %(levelname)s %(name)s: %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
         stream=sys.stderr,
+        force=force,
     )
     for noisy in ("httpx", "urllib3", "filelock", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

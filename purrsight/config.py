@@ -258,6 +258,33 @@ class LoggingConfig(_Section):
     progress: Literal["auto", "bar", "lines"] = Field("auto", description="auto: a bar on a terminal, lines in a log file.")
 
 
+class RayConfig(_Section):
+    """Only read by ``--engine ray`` (purrsight/ray_engine): the Ray cluster runs the workers."""
+
+    num_workers: int = Field(2, gt=0, description="Training processes (Ray Train workers), one per GPU on GPU clusters.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0}, description='Ray resources each worker reserves, e.g. {"GPU": 1, "CPU": 8}.'
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="How Ray places the workers: PACK fills a node before the next."
+    )
+    max_failures: int = Field(
+        3, ge=-1, description="Worker-group restarts after a failure (resume from the newest checkpoint); -1: no limit."
+    )
+    shared_dir: str | None = Field(
+        None,
+        description="Storage every Ray node mounts; relative paths in the config are taken from it (none: the driver's folder).",
+    )
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _positive_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = [name for name, amount in value.items() if amount < 0]
+        if bad:
+            raise ValueError(f"negative amount for {', '.join(bad)}")
+        return value
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -270,6 +297,7 @@ class Config(_Section):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
     def tokenizer_dir(self) -> Path:
         """model.llm.tokenizer, else the LLM directory, else the synthetic set's tokenizer."""
@@ -369,7 +397,7 @@ def _describe(error: Any, source: str) -> str:
     return f"{source}: {dotted or 'config'}: {message}{shown}"
 
 
-def _check_paths(config: Config, source: str) -> list[str]:
+def path_problems(config: Config, source: str) -> list[str]:
     """Local model files must exist: nothing is ever downloaded at run time."""
     problems = []
     candidates = {
@@ -389,6 +417,37 @@ def _check_paths(config: Config, source: str) -> list[str]:
     return problems
 
 
+PATH_KEYS = (
+    "run.output_dir",
+    "data.train_index",
+    "data.val_index",
+    "data.synthetic_dir",
+    "model.llm.path",
+    "model.llm.tokenizer",
+    "model.image_encoder.path",
+    "model.audio_encoder.path",
+    "model.aligner_checkpoint",
+)
+
+
+def with_paths_under(config: Config, base: Path) -> Config:
+    """The config with every relative path in PATH_KEYS made absolute under ``base``.
+
+    For engines whose processes do not share the caller's working folder (Ray runs each
+    worker in its own copy of the job's working dir): one absolute meaning on every node.
+    """
+    data = config.model_dump(mode="json")
+    for dotted in PATH_KEYS:
+        *parents, key = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        value = node[key]
+        if value is not None and not Path(value).is_absolute():
+            node[key] = str(base / value)
+    return Config.model_validate(data)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
     """Read, override, validate. Raises ConfigError listing every problem."""
     path = Path(path)
@@ -397,7 +456,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, check_path
         config = Config.model_validate(data)
     except ValidationError as err:
         raise ConfigError([_describe(e, str(path)) for e in err.errors()]) from None
-    problems = _check_paths(config, str(path)) if check_paths else []
+    problems = path_problems(config, str(path)) if check_paths else []
     if problems:
         raise ConfigError(problems)
     return config

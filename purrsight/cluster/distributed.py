@@ -82,7 +82,9 @@ def init_process_group(backend: str, timeout: timedelta) -> bool:
     import torch
     import torch.distributed as dist
 
-    if not (init_process_group_in_node_order(backend, timeout) or dist.is_initialized()):
+    if dist.is_initialized():  # another engine (Ray Train) started it, and chose the device
+        return True
+    if not init_process_group_in_node_order(backend, timeout):
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return False
         dist.init_process_group(backend, timeout=timeout)  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun
@@ -117,7 +119,8 @@ def worker_generation(environ: MutableMapping[str, str]) -> int:
 def _collective_device(backend: str) -> Any:
     import torch
 
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" else torch.device("cpu")
+    # The device init_process_group (or the engine that started the group) made current.
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def agreed_max(value: int, backend: str) -> int:

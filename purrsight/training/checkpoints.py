@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -140,6 +141,10 @@ class StopRequest:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # Signal handlers live in the main thread only. An engine that runs training in
+            # another thread (Ray Train) relays stops through request() instead.
+            return
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -149,6 +154,10 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.request(signum)
+
+    def request(self, signum: int) -> None:
+        """Stop as if ``signum`` had arrived (safe from any thread)."""
         if self.signum is None:
             log.warning("received %s: finishing this step, then saving a checkpoint", signal.Signals(signum).name)
         self.signum = signum
@@ -206,7 +215,7 @@ class CheckpointSaver(pl.Callback):
         # Every rank calls; rank 0 writes, then all meet at a barrier. A failed write (disk
         # full) stops the run with CheckpointWriteError: going on would train hours that no
         # checkpoint holds. The previous checkpoints are left as they were.
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # optimizer and loops too: a full resume
         if trainer.is_global_zero:
             link_or_copy(path, self.folder / LAST_NAME)
             # Oldest first; the file just written is never among those removed, whatever

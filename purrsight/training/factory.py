@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.plugins.environments import TorchElasticEnvironment
+from pytorch_lightning.plugins.environments import ClusterEnvironment, TorchElasticEnvironment
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
 from purrsight.config import Config
@@ -49,18 +50,38 @@ def launch_world() -> tuple[int, int]:
     return local, max(1, world // max(1, local))
 
 
-def build_strategy(config: Config, accelerator: str) -> Strategy:
+class DDPOnDevice(DDPStrategy):
+    """DDP on the device an engine assigned (Ray gives each worker its GPU), not devices[local_rank]."""
+
+    def __init__(self, device: torch.device, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._assigned_device = device
+
+    @property
+    def root_device(self) -> torch.device:
+        return self._assigned_device
+
+
+def build_strategy(
+    config: Config, accelerator: str, environment: ClusterEnvironment | None = None, device: torch.device | None = None
+) -> Strategy:
+    """Single device or DDP with our settings.
+
+    ``environment`` and ``device`` come from an engine that placed the processes itself
+    (Ray); by default torchrun's environment and devices[LOCAL_RANK].
+    """
     local, nodes = launch_world()
     io = AtomicCheckpointIO()
     if local * nodes == 1:
-        device = torch.device("cuda", 0) if accelerator == "gpu" else torch.device("cpu")
+        if device is None:
+            device = torch.device("cuda", 0) if accelerator == "gpu" else torch.device("cpu")
         return SingleDeviceStrategy(device=device, checkpoint_io=io)
     dist = config.distributed
     backend = resolve_backend(config)
     # torchrun started us: Lightning must take torchrun's ranks, even inside a SLURM
     # allocation where it would otherwise read SLURM's (one task per node, not per GPU).
-    return DDPStrategy(
-        cluster_environment=TorchElasticEnvironment(),
+    settings: dict[str, Any] = dict(
+        cluster_environment=environment or TorchElasticEnvironment(),
         process_group_backend=backend,
         timeout=timedelta(seconds=dist.timeout_s),
         bucket_cap_mb=dist.bucket_cap_mb,
@@ -70,12 +91,20 @@ def build_strategy(config: Config, accelerator: str) -> Strategy:
         broadcast_buffers=dist.broadcast_buffers,
         checkpoint_io=io,
     )
+    return DDPOnDevice(device, **settings) if device is not None else DDPStrategy(**settings)
 
 
 def build_trainer(
-    config: Config, saver: CheckpointSaver, extra_callbacks: list[pl.Callback] | None = None, resumed_step: int = 0
+    config: Config,
+    saver: CheckpointSaver,
+    extra_callbacks: list[pl.Callback] | None = None,
+    resumed_step: int = 0,
+    strategy: Strategy | None = None,
 ) -> pl.Trainer:
-    """The trainer for a run that continues after ``resumed_step`` (0: a new run)."""
+    """The trainer for a run that continues after ``resumed_step`` (0: a new run).
+
+    ``strategy``: an engine's own (Ray); by default built for torchrun or a single process.
+    """
     accelerator = resolve_accelerator(config)
     local, nodes = launch_world()
     run_dir = config.run.run_dir
@@ -105,7 +134,7 @@ def build_trainer(
         accelerator=accelerator,
         devices=local,
         num_nodes=nodes,
-        strategy=build_strategy(config, accelerator),
+        strategy=strategy or build_strategy(config, accelerator),
         precision=resolve_precision(config, accelerator),  # type: ignore[arg-type]
         max_steps=trainer_cfg.max_steps,
         max_epochs=-1,  # max_steps decides; epochs just repeat the (re-shuffled) data

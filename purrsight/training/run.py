@@ -9,6 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytorch_lightning as pl
+from pytorch_lightning.strategies import Strategy
 
 from purrsight.cluster.distributed import (
     TORCHRUN_RANK,
@@ -134,17 +135,30 @@ def agreed_start(config: Config, resume: str | None, generation: int, distribute
     return plan
 
 
-def train(config: Config, resume: str | None = None, callbacks: list[pl.Callback] | None = None) -> TrainOutcome:
+def train(
+    config: Config,
+    resume: str | None = None,
+    callbacks: list[pl.Callback] | None = None,
+    generation: int | None = None,
+    strategy: Strategy | None = None,
+) -> TrainOutcome:
+    """Train one run in this process (one rank of many under torchrun or Ray).
+
+    ``generation`` (earlier starts of this rank in this launch) and ``strategy`` come from
+    an engine that tracks them itself (Ray); by default torchrun's restart count and a
+    strategy built for torchrun or a single process.
+    """
     backend = resolve_backend(config)
     # Our own process group (Lightning skips its init when one exists): node-ordered ranks,
     # and a collective decision about resuming, so no rank starts over while others resume.
     distributed = init_process_group(backend, timedelta(seconds=config.distributed.timeout_s))
-    generation = worker_generation(os.environ)
+    if generation is None:
+        generation = worker_generation(os.environ)
     if distributed:
         order = (
             f"ranks ordered by node, torchrun rank {os.environ[TORCHRUN_RANK]}"
             if TORCHRUN_RANK in os.environ
-            else "torchrun's ranks"
+            else "ranks as torchrun or Ray set them"
         )
         log.info(
             "process group ready: global rank %s of %s (%s, %s; store %s:%s)",
@@ -164,7 +178,7 @@ def train(config: Config, resume: str | None = None, callbacks: list[pl.Callback
     saver = CheckpointSaver(checkpoint_dir(config.run.run_dir), config.checkpoint.every_n_steps, config.checkpoint.keep_last)
     module = Phase2Module(config)
     data = Phase2DataModule(config)
-    trainer = build_trainer(config, saver, callbacks, resumed_step=plan.step)
+    trainer = build_trainer(config, saver, callbacks, resumed_step=plan.step, strategy=strategy)
     if ckpt is not None:
         log.info("resuming from checkpoint %s", ckpt)
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)

@@ -1,0 +1,181 @@
+"""The Ray engine end to end: `ray job submit` to a real two-node Ray cluster (conftest.py).
+
+Every job is submitted as the README says: the repository as --working-dir, relative paths
+in the config taken from ray.shared_dir (a folder both "nodes" see, as NFS would be).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.helpers import read_metrics, trainable_state
+from tests.ray.conftest import RayCluster, job_info, submission_id
+
+pytestmark = pytest.mark.slow
+
+
+def ray_args(shared: Path, name: str, **extra: object) -> list[str]:
+    values: dict[str, object] = {
+        "ray.shared_dir": shared,
+        "run.name": name,
+        "run.deterministic": True,
+        "data.synthetic.num_train": 128,
+        "data.synthetic.num_val": 32,
+        "trainer.max_steps": 40,
+        "trainer.val_every_n_steps": 20,
+        "checkpoint.every_n_steps": 10,
+        "logging.progress": "lines",
+        "logging.every_n_steps": 5,
+        "distributed.timeout_s": 120,
+    }
+    values.update({key.replace("__", "."): value for key, value in extra.items()})
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("shared")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster: RayCluster, shared: Path) -> subprocess.CompletedProcess[str]:
+    return ray_cluster.submit(*ray_args(shared, "whole"))
+
+
+def wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear in {timeout:.0f} s"
+        time.sleep(0.1)
+
+
+def train_worker_on(node: psutil.Process) -> psutil.Process:
+    for process in node.children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(process.cmdline()):
+                return process
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError("no Ray Train worker found on the node")
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return trainable_state(run_dir / "checkpoints" / "last.ckpt")
+
+
+def test_submit_trains_on_two_nodes_and_writes_the_usual_run_folder(
+    uninterrupted: subprocess.CompletedProcess[str], shared: Path
+) -> None:
+    output = uninterrupted.stdout + uninterrupted.stderr
+    assert uninterrupted.returncode == 0, output[-4000:]
+    assert "succeeded" in output
+    run_dir = shared / "runs" / "whole"  # run.output_dir's default "runs", taken from ray.shared_dir
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.ckpt"))
+    assert checkpoints == ["step-00000020.ckpt", "step-00000030.ckpt", "step-00000040.ckpt"]  # keep_last 3
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert sorted(p.name for p in (run_dir / "telemetry").glob("node*.csv")) == ["node0.csv", "node1.csv"]
+    assert (run_dir / "report.md").is_file() and (run_dir / "resolved_config.yaml").is_file()
+    steps = [int(row["step"]) for row in read_metrics(run_dir) if row.get("train/loss")]
+    assert steps == [5, 10, 15, 20, 25, 30, 35, 40]
+    # Ray keeps the newest keep_last reports, each naming our checkpoint file.
+    reported = sorted(p.name for p in (run_dir / "ray").glob("*/step-*"))
+    assert reported == ["step-00000020", "step-00000030", "step-00000040"]
+    # Rank-prefixed progress lines from both workers, as under torchrun.
+    assert re.search(r"\[rank 0\] INFO purrsight\.progress: step 40/40", output), output[-3000:]
+    assert "[rank 1]" in output
+    assert "RESUME " not in output  # no disassembly leaking from a library's captured print
+
+
+def test_a_worker_killed_with_sigkill_restarts_the_group_and_resumes_to_the_same_weights(
+    ray_cluster: RayCluster, shared: Path, uninterrupted: subprocess.CompletedProcess[str]
+) -> None:
+    run_dir = shared / "runs" / "killed"
+    submitted = ray_cluster.submit(*ray_args(shared, "killed"), no_wait=True)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submission_id(submitted.stdout + submitted.stderr)
+    wait_for(run_dir / "checkpoints" / "step-00000010.ckpt", timeout=300)
+    train_worker_on(ray_cluster.nodes[1]).kill()  # the worker on the second node, with SIGKILL
+    followed = ray_cluster.job("logs", "--follow", job)  # the README's way to follow a job
+    assert job_info(ray_cluster, job)["status"] == "SUCCEEDED", followed.stdout[-4000:]
+    assert "resuming from" in followed.stdout
+    expected = final_weights(shared / "runs" / "whole")
+    got = final_weights(run_dir)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.allclose(expected[key], got[key], atol=1e-6, rtol=0), key
+    steps = [int(row["step"]) for row in read_metrics(run_dir) if row.get("train/loss")]
+    assert steps == sorted(set(steps)), "a redone step must replace its row, not repeat it"
+
+
+def test_ray_job_stop_checkpoints_and_a_resubmit_resumes(ray_cluster: RayCluster, shared: Path) -> None:
+    run_dir = shared / "runs" / "stopped"
+    submitted = ray_cluster.submit(*ray_args(shared, "stopped", trainer__max_steps=400), no_wait=True)
+    job = submission_id(submitted.stdout + submitted.stderr)
+    wait_for(run_dir / "checkpoints" / "step-00000010.ckpt", timeout=300)
+    stopped = ray_cluster.job("stop", job, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    info = job_info(ray_cluster, job)
+    assert info["status"] == "STOPPED"
+    logs = ray_cluster.job("logs", job).stdout
+    assert "received SIGTERM" in logs
+    stop = re.search(r"stopped by SIGTERM at step (\d+); checkpoint: (\S+)", logs)
+    assert stop, logs[-3000:]
+    stop_step = int(stop.group(1))
+    assert Path(stop.group(2)) == run_dir / "checkpoints" / f"step-{stop_step:08d}.ckpt"
+    assert Path(stop.group(2)).is_file()
+    target = (stop_step // 5 + 2) * 5  # a step that logs a row (logging.every_n_steps=5)
+    resumed = ray_cluster.submit("--resume", *ray_args(shared, "stopped", trainer__max_steps=target))
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    assert f"step-{stop_step:08d}.ckpt" in output and "resuming from" in output
+    steps = [int(row["step"]) for row in read_metrics(run_dir) if row.get("train/loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == target
+
+
+def test_bad_config_ends_in_the_driver_with_exit_2_before_any_worker(ray_cluster: RayCluster, shared: Path) -> None:
+    submitted = ray_cluster.submit(*ray_args(shared, "bad", data__batch_size=0))
+    output = submitted.stdout + submitted.stderr
+    assert submitted.returncode != 0
+    job = submission_id(output)
+    info = job_info(ray_cluster, job)
+    assert info["status"] == "FAILED" and info["driver_exit_code"] == 2, info
+    assert "data.batch_size" in output
+    assert "RayTrainWorker" not in output and "Traceback" not in output
+
+
+def test_a_bad_sample_in_a_worker_is_not_retried(
+    ray_cluster: RayCluster, shared: Path, uninterrupted: subprocess.CompletedProcess[str]
+) -> None:
+    """A user error inside the workers: Ray would restart the group up to max_failures times."""
+    source = shared / "data" / "synthetic"
+    assert (source / "train.jsonl").is_file()  # made by the uninterrupted run's driver
+    broken = shared / "broken"
+    shutil.copytree(source, broken)
+    for image in broken.glob("**/*.png"):
+        image.write_bytes(b"not a picture")
+    submitted = ray_cluster.submit(
+        *ray_args(
+            shared,
+            "badsample",
+            data__synthetic_dir="null",
+            data__train_index="broken/train.jsonl",
+            data__val_index="null",
+            model__llm__tokenizer="data/synthetic/tokenizer",
+            ray__max_failures=3,
+        )
+    )
+    output = submitted.stdout + submitted.stderr
+    info = job_info(ray_cluster, submission_id(output))
+    assert info["status"] == "FAILED" and info["driver_exit_code"] == 2, output[-4000:]
+    assert re.search(r"error: .*broken/.*\.png", output), output[-4000:]
+    assert output.count("training from step 0") <= 1  # rank 0 started training once, never again
+    assert "not training again" in output  # the restarted group returned at once
+    assert output.count("Traceback") <= 2  # Ray's report of the failed attempt: short, no wall

@@ -1,0 +1,153 @@
+"""The Ray engine's glue, without a cluster: paths, cluster fit, the coordinator, checkpoint reports.
+
+``ray.train.report`` and ``ray.train.get_checkpoint`` are replaced where a test needs them:
+outside a Ray Train worker they refuse to run. They stand in for Ray Train's session; the
+real one is exercised by tests/ray (a two-node cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from purrsight.config import ConfigError, load_config, with_paths_under
+from purrsight.training.checkpoints import CheckpointSaver, StopRequest
+from tests.helpers import DEFAULT_CONFIG
+
+pytest.importorskip("ray", reason="the Ray engine needs the ray extra (scripts/test.sh installs it)")
+
+from purrsight.ray_engine import driver, worker
+from purrsight.ray_engine.coordinator import RunCoordinator
+
+
+def test_relative_paths_are_taken_from_the_base_and_absolute_ones_kept(tmp_path: Path) -> None:
+    config = load_config(DEFAULT_CONFIG, ["model.aligner_checkpoint=/abs/aligner.pt"], check_paths=False)
+    moved = with_paths_under(config, tmp_path)
+    assert moved.run.output_dir == str(tmp_path / "runs")
+    assert moved.data.train_index == str(tmp_path / "data/synthetic/train.jsonl")
+    assert moved.data.synthetic_dir == str(tmp_path / "data/synthetic")
+    assert moved.model.aligner_checkpoint == "/abs/aligner.pt"
+    assert moved.model.llm.path is None  # unset stays unset
+    assert moved.trainer == config.trainer  # nothing else changes
+
+
+def test_the_base_is_the_shared_dir_else_the_driver_folder(tmp_path: Path) -> None:
+    shared = load_config(DEFAULT_CONFIG, [f"ray.shared_dir={tmp_path}"], check_paths=False)
+    copy = Path("/tmp/ray/session_1/runtime_resources/working_dir_files/_ray_pkg_abc")
+    assert driver.base_folder(shared, copy) == tmp_path
+    plain = load_config(DEFAULT_CONFIG, [], check_paths=False)
+    assert driver.base_folder(plain, tmp_path) == tmp_path
+
+
+def test_a_driver_in_rays_working_dir_copy_needs_a_shared_dir() -> None:
+    plain = load_config(DEFAULT_CONFIG, [], check_paths=False)
+    copy = Path("/tmp/ray/session_1/runtime_resources/working_dir_files/_ray_pkg_abc")
+    with pytest.raises(ConfigError) as caught:
+        driver.base_folder(plain, copy)
+    assert "ray.shared_dir" in caught.value.problems[0] and str(copy) in caught.value.problems[0]
+
+
+def test_prepared_config_reports_a_missing_index_under_the_shared_dir(tmp_path: Path) -> None:
+    config = load_config(
+        DEFAULT_CONFIG, [f"ray.shared_dir={tmp_path}", "data.synthetic_dir=null", "data.train_index=nope.jsonl"], check_paths=False
+    )
+    with pytest.raises(ConfigError) as caught:
+        driver.prepared_config(config, "cfg.yaml")
+    assert str(tmp_path / "nope.jsonl") in " ".join(caught.value.problems)
+
+
+def test_a_config_larger_than_the_cluster_is_refused_with_the_numbers() -> None:
+    config = load_config(DEFAULT_CONFIG, ["ray.num_workers=16", "ray.resources_per_worker={GPU: 1, CPU: 8}"], check_paths=False)
+    with pytest.raises(driver.RayClusterError) as caught:
+        driver.check_cluster_fits(config, {"GPU": 8.0, "CPU": 256.0})
+    assert "GPU 16 (the cluster has 8)" in str(caught.value) and "CPU" not in str(caught.value).split("needs")[1]
+    driver.check_cluster_fits(config, {"GPU": 16.0, "CPU": 128.0})  # exactly enough
+
+
+def test_the_launch_id_is_the_submission_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"metadata": {"job_submission_id": "raysubmit_X"}}))
+    assert driver.submission_id() == "raysubmit_X"
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    assert driver.submission_id().startswith("ray-driver-")
+
+
+def test_the_coordinator_counts_starts_per_rank_and_keeps_the_first_error_and_stop() -> None:
+    coordinator = RunCoordinator()
+    assert [coordinator.worker_started(0), coordinator.worker_started(1), coordinator.worker_started(0)] == [0, 0, 1]
+    assert coordinator.user_error() is None and coordinator.stop_signal() is None
+    coordinator.record_user_error(["bad sample a.png"])
+    coordinator.record_user_error(["echo from another rank"])
+    assert coordinator.user_error() == ["bad sample a.png"]
+    coordinator.request_stop(signal.SIGTERM)
+    coordinator.request_stop(signal.SIGINT)
+    assert coordinator.stop_signal() == signal.SIGTERM
+
+
+def test_stop_requests_work_in_a_thread_where_no_signal_handler_can_be_installed() -> None:
+    stop = StopRequest()
+    failures: list[BaseException] = []
+
+    def in_thread() -> None:
+        try:
+            stop.install()  # signal.signal would raise ValueError here
+            stop.request(signal.SIGTERM)
+            stop.restore()
+        except BaseException as err:
+            failures.append(err)
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    assert not failures
+    assert stop.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the main thread's handlers untouched
+
+
+def fake_trainer(saver: CheckpointSaver, rank: int) -> Any:
+    return SimpleNamespace(callbacks=[saver], is_global_zero=rank == 0, global_step=0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_saved_checkpoint_is_reported_once_by_every_rank(rank: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reports: list[tuple[dict[str, Any], Any, str]] = []
+
+    def report(metrics: dict[str, Any], checkpoint: Any = None, checkpoint_dir_name: str = "") -> None:
+        pointer = None
+        if checkpoint is not None:  # Ray copies the folder during report; read it now
+            pointer = json.loads((Path(checkpoint.path) / worker.POINTER_FILE).read_text())
+        reports.append((metrics, pointer, checkpoint_dir_name))
+
+    monkeypatch.setattr(worker.ray.train, "report", report)
+    saver = CheckpointSaver(tmp_path, every_n_steps=10, keep_last=3)
+    trainer = fake_trainer(saver, rank)
+    reporter = worker.ReportCheckpointsToRay()
+    reporter.on_train_start(trainer, None)  # type: ignore[arg-type]
+    reporter.on_train_batch_end(trainer, None)  # type: ignore[arg-type]
+    assert reports == []  # nothing saved yet
+    saver.last_saved_step, saver.last_saved_path = 10, tmp_path / "step-00000010.ckpt"
+    reporter.on_train_batch_end(trainer, None)  # type: ignore[arg-type]
+    reporter.on_train_end(trainer, None)  # type: ignore[arg-type]  # the same save: not reported twice
+    expected_pointer = {"path": str(tmp_path / "step-00000010.ckpt"), "step": 10} if rank == 0 else None
+    assert reports == [({"step": 10}, expected_pointer, "step-00000010")]
+
+
+def test_a_restored_ray_checkpoint_points_at_our_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray.train
+
+    ours = tmp_path / "step-00000020.ckpt"
+    ours.write_bytes(b"x")
+    reported = tmp_path / "reported"
+    reported.mkdir()
+    (reported / worker.POINTER_FILE).write_text(json.dumps({"path": str(ours), "step": 20}))
+    monkeypatch.setattr(worker.ray.train, "get_checkpoint", lambda: ray.train.Checkpoint.from_directory(str(reported)))
+    assert worker.restored_checkpoint() == str(ours)
+    ours.unlink()  # rotated away or deleted by hand: fall back to the newest in the folder
+    assert worker.restored_checkpoint() is None
+    monkeypatch.setattr(worker.ray.train, "get_checkpoint", lambda: None)
+    assert worker.restored_checkpoint() is None
