@@ -45,7 +45,8 @@ def setup_logging(force: bool = False) -> None:
     level = logging.DEBUG if os.environ.get("LOG_LEVEL", "INFO").upper() == "DEBUG" else logging.INFO
     logging.basicConfig(
         level=level,
-        format=f"%(asctime)s{where} %(levelname)s %(name)s: %(message)s",
+        # Milliseconds: lines of several nodes interleave in one job log, and start-up phases are short.
+        format=f"%(asctime)s.%(msecs)03d{where} %(levelname)s %(name)s: %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
         stream=sys.stderr,
         force=force,

@@ -12,6 +12,7 @@ group with a store hosted by torchrun's own rank 0, whose machine MASTER_ADDR na
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import MutableMapping
@@ -19,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 TORCHRUN_RANK = "PURRSIGHT_TORCHRUN_RANK"  # the rank torchrun assigned, kept for the store
 
 
@@ -87,6 +89,11 @@ def init_process_group(backend: str, timeout: timedelta) -> bool:
     if not init_process_group_in_node_order(backend, timeout):
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return False
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+            log.warning(
+                "torchrun restarts with a rendezvous store shared by agent and workers hang (pytorch/pytorch#135712): "
+                "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, as cluster_train.sh does"
+            )
         dist.init_process_group(backend, timeout=timeout)  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun
     if backend == "nccl":
         # Object collectives (the start decision) run on the current device: each rank's own

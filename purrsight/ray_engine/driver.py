@@ -144,8 +144,9 @@ class StopRelay:
 
 def run_on_ray(config: Config, resume: str | None, source: str) -> int:
     """Train ``config`` on the Ray cluster; our exit code (0, 2, 3, 128+N after a stop, 1)."""
-    config = prepared_config(config, source)
     launch = submission_id()
+    log.info("Ray engine driver for job %s: checking the config, data and run folder", launch)
+    config = prepared_config(config, source)
     os.environ["PURRSIGHT_LAUNCH_ID"] = launch  # the run folder's launch marker names this job
     plan = choose_start(config, resume or os.environ.get("PURRSIGHT_RESUME") or None)
     log.info(

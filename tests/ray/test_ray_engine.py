@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import read_metrics, trainable_state
-from tests.ray.conftest import RayCluster, job_info, submission_id
+from tests.ray.cluster import RayCluster, job_info, submission_id
 
 pytestmark = pytest.mark.slow
 

@@ -22,8 +22,9 @@ from tests.helpers import DEFAULT_CONFIG
 
 pytest.importorskip("ray", reason="the Ray engine needs the ray extra (scripts/test.sh installs it)")
 
-from purrsight.ray_engine import driver, worker
+from purrsight.ray_engine import callbacks, driver, worker
 from purrsight.ray_engine.coordinator import RunCoordinator
+from purrsight.ray_engine.pointer import POINTER_FILE
 
 
 def test_relative_paths_are_taken_from_the_base_and_absolute_ones_kept(tmp_path: Path) -> None:
@@ -120,13 +121,13 @@ def test_each_saved_checkpoint_is_reported_once_by_every_rank(rank: int, tmp_pat
     def report(metrics: dict[str, Any], checkpoint: Any = None, checkpoint_dir_name: str = "") -> None:
         pointer = None
         if checkpoint is not None:  # Ray copies the folder during report; read it now
-            pointer = json.loads((Path(checkpoint.path) / worker.POINTER_FILE).read_text())
+            pointer = json.loads((Path(checkpoint.path) / POINTER_FILE).read_text())
         reports.append((metrics, pointer, checkpoint_dir_name))
 
-    monkeypatch.setattr(worker.ray.train, "report", report)
+    monkeypatch.setattr(callbacks.ray.train, "report", report)
     saver = CheckpointSaver(tmp_path, every_n_steps=10, keep_last=3)
     trainer = fake_trainer(saver, rank)
-    reporter = worker.ReportCheckpointsToRay()
+    reporter = callbacks.ReportCheckpointsToRay()
     reporter.on_train_start(trainer, None)  # type: ignore[arg-type]
     reporter.on_train_batch_end(trainer, None)  # type: ignore[arg-type]
     assert reports == []  # nothing saved yet
@@ -144,10 +145,40 @@ def test_a_restored_ray_checkpoint_points_at_our_file(tmp_path: Path, monkeypatc
     ours.write_bytes(b"x")
     reported = tmp_path / "reported"
     reported.mkdir()
-    (reported / worker.POINTER_FILE).write_text(json.dumps({"path": str(ours), "step": 20}))
+    (reported / POINTER_FILE).write_text(json.dumps({"path": str(ours), "step": 20}))
     monkeypatch.setattr(worker.ray.train, "get_checkpoint", lambda: ray.train.Checkpoint.from_directory(str(reported)))
     assert worker.restored_checkpoint() == str(ours)
     ours.unlink()  # rotated away or deleted by hand: fall back to the newest in the folder
     assert worker.restored_checkpoint() is None
     monkeypatch.setattr(worker.ray.train, "get_checkpoint", lambda: None)
     assert worker.restored_checkpoint() is None
+
+
+def test_the_working_dir_upload_leaves_out_runs_data_logs_and_models(tmp_path: Path) -> None:
+    """Ray's own packaging code (what `ray job submit --working-dir .` uploads) on a repo-like tree."""
+    import shutil
+    import zipfile
+
+    from ray._private.runtime_env.packaging import create_package
+
+    from tests.helpers import REPO
+
+    tree = tmp_path / "repo"
+    for name in (
+        "train_phase2.py",
+        "purrsight/config.py",
+        "runs/r/checkpoints/step-00000010.ckpt",
+        "data/my.jsonl",
+        "data/synthetic/train.jsonl",
+        "logs/node0.log",
+        "models/Qwen2.5/model.safetensors",
+    ):
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text("x")
+    shutil.copy(REPO / ".rayignore", tree / ".rayignore")
+    shutil.copy(REPO / ".gitignore", tree / ".gitignore")
+    package = tmp_path / "package.zip"
+    create_package(str(tree), package, include_gitignore=True)
+    uploaded = {name for name in zipfile.ZipFile(package).namelist() if not name.endswith("/")}
+    assert {"train_phase2.py", "purrsight/config.py"} <= uploaded
+    assert not [name for name in uploaded if name.split("/")[0] in {"runs", "data", "logs", "models"}], uploaded
