@@ -18,11 +18,12 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from purrsight.data.index import IndexFileError
     from purrsight.data.media import SampleError
     from purrsight.model.encoders import ModelLoadError
-    from purrsight.training.checkpoints import CheckpointReadError, CheckpointWriteError
+    from purrsight.training.checkpoint_files import CheckpointReadError
+    from purrsight.training.checkpoints import CheckpointWriteError
     from purrsight.training.export import ExportError
     from purrsight.training.module import CheckpointMismatchError
-    from purrsight.training.run import ResumeError
     from purrsight.training.run_folder import RunFolderError
+    from purrsight.training.start import ResumeError
 
     return (
         ConfigError,

@@ -90,49 +90,6 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, quota, permissions); earlier ones are intact."""
 
 
-class CheckpointReadError(RuntimeError):
-    """A checkpoint could not be read at all (permissions, I/O error, stale NFS handle)."""
-
-
-def saved_step(path: Path) -> int | None:
-    """The optimizer step a PurrSight checkpoint was saved at; None when it is torn or not one.
-
-    Only a file that reads but does not parse is corrupt. A file that cannot be read at
-    all (permissions, an I/O error, a stale NFS handle) says nothing about its contents:
-    skipping it would resume an older checkpoint, or start over, while it may be whole,
-    so that raises CheckpointReadError naming the file and the cause.
-    """
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError as err:
-        raise CheckpointReadError(
-            f"cannot read checkpoint {path}: {err.strerror or err}; fix access to it (or move it away) and start again"
-        ) from None
-    except Exception:  # a torn zip, a truncated pickle, objects that weights_only refuses
-        return None
-    if not (isinstance(state, dict) and "purrsight" in state and "state_dict" in state):
-        return None
-    return int(state.get("global_step", 0))
-
-
-def newest_checkpoint(folder: Path) -> tuple[Path, int] | None:
-    """(path, step) of the checkpoint a resume takes: the newest intact step file, else last.ckpt.
-
-    A newest file that is corrupted or truncated (a disk that filled, a bad copy) is skipped
-    with a warning: a run never restarts from scratch while a good checkpoint exists.
-    """
-    candidates = [path for _, path in reversed(step_checkpoints(folder))]
-    last = folder / LAST_NAME
-    if last.is_file():
-        candidates.append(last)
-    for path in candidates:
-        step = saved_step(path)
-        if step is not None:
-            return path, step
-        log.warning("checkpoint %s is unreadable (corrupted or truncated): trying the previous one", path)
-    return None
-
-
 class StopRequest:
     """Records SIGTERM/SIGINT instead of dying mid-step; the saver acts on it at step end."""
 

@@ -8,17 +8,12 @@ import torch
 
 from purrsight.config import Config, load_config
 from purrsight.training import checkpoints
-from purrsight.training.checkpoints import (
-    AtomicCheckpointIO,
-    CheckpointReadError,
-    newest_checkpoint,
-    saved_step,
-    step_checkpoints,
-)
+from purrsight.training.checkpoint_files import CheckpointReadError, newest_checkpoint, saved_step
+from purrsight.training.checkpoints import AtomicCheckpointIO
 from purrsight.training.module import CheckpointMismatchError, verify_checkpoint
 from purrsight.training.optim import warmup_cosine
-from purrsight.training.run import ResumeError, choose_start
-from purrsight.training.run_folder import RunFolderError
+from purrsight.training.run_folder import RunFolderError, step_checkpoints
+from purrsight.training.start import ResumeError, choose_start
 from tests.helpers import DEFAULT_CONFIG
 
 
