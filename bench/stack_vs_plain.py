@@ -27,7 +27,7 @@ from bench.common import TINY_CONFIG, Timing, machine, median_timing, run_plain,
 def ensure_synthetic_set() -> None:
     """Generate the tiny default's data once, outside every timed run."""
     from purrsight.config import load_config
-    from purrsight.training.datasets import prepare_synthetic
+    from purrsight.data.synthetic import prepare_synthetic
 
     prepare_synthetic(load_config(TINY_CONFIG, check_paths=False))
 

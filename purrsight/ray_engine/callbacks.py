@@ -23,6 +23,11 @@ from purrsight.training.checkpoints import CheckpointSaver
 STOP_POLL_S = 1.0
 
 
+def checkpoint_saver(trainer: pl.Trainer) -> CheckpointSaver:
+    """The run's CheckpointSaver among the trainer's callbacks (training.run puts it first)."""
+    return next(c for c in trainer.callbacks if isinstance(c, CheckpointSaver))  # type: ignore[attr-defined]
+
+
 class RayTrainEnvironment(ClusterEnvironment):
     """Lightning's view of the ranks Ray Train assigned (the process group exists already)."""
 
@@ -72,7 +77,7 @@ class RelayedStop(pl.Callback):
         self._done = threading.Event()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        saver = next(c for c in trainer.callbacks if isinstance(c, CheckpointSaver))  # type: ignore[attr-defined]
+        saver = checkpoint_saver(trainer)
         threading.Thread(target=self._poll, args=(saver,), name="purrsight-stop-relay", daemon=True).start()
 
     def _poll(self, saver: CheckpointSaver) -> None:
@@ -99,14 +104,11 @@ class ReportCheckpointsToRay(pl.Callback):
     def __init__(self) -> None:
         self.reported_step = -1
 
-    def _saver(self, trainer: pl.Trainer) -> CheckpointSaver:
-        return next(c for c in trainer.callbacks if isinstance(c, CheckpointSaver))  # type: ignore[attr-defined]
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.reported_step = trainer.global_step  # a resumed start is reported already
 
     def _report_new(self, trainer: pl.Trainer) -> None:
-        saver = self._saver(trainer)
+        saver = checkpoint_saver(trainer)
         if saver.last_saved_path is None or saver.last_saved_step == self.reported_step:
             return
         step = saver.last_saved_step

@@ -23,7 +23,7 @@ from typing import Any
 from purrsight.cluster.preflight import PreflightError
 from purrsight.config import Config, ConfigError, path_problems, with_paths_under
 from purrsight.data.index import read_index
-from purrsight.data.synthetic import generate
+from purrsight.data.synthetic import prepare_synthetic
 from purrsight.training.run_folder import utc_stamp
 from purrsight.training.start import choose_start
 
@@ -65,9 +65,7 @@ def prepared_config(config: Config, source: str) -> Config:
     if problems:
         raise ConfigError(problems)
     config.tokenizer_dir()  # a config without any tokenizer fails here, not in every worker
-    if config.data.synthetic_dir is not None:  # what the DataModule would do on each node, once here
-        synthetic = config.data.synthetic
-        generate(config.data.synthetic_dir, synthetic.num_train, synthetic.num_val, synthetic.seed, synthetic.image_size)
+    prepare_synthetic(config)  # what the DataModule would do on each node, once here
     read_index(config.data.train_index)
     if config.data.val_index is not None:
         read_index(config.data.val_index)

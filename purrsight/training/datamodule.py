@@ -11,7 +11,8 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, MultiModalDataset
-from purrsight.training.datasets import build_datasets, prepare_synthetic
+from purrsight.data.synthetic import prepare_synthetic
+from purrsight.training.datasets import build_datasets
 
 
 class Phase2DataModule(pl.LightningDataModule):

@@ -13,7 +13,6 @@ from purrsight.config import Config
 from purrsight.data.dataset import Collator, MultiModalDataset, check_prompt_lengths
 from purrsight.data.index import IndexFileError, scan_index
 from purrsight.data.media import AudioDecoder, ImageDecoder
-from purrsight.data.synthetic import generate
 from purrsight.data.text import TextEncoder
 from purrsight.model.encoders import load_processor
 from purrsight.model.llm import load_tokenizer
@@ -27,14 +26,6 @@ class Datasets:
     train: MultiModalDataset
     val: MultiModalDataset | None
     collator: Collator
-
-
-def prepare_synthetic(config: Config) -> None:
-    """Generate the synthetic set the config names, once (a no-op when it exists); none: nothing."""
-    data = config.data
-    if data.synthetic_dir is not None:
-        s = data.synthetic
-        generate(data.synthetic_dir, s.num_train, s.num_val, s.seed, s.image_size)
 
 
 def build_decoders(config: Config) -> tuple[ImageDecoder | None, AudioDecoder | None]:
