@@ -10,6 +10,7 @@ set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly SCRIPT_DIR
+# Exit codes: the same numbers and meanings as purrsight/errors.py (tests/unit/test_exit_codes.py).
 readonly EXIT_USAGE=2
 readonly EXIT_HEALTH=3
 
@@ -37,8 +38,10 @@ Environment variables (default in brackets; a variable you export yourself is ne
   BACKEND         nccl | gloo [auto: nccl with GPUs, gloo without]
   LOG_LEVEL       INFO | DEBUG [INFO]; DEBUG adds NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL,
                   shell tracing and tracebacks into the log
-  CONDA_ENV       conda environment to activate [purrsight; skipped with a note when absent]
-  VENV            virtualenv folder to activate instead of conda [unset]
+  VENV            virtualenv folder to activate [unset]
+  CONDA_ENV       conda environment to activate when VENV is unset [unset]
+                  With neither set: the .venv beside this script (the README's install) when present,
+                  else the conda env purrsight when conda has it, else the python on PATH.
   LOG_DIR         node logs [logs/distributed_training]
   LOG_RANKS       local ranks shown on the console: 0 | 0,1 | all [0]; the log file holds all
   LOG_MAX_BYTES   rotate the node log at this size [104857600]
@@ -64,11 +67,13 @@ Examples:
   sbatch slurm/train.sbatch config/qwen2.5-0.5b.yaml              # SLURM: one launcher per node
   qsub pbs/train.pbs                                              # PBS/Torque: one launcher per node
 
-Exit codes:
-  0  training finished
-  2  bad argument, environment or config (one line says which)
-  3  a health check failed (the log lists each check)
-  *  otherwise the training job's own code (torchrun's)
+Exit codes (the trainer's, passed through torchrun, and the launcher's own 2 and 3):
+  0    training finished
+  1    an unexpected failure (a bug): the traceback is in the log
+  2    bad argument, config, data, checkpoint or environment (one line says which)
+  3    the cluster failed a check: health checks, preflight all-reduce, Ray cluster too small or absent
+  86   the progress watchdog: a rank made no progress for distributed.progress_timeout_s
+  128+N  stopped by signal N after saving a checkpoint (143: SIGTERM, 130: SIGINT); resume to continue
 EOF
 }
 
@@ -95,6 +100,7 @@ parse_args() {
       -h | --help) usage; exit 0 ;;
       --dry-run) DRY_RUN=1 ;;
       --) shift; OVERRIDES=("$@"); break ;;
+      -[0-9]*) POSITIONAL+=("$1") ;; # a negative number is a bad argument value, named by validate_args
       -*) die_usage "unknown option $1" ;;
       *) POSITIONAL+=("$1") ;;
     esac
@@ -154,22 +160,40 @@ validate_env() {
 
 # ------------------------------------------------------------------ python environment
 
+# Which Python runs the job: VENV, then an explicit CONDA_ENV, then the .venv that the
+# README's install command creates beside this script, then the conda env purrsight, then
+# whatever python is on PATH.
 activate_python() {
   if [[ -n "${VENV:-}" ]]; then
     [[ -f "${VENV}/bin/activate" ]] || die_usage "VENV=${VENV} is not a virtualenv (no ${VENV}/bin/activate)"
-    # shellcheck disable=SC1091 # the user's virtualenv, not ours to lint
-    source "${VENV}/bin/activate"
-    PYTHON_SOURCE="virtualenv ${VENV}"
+    activate_venv "${VENV}"
   elif [[ -n "${CONDA_ENV:-}" ]]; then # set explicitly: it must work
     command -v conda >/dev/null || die_usage "CONDA_ENV=${CONDA_ENV} is set but conda is not on PATH"
     activate_conda "${CONDA_ENV}" || die_usage "CONDA_ENV=${CONDA_ENV} cannot be activated (conda env list shows the names)"
     PYTHON_SOURCE="conda env ${CONDA_ENV}"
+  elif [[ -f "${SCRIPT_DIR}/.venv/bin/activate" ]]; then
+    activate_venv "${SCRIPT_DIR}/.venv"
   elif command -v conda >/dev/null && activate_conda purrsight; then
     PYTHON_SOURCE="conda env purrsight"
   else
-    PYTHON_SOURCE="current environment (no conda env 'purrsight'; set CONDA_ENV or VENV to choose one)"
+    PYTHON_SOURCE="current environment (no .venv here, no conda env 'purrsight'; set VENV or CONDA_ENV to choose one)"
   fi
   PYTHON="$(command -v python || command -v python3)" || die_usage "no python on PATH"
+}
+
+activate_venv() {
+  # shellcheck disable=SC1091 # the user's virtualenv, not ours to lint
+  source "$1/bin/activate"
+  PYTHON_SOURCE="virtualenv $1"
+}
+
+# The command that installs what the launcher needs into the Python it chose.
+install_hint() {
+  if [[ "${PYTHON_SOURCE}" == current* ]]; then
+    printf 'cd %q && python3 -m venv .venv && .venv/bin/pip install -r requirements.txt -e .' "${SCRIPT_DIR}"
+  else
+    printf '%q -m pip install -r %q -e %q' "${PYTHON}" "${SCRIPT_DIR}/requirements.txt" "${SCRIPT_DIR}"
+  fi
 }
 
 activate_conda() {
@@ -181,11 +205,15 @@ activate_conda() {
 }
 
 probe_node() {
-  local key value report
+  local key value report problem
   # The probe imports purrsight and torch, so it is also the check that this Python can
   # run the trainer (a separate import check cost another second on every start).
-  report="$("${PYTHON}" -m purrsight.cluster.probe 2>/dev/null)" ||
-    die_usage "${PYTHON} cannot import purrsight and torch (install: pip install -r requirements.txt -e .)"
+  if ! report="$("${PYTHON}" -m purrsight.cluster.probe 2>"${TMPDIR:-/tmp}/purrsight-probe-$$.err")"; then
+    problem="$(tail -n 1 "${TMPDIR:-/tmp}/purrsight-probe-$$.err")"
+    rm -f "${TMPDIR:-/tmp}/purrsight-probe-$$.err"
+    die_usage "${PYTHON} (${PYTHON_SOURCE}) cannot import purrsight and torch (${problem:-no message}); install: $(install_hint)"
+  fi
+  rm -f "${TMPDIR:-/tmp}/purrsight-probe-$$.err"
   while IFS='=' read -r key value; do
     case "${key}" in
       python | torch | cuda | nccl | gpus | gpu_names) printf -v "NODE_${key^^}" '%s' "${value}" ;;

@@ -35,10 +35,6 @@ Export (LoRA merged, Hugging Face directory, projectors beside it)::
 
     python train_phase2.py export --checkpoint runs/phase2-tiny/checkpoints/last.ckpt --out exported/phase2-tiny
 
-Exit codes: 0 done; 2 bad config, data, checkpoint or arguments (one line says which);
-3 the preflight all-reduce failed (wrong sums, or bus bandwidth below preflight.min_busbw_gbps),
-or (--engine ray) no Ray cluster to join, or one too small for the ray: section;
-128+N stopped by signal N after saving a checkpoint (143 for SIGTERM); 1 training failed.
 """
 
 from __future__ import annotations
@@ -52,18 +48,22 @@ import sys
 import warnings
 from pathlib import Path
 
-from purrsight.cli import EXIT_USAGE, run_guarded, setup_logging
+from purrsight.cli import run_guarded, setup_logging
 from purrsight.cluster.distributed import order_ranks_by_node
+from purrsight.errors import EXIT_CODE_LINES, SIGNAL_BASE, ClusterError, ExitCode
 
 DEFAULT_CONFIG = "config/train_config.yaml"
-EXIT_PREFLIGHT = 3  # same as the launcher's failed health check: the cluster, not the config
+EXIT_CODES_HELP = "Exit codes:\n" + "\n".join(f"  {line}" for line in EXIT_CODE_LINES)
 NEWEST = "newest"  # the value purrsight.training.run understands as "the newest checkpoint of the run"
 OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+=")
 
 
 def parse_train_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="train_phase2.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="train_phase2.py",
+        description=__doc__,
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: %(default)s)")
     parser.add_argument(
@@ -102,26 +102,30 @@ def parse_export_args(argv: list[str]) -> argparse.Namespace:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    from purrsight.cluster.preflight import PreflightError
     from purrsight.config import load_config
-    from purrsight.training.run import train
 
+    # The config is judged before Lightning and the engines load: a mistake is reported in
+    # a fraction of a second instead of after seconds of imports.
     try:
         if args.engine == "ray":
+            # Paths are checked by the driver, under ray.shared_dir where the workers see them.
+            config = load_config(args.config, args.overrides, check_paths=False)
             from purrsight.ray_engine.driver import run_on_ray
 
-            # Paths are checked by the driver, under ray.shared_dir where the workers see them.
-            return run_on_ray(load_config(args.config, args.overrides, check_paths=False), args.resume, args.config)
-        outcome = train(load_config(args.config, args.overrides), args.resume)
-    except PreflightError as err:  # the fabric, not the input: the launcher's health-check code
+            return run_on_ray(config, args.resume, args.config)
+        config = load_config(args.config, args.overrides)
+        from purrsight.training.run import train
+
+        outcome = train(config, args.resume)
+    except ClusterError as err:  # the fabric, not the input: the launcher's health-check code
         print(f"error: {err}", file=sys.stderr)
-        return EXIT_PREFLIGHT
+        return ExitCode.CLUSTER
     if outcome.stopped_by_signal is not None:
         name = signal.Signals(outcome.stopped_by_signal).name
         logging.getLogger("purrsight").warning(
             "stopped by %s at step %d; checkpoint: %s (resume with --resume)", name, outcome.final_step, outcome.checkpoint
         )
-        return 128 + outcome.stopped_by_signal
+        return SIGNAL_BASE + outcome.stopped_by_signal
     if int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("purrsight").info(
             "done: step %d; checkpoint %s; run folder %s", outcome.final_step, outcome.checkpoint, outcome.run_dir
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_train_args(argv)
     except SystemExit as exit_:
-        return EXIT_USAGE if exit_.code else 0
+        return ExitCode.USAGE if exit_.code else ExitCode.OK
     return run_guarded(train_command, args)
 
 

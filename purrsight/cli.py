@@ -8,35 +8,9 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-EXIT_USAGE = 2  # bad config, data, arguments or checkpoint: the user can fix it
+from purrsight.errors import ExitCode, UserError
+
 T = TypeVar("T")
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean 'your input is wrong': one line, no traceback, exit 2."""
-    from purrsight.config import ConfigError
-    from purrsight.data.index import IndexFileError
-    from purrsight.data.media import SampleError
-    from purrsight.model.encoders import ModelLoadError
-    from purrsight.training.checkpoint_files import CheckpointReadError
-    from purrsight.training.checkpoints import CheckpointWriteError
-    from purrsight.training.export import ExportError
-    from purrsight.training.module import CheckpointMismatchError
-    from purrsight.training.run_folder import RunFolderError
-    from purrsight.training.start import ResumeError
-
-    return (
-        ConfigError,
-        IndexFileError,
-        SampleError,
-        ModelLoadError,
-        CheckpointMismatchError,
-        ResumeError,
-        RunFolderError,
-        CheckpointWriteError,
-        CheckpointReadError,
-        ExportError,
-    )
 
 
 def setup_logging(force: bool = False) -> None:
@@ -63,9 +37,8 @@ def user_error_lines(err: BaseException) -> list[str]:
     "Caught SampleError in DataLoader worker process 0." and the worker's traceback as its
     message; the original message is the traceback's last line, after the class name.
     """
-    problems = getattr(err, "problems", None)
-    if problems:
-        return list(problems)
+    if isinstance(err, UserError) and err.problems:
+        return err.lines()
     text = str(err)
     if text.startswith("Caught ") and " in DataLoader worker process " in text.partition("\n")[0]:
         last = text.rstrip().rpartition("\n")[2]
@@ -78,12 +51,11 @@ def run_guarded(command: Callable[[T], int], args: T) -> int:
 
     With LOG_LEVEL=DEBUG the traceback is printed too, for bug reports.
     """
-    errors = user_errors()
     try:
         return command(args)
-    except errors as err:
+    except UserError as err:
         if os.environ.get("LOG_LEVEL", "").upper() == "DEBUG":
             logging.getLogger("purrsight").exception("user error")
         for line in user_error_lines(err):
             print(f"error: {line}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-EXIT_CONFIG_ERROR = 2
+from purrsight.errors import ExitCode, UserError
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -46,12 +46,14 @@ def safe_yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_YamlLoader)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config that cannot be used; ``problems`` holds one readable line per problem."""
 
     def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        super().__init__("\n".join(problems))
+        super().__init__("\n".join(problems), problems=problems)
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[list[str]]]:
+        return type(self), (self.problems,)  # pickled across processes with its lines intact
 
 
 class _Section(BaseModel):
@@ -359,8 +361,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or "invalid YAML"
         raise ConfigError([f"{path}:{where}: YAML syntax error: {problem}"]) from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file would silently train the built-in defaults
+        raise ConfigError([f"{path}: the config file is empty (copy config/train_config.yaml and edit it)"])
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: the top level must be a mapping of sections"])
     return data
@@ -378,9 +380,19 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _describe(error: Any, source: str) -> str:
+def _source_of(dotted: str, path: Path, overrides: list[str]) -> str:
+    """Who set the key at ``dotted``: the last override naming it (or a part of it), else the file."""
+    for item in reversed(overrides):
+        key = item.partition("=")[0]
+        if dotted == key or dotted.startswith(f"{key}.") or key.startswith(f"{dotted}."):
+            return f"override {item}"
+    return str(path)
+
+
+def _describe(error: Any, path: Path, overrides: list[str]) -> str:
     loc = tuple(error["loc"])
     dotted = ".".join(str(p) for p in loc)
+    source = _source_of(dotted, path, overrides)
     if error["type"] == "extra_forbidden":
         owner = _model_at(loc[:-1])
         hint = ""
@@ -397,8 +409,15 @@ def _describe(error: Any, source: str) -> str:
     return f"{source}: {dotted or 'config'}: {message}{shown}"
 
 
-def path_problems(config: Config, source: str) -> list[str]:
-    """Local model files must exist: nothing is ever downloaded at run time."""
+def path_problems(config: Config, source: str, overrides: list[str] | None = None) -> list[str]:
+    """Local model files and index files must exist: nothing is ever downloaded at run time.
+
+    Each problem names its origin: ``source`` (the config file) or the override that set it.
+    """
+
+    def origin(key: str) -> str:
+        return _source_of(key, Path(source), list(overrides or []))
+
     problems = []
     candidates = {
         "model.llm.path": config.model.llm.path,
@@ -409,11 +428,18 @@ def path_problems(config: Config, source: str) -> list[str]:
     }
     for key, value in candidates.items():
         if value is not None and not Path(value).exists():
-            problems.append(f"{source}: {key}: path {value} does not exist (models are never downloaded; point it at a local copy)")
-    if config.data.synthetic_dir is None:
-        for key, value in {"data.train_index": config.data.train_index, "data.val_index": config.data.val_index}.items():
-            if value is not None and not Path(value).is_file():
-                problems.append(f"{source}: {key}: index file {value} does not exist")
+            problems.append(
+                f"{origin(key)}: {key}: path {value} does not exist (models are never downloaded; point it at a local copy)"
+            )
+    # With a synthetic_dir the set is generated on first use, so its own two indexes may be
+    # missing yet; any other index must exist already.
+    synthetic = config.data.synthetic_dir
+    generated = {Path(synthetic) / "train.jsonl", Path(synthetic) / "val.jsonl"} if synthetic is not None else set()
+    for key, value in {"data.train_index": config.data.train_index, "data.val_index": config.data.val_index}.items():
+        if value is None or Path(value).is_file() or Path(value) in generated:
+            continue
+        note = f" (the synthetic set is generated as {synthetic}/train.jsonl and val.jsonl)" if synthetic is not None else ""
+        problems.append(f"{origin(key)}: {key}: index file {value} does not exist{note}")
     return problems
 
 
@@ -450,13 +476,13 @@ def with_paths_under(config: Config, base: Path) -> Config:
 
 def load_config(path: str | Path, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
     """Read, override, validate. Raises ConfigError listing every problem."""
-    path = Path(path)
-    data = apply_overrides(read_yaml(path), list(overrides or []))
+    path, overrides = Path(path), list(overrides or [])
+    data = apply_overrides(read_yaml(path), overrides)
     try:
         config = Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError([_describe(e, str(path)) for e in err.errors()]) from None
-    problems = path_problems(config, str(path)) if check_paths else []
+        raise ConfigError([_describe(e, path, overrides) for e in err.errors()]) from None
+    problems = path_problems(config, str(path), overrides) if check_paths else []
     if problems:
         raise ConfigError(problems)
     return config
@@ -481,15 +507,18 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in {"-h", "--help"} or argv[0] != "check" or len(argv) < 2:
         print(
             "usage: python -m purrsight.config check CONFIG.yaml [section.key=value ...]\n"
-            "Validates the config with its overrides; exit 0 when valid, 2 with one line per problem."
+            "Validates the config with its overrides: names, types and ranges, and that the local model,\n"
+            "tokenizer and index paths exist (relative to this folder; a synthetic set's own indexes are\n"
+            "generated on first use). It does not open data or model files. Exit 0 when valid, 2 with one\n"
+            "line per problem."
         )
-        return 0 if argv and argv[0] in {"-h", "--help"} else EXIT_CONFIG_ERROR
+        return 0 if argv and argv[0] in {"-h", "--help"} else ExitCode.USAGE
     try:
         load_config(argv[1], argv[2:])
     except ConfigError as err:
         for line in err.problems:
             print(f"config error: {line}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return ExitCode.USAGE
     print(f"config OK: {argv[1]}")
     return 0
 

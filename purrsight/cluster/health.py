@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from purrsight.errors import ExitCode
+
 if TYPE_CHECKING:  # the config module is imported inside main(), after argument parsing
     from purrsight.config import Config
 
-EXIT_HEALTH = 3
 # import name -> distribution name (for its version)
 REQUIRED_PACKAGES = {
     "torch": "torch",
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         for result in results:
             if result.status == "FAIL":
                 print(f"error: health check {result.name}: {result.detail}", file=sys.stderr, flush=True)
-        return EXIT_HEALTH
+        return ExitCode.CLUSTER
     return 0
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from purrsight.errors import ClusterError
+
 SIZES = {  # bytes per all-reduce, by (mode, device type)
     ("quick", "cpu"): [2**10, 2**16, 2**20, 2**22],
     ("quick", "cuda"): [2**20, 2**24, 2**26],
@@ -32,7 +34,7 @@ ITERATIONS = {"quick": 3, "full": 10}
 DELAY_FAULT = "preflight_delay:"  # PURRSIGHT_FAULT=preflight_delay:RANK:SECONDS plants a slow rank (tests)
 
 
-class PreflightError(RuntimeError):
+class PreflightError(ClusterError):
     """The fabric failed the preflight (wrong sums, or bandwidth below the floor)."""
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from purrsight.errors import UserError
+
 if TYPE_CHECKING:
     import datasets
 
@@ -24,7 +26,7 @@ REQUIRED_TEXT_FIELDS = ("id", "prompt", "response")
 MEDIA_FIELDS = ("image", "audio")
 
 
-class IndexFileError(ValueError):
+class IndexFileError(UserError):
     """A problem in an index file; the message names file, line and sample id."""
 
 

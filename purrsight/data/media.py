@@ -30,6 +30,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from purrsight.data.pil_processing import fused_normalisation, normalise, plan_for
+from purrsight.errors import UserError
 
 WHITE = (255, 255, 255)
 SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}  # how Pillow opens 16-bit grayscale PNG/TIFF
@@ -37,7 +38,7 @@ ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
 AUDIO_FORMATS = "WAV, FLAC, Ogg Vorbis, Opus, MP3, AIFF"  # what libsndfile (soundfile) decodes
 
 
-class SampleError(ValueError):
+class SampleError(UserError):
     """A sample whose media cannot be decoded; the message names the file and why."""
 
 

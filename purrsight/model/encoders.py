@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from purrsight.config import EncoderConfig
+from purrsight.errors import UserError
 
 Modality = Literal["image", "audio"]
 TINY_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[nn.Module]]] = {
@@ -39,7 +40,7 @@ TINY_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[nn.Module]]] = 
 }
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError):
     """A model source that cannot be used; the message names the path or key."""
 
 

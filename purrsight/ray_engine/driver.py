@@ -20,20 +20,18 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from purrsight.cluster.preflight import PreflightError
 from purrsight.config import Config, ConfigError, path_problems, with_paths_under
 from purrsight.data.index import read_index
 from purrsight.data.synthetic import prepare_synthetic
+from purrsight.errors import SIGNAL_BASE, ClusterError, ExitCode
 from purrsight.training.run_folder import utc_stamp
 from purrsight.training.start import choose_start
 
 log = logging.getLogger("purrsight.ray_engine")
-EXIT_TRAINING_FAILED = 1
-EXIT_USAGE = 2
 WORKING_DIR_COPY = ("runtime_resources", "working_dir_files")  # where Ray unpacks --working-dir
 
 
-class RayClusterError(PreflightError):
+class RayClusterError(ClusterError):
     """No Ray cluster to run on, or one too small for the config (exit 3, like a failed health check)."""
 
 
@@ -219,7 +217,7 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
             outcome.get("final_step"),
             outcome.get("checkpoint"),
         )
-        return 128 + int(stopped)
+        return SIGNAL_BASE + int(stopped)
     step, checkpoint = outcome.get("final_step"), outcome.get("checkpoint")
     log.info("done: step %s; checkpoint %s; run folder %s", step, checkpoint, config.run.run_dir)
     return 0
@@ -228,7 +226,7 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
 def _user_error(lines: list[str]) -> int:
     for line in lines:
         print(f"error: {line}", file=sys.stderr)
-    return EXIT_USAGE
+    return ExitCode.USAGE
 
 
 def _failed(coordinator: Any, err: Exception) -> int:
@@ -238,4 +236,4 @@ def _failed(coordinator: Any, err: Exception) -> int:
     if user_error:
         return _user_error(user_error)
     print(f"error: training failed on the Ray cluster: {err}", file=sys.stderr)
-    return EXIT_TRAINING_FAILED
+    return ExitCode.FAILED

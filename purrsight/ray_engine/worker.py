@@ -21,8 +21,9 @@ import ray.train
 import ray.train.torch
 import torch
 
-from purrsight.cli import setup_logging, user_error_lines, user_errors
+from purrsight.cli import setup_logging, user_error_lines
 from purrsight.config import Config
+from purrsight.errors import UserError
 from purrsight.ray_engine.pointer import read_pointer
 
 log = logging.getLogger("purrsight.ray_engine")
@@ -82,7 +83,7 @@ def train_on_worker(settings: dict[str, Any]) -> dict[str, Any]:
     callbacks = [RelayedStop(coordinator), ReportCheckpointsToRay()]
     try:
         outcome = train(config, resume, callbacks, generation=earlier_starts, strategy=strategy)
-    except user_errors() as err:
+    except UserError as err:
         lines = user_error_lines(err)
         ray.get(coordinator.record_user_error.remote(lines))
         # Ray logs the traceback of whatever a worker raises: a short one for a user error.

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 
+from purrsight.errors import UserError
 from purrsight.training.run_folder import LAST_NAME, step_checkpoints
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointReadError(RuntimeError):
+class CheckpointReadError(UserError):
     """A checkpoint could not be read at all (permissions, I/O error, stale NFS handle)."""
 
 

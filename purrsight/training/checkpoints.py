@@ -22,6 +22,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from purrsight.errors import UserError
 from purrsight.training.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(UserError):
     """A checkpoint could not be written (disk full, quota, permissions); earlier ones are intact."""
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from purrsight.config import Config, ConfigError, safe_yaml_load, write_resolved
+from purrsight.errors import UserError
 from purrsight.training.build import build_model
 from purrsight.training.module import CHECKPOINT_META_KEY, CheckpointMismatchError, verify_checkpoint
 
@@ -61,7 +62,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     return out
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """The exported folder would not load as promised; the message says why."""
 
 

@@ -13,6 +13,7 @@ from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 from purrsight.config import Config, dump_config
 from purrsight.data.media import SampleError
 from purrsight.data.text import IGNORE_INDEX
+from purrsight.errors import UserError
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.training.build import build_model
 from purrsight.training.optim import build_optimizer
@@ -23,7 +24,7 @@ FINGERPRINT_VERSION = 2
 log = logging.getLogger(__name__)
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError):
     """A checkpoint made for another model; the message names the difference."""
 
 

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from purrsight.errors import UserError
+
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
@@ -38,7 +40,7 @@ LAUNCH_MARKER = ".launch"  # which launch last started training here (see launch
 IF_EXISTS = ("refuse", "archive", "overwrite")
 
 
-class RunFolderError(ValueError):
+class RunFolderError(UserError):
     """The run folder cannot be used as asked; the message names it and the choices."""
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from purrsight.cluster.distributed import from_rank_zero
 from purrsight.config import Config
+from purrsight.errors import UserError
 from purrsight.training.checkpoint_files import CheckpointReadError, newest_checkpoint, saved_step
 from purrsight.training.run_folder import (
     RunFolderError,
@@ -29,7 +30,7 @@ NEWEST = "newest"
 AUTO = "auto"  # the newest checkpoint when one exists, else a fresh start (PURRSIGHT_RESUME=auto)
 
 
-class ResumeError(ValueError):
+class ResumeError(UserError):
     """--resume names nothing usable."""
 
 

@@ -5,7 +5,7 @@ SIGSTOPped process, a deadlocked loader, a GPU that stopped answering): the othe
 a collective for the whole process-group timeout, or forever in code outside one. Each
 rank runs this thread; when no training step, validation batch or checkpoint has finished
 for ``distributed.progress_timeout_s``, it writes every thread's stack to the log
-(faulthandler) and exits with WATCHDOG_EXIT, so torchrun restarts the job or ends it.
+(faulthandler) and exits with ExitCode.WATCHDOG, so torchrun restarts the job or ends it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from purrsight.errors import ExitCode
+
 log = logging.getLogger(__name__)
-WATCHDOG_EXIT = 86
 
 
 def reachable(address: str, timeout_s: float = 2.0) -> bool:
@@ -79,12 +80,12 @@ class ProgressWatchdog(pl.Callback):
                     idle,
                     self._where,
                     verdict,
-                    WATCHDOG_EXIT,
+                    ExitCode.WATCHDOG,
                 )
                 sys.stderr.flush()
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
-                os._exit(WATCHDOG_EXIT)  # no clean-up: it could block on the same stuck collective
+                os._exit(ExitCode.WATCHDOG)  # no clean-up: it could block on the same stuck collective
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._progress("start of training")

@@ -40,7 +40,9 @@ assert_usage_error() {
   run ./cluster_train.sh config/train_config.yaml 2 2
   assert_usage_error "node_rank 2 is out of range for num_nodes 2 (expected 0..1)"
   run ./cluster_train.sh config/train_config.yaml 2 -1
-  assert_usage_error "unknown option -1"
+  assert_usage_error "node_rank '-1' must be a non-negative integer"
+  run ./cluster_train.sh config/train_config.yaml -2
+  assert_usage_error "num_nodes '-2' must be a positive integer"
   run ./cluster_train.sh config/train_config.yaml 2 x
   assert_usage_error "node_rank 'x' must be a non-negative integer"
 }
@@ -84,19 +86,66 @@ assert_usage_error() {
   assert_usage_error "NPROC_PER_NODE=2 but only 0 GPU(s) are visible with BACKEND=nccl"
 }
 
-@test "an explicit CONDA_ENV must be activatable" {
-  CONDA_ENV=missing-env run ./cluster_train.sh
-  [ "${status}" -eq 2 ]
-  grep -q "CONDA_ENV=missing-env" <<<"${output}"
+# The python that --dry-run would exec (its first word after "exec").
+dry_run_python() {
+  run "$@" --dry-run
+  [ "${status}" -eq 0 ]
+  grep '^exec ' <<<"${output}" | awk '{ print $2 }'
+}
+
+# A stand-in for conda (it cannot be installed from Debian's or PyPI's packages here): it
+# answers `conda info --base` and its conda.sh activates only the env "purrsight", a
+# virtualenv of the system python, by putting it first on PATH as conda does.
+make_conda() {
+  local base="${BATS_TEST_TMPDIR}/conda"
+  mkdir -p "${base}/bin" "${base}/etc/profile.d"
+  python3 -m venv --without-pip "${base}/envs/purrsight"
+  printf '#!/bin/sh\n[ "$1 $2" = "info --base" ] && echo %s\n' "${base}" >"${base}/bin/conda"
+  chmod +x "${base}/bin/conda"
+  printf 'conda() { [ "$1" = activate ] && [ -d "%s/envs/$2" ] && PATH="%s/envs/$2/bin:${PATH}"; }\n' \
+    "${base}" "${base}" >"${base}/etc/profile.d/conda.sh"
+  echo "${base}"
+}
+
+@test "without conda on PATH an explicit CONDA_ENV is refused by name" {
+  PATH=/usr/bin:/bin CONDA_ENV=missing-env run ./cluster_train.sh
+  assert_usage_error "CONDA_ENV=missing-env is set but conda is not on PATH"
   VENV=/nonexistent run ./cluster_train.sh
   assert_usage_error "VENV=/nonexistent is not a virtualenv"
 }
 
-@test "a Python without torch and purrsight is refused" {
-  # a virtualenv of the system Python: no torch, no purrsight
+@test "with conda an explicit CONDA_ENV must be activatable" {
+  base="$(make_conda)"
+  PATH="${base}/bin:/usr/bin:/bin" CONDA_ENV=missing-env run ./cluster_train.sh
+  assert_usage_error "CONDA_ENV=missing-env cannot be activated"
+}
+
+@test "the python is chosen: VENV, then CONDA_ENV, then the README's .venv, then conda's purrsight" {
+  [ -x "${REPO}/.venv/bin/python" ] || skip "no .venv beside the launcher (scripts/test.sh creates it)"
+  base="$(make_conda)"
+  # Nothing set, .venv present: the README's install is used even with conda and another python on PATH.
+  [ "$(PATH="${base}/bin:/usr/bin:/bin" dry_run_python ./cluster_train.sh)" = "${REPO}/.venv/bin/python" ]
+  # An explicit CONDA_ENV wins over .venv (and fails here: its env has no torch, which names the env).
+  PATH="${base}/bin:/usr/bin:/bin" CONDA_ENV=purrsight run ./cluster_train.sh --dry-run
+  assert_usage_error "conda/envs/purrsight/bin/python (conda env purrsight) cannot import purrsight and torch"
+  # A copy of the launcher without a .venv beside it falls back to conda's purrsight env.
+  cp cluster_train.sh train_phase2.py "${BATS_TEST_TMPDIR}/"
+  cp -r config "${BATS_TEST_TMPDIR}/"
+  cd "${BATS_TEST_TMPDIR}"
+  PATH="${base}/bin:/usr/bin:/bin" run ./cluster_train.sh --dry-run
+  grep -q "conda/envs/purrsight/bin/python (conda env purrsight) cannot import" <<<"${output}"
+}
+
+@test "a Python without torch and purrsight is refused with a command that installs them" {
+  # a virtualenv of the system Python: no torch, no purrsight (run from elsewhere, so the
+  # repository is not importable from the working folder either)
   python3 -m venv --without-pip "${BATS_TEST_TMPDIR}/bare"
-  VENV="${BATS_TEST_TMPDIR}/bare" run ./cluster_train.sh
-  assert_usage_error "bare/bin/python cannot import purrsight and torch (install: pip install -r requirements.txt -e .)"
+  cd "${BATS_TEST_TMPDIR}"
+  VENV="${BATS_TEST_TMPDIR}/bare" run "${REPO}/cluster_train.sh" "${REPO}/config/train_config.yaml"
+  [ "${status}" -eq 2 ]
+  grep -qF "bare/bin/python (virtualenv ${BATS_TEST_TMPDIR}/bare) cannot import purrsight and torch (" <<<"${output}"
+  grep -qF "No module named 'purrsight'" <<<"${output}"  # the import error itself
+  grep -qF "; install: ${BATS_TEST_TMPDIR}/bare/bin/python -m pip install -r ${REPO}/requirements.txt -e ${REPO}" <<<"${output}"
 }
 
 @test "--dry-run prints the environment and the torchrun command, starts nothing" {

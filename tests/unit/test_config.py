@@ -82,6 +82,8 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         ("trainer.max_steps=many", "trainer.max_steps: Input should be a valid integer (got 'many')"),
         ("optim.lr=-0.1", "optim.lr: Input should be greater than 0 (got -0.1)"),
         ("model.llm.path=/nonexistent/Qwen2.5", "model.llm.path: path /nonexistent/Qwen2.5 does not exist"),
+        # The synthetic set's own indexes may be missing (generated on first use); another may not.
+        ("data.train_index=nope.jsonl", "data.train_index: index file nope.jsonl does not exist"),
     ],
 )
 def test_check_command_one_line_exit_2(override: str, culprit: str) -> None:
@@ -98,8 +100,43 @@ def test_check_command_one_line_exit_2(override: str, culprit: str) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"config error: override {override}: "), lines[0]  # labelled as the override
     assert culprit in lines[0]
     assert "Traceback" not in result.stderr
+
+
+def test_problems_in_the_file_are_labelled_with_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "trainer:\n  max_steps: 0\nmodel:\n  llm: {config: {}}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, ["trainer.val_every_n_steps=0"], check_paths=False)
+    assert sorted(caught.value.problems) == [
+        f"{path}: trainer.max_steps: Input should be greater than 0 (got 0)",
+        "override trainer.val_every_n_steps=0: trainer.val_every_n_steps: Input should be greater than 0 (got 0)",
+    ]
+
+
+def test_empty_config_file_is_refused(tmp_path: Path) -> None:
+    """An empty file would otherwise train the built-in defaults, which is never what was meant."""
+    for text in ("", "# only a comment\n"):
+        path = write(tmp_path, text)
+        result = run_python(["-m", "purrsight.config", "check", str(path)])
+        assert result.returncode == 2
+        expected = f"config error: {path}: the config file is empty (copy config/train_config.yaml and edit it)"
+        assert result.stderr.strip() == expected
+
+
+def test_generated_indexes_may_be_missing_but_others_may_not(tmp_path: Path) -> None:
+    base = load_config(DEFAULT_CONFIG, check_paths=False)
+    synthetic = tmp_path / "synthetic"
+    overrides = [
+        f"data.synthetic_dir={synthetic}",
+        f"data.train_index={synthetic}/train.jsonl",
+        f"data.val_index={synthetic}/val.jsonl",
+    ]
+    config = load_config(DEFAULT_CONFIG, overrides)  # nothing generated yet: fine
+    assert config.data.train_index == f"{synthetic}/train.jsonl" != base.data.train_index
+    with pytest.raises(ConfigError, match=r"override data\.val_index=elsewhere\.jsonl: data\.val_index: index file"):
+        load_config(DEFAULT_CONFIG, [*overrides, "data.val_index=elsewhere.jsonl"])
 
 
 def test_every_shipped_yaml_passes_check(tmp_path: Path) -> None:
