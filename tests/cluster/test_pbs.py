@@ -18,7 +18,9 @@ import psutil
 from tests.helpers import REPO, tiny_overrides
 
 
-def run_pbs(tmp: Path, synthetic_dir: Path, **extra_env: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def run_pbs(
+    tmp: Path, synthetic_dir: Path, workdir: Path = REPO, **extra_env: str
+) -> tuple[subprocess.CompletedProcess[str], float]:
     fake_bin = tmp / "bin"
     fake_bin.mkdir(exist_ok=True)
     (fake_bin / "pbsdsh").unlink(missing_ok=True)
@@ -30,7 +32,7 @@ def run_pbs(tmp: Path, synthetic_dir: Path, **extra_env: str) -> tuple[subproces
         "PATH": f"{fake_bin}:{REPO / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin",
         "HOME": str(tmp),
         "PBS_NODEFILE": str(nodefile),
-        "PBS_O_WORKDIR": str(REPO),
+        "PBS_O_WORKDIR": str(workdir),
         "PBS_JOBID": "4242.pbs-server",
         "CONFIG": "config/train_config.yaml",
         "OVERRIDES": " ".join(overrides),
@@ -70,3 +72,36 @@ def test_one_failing_node_fails_the_job_and_stops_the_others(synthetic_dir: Path
         if str(tmp_path) in " ".join(p.info["cmdline"] or []) and "cluster_train" in " ".join(p.info["cmdline"] or [])
     ]
     assert leftover == []
+
+
+def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: Path) -> None:
+    """What the job exported arrives on each node, by name and by family (NCCL_*, TORCH_*, ...).
+
+    The launcher on the nodes is replaced by a script that writes its environment to a file:
+    this test is about what train.pbs hands over (the tests above run the real launcher).
+    fake_pbsdsh starts each task in a bare environment, as pbsdsh does.
+    """
+    workdir = tmp_path / "work"
+    (workdir / "pbs").mkdir(parents=True)
+    for name in ("train.pbs", "node_task.sh"):
+        (workdir / "pbs" / name).write_bytes((REPO / "pbs" / name).read_bytes())
+        (workdir / "pbs" / name).chmod(0o755)
+    dump = workdir / "cluster_train.sh"
+    dump.write_text('#!/bin/sh\nenv > "$PWD/env.node$3"\n')
+    dump.chmod(0o755)
+    sent = {
+        "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+        "NCCL_SOCKET_IFNAME": "ib0",
+        "TORCH_NCCL_BLOCKING_WAIT": "1",
+        "HF_HOME": "/shared/hf cache",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "LD_LIBRARY_PATH": "/opt/nccl/lib",
+        "MAX_RESTARTS": "5",
+    }
+    done, _ = run_pbs(tmp_path, synthetic_dir, workdir=workdir, UNRELATED_SETTING="stays", **sent)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    for rank in (0, 1):
+        received = dict(line.split("=", 1) for line in (workdir / f"env.node{rank}").read_text().splitlines() if "=" in line)
+        assert {key: received.get(key) for key in sent} == sent
+        assert "UNRELATED_SETTING" not in received  # forwarded by name or family only
+        assert received["PBS_NODENUM"] in {"0", "2"}
