@@ -45,7 +45,6 @@ import os
 import re
 import signal
 import sys
-import warnings
 from pathlib import Path
 
 from purrsight.cli import run_guarded, setup_logging
@@ -147,13 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     if ranks_note:
         logging.getLogger("purrsight.cluster").info(ranks_note)
-    # Expected here, not problems: the tiny default decodes inline (no workers), frozen
-    # encoders sit in eval mode on purpose, and torchrun (not srun) starts our ranks.
-    for expected in (".*does not have many workers.*", ".*module\\(s\\) in eval mode.*", ".*`srun` command is available.*"):
-        warnings.filterwarnings("ignore", message=expected)
-    # Deprecations inside our dependencies, not in our calls: noise in every node log.
-    for deprecated in (".*is_gradient_checkpointing.*", ".*set_vital.*", ".*LeafSpec.*"):
-        warnings.filterwarnings("ignore", message=deprecated)
     if argv[:1] == ["export"]:
         return run_guarded(export_command, parse_export_args(argv[1:]))
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -28,6 +29,40 @@ def setup_logging(force: bool = False) -> None:
     )
     for noisy in ("httpx", "urllib3", "filelock", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_known_noise()
+
+
+# Messages a user cannot act on, each silenced exactly (the rest of its source still speaks).
+EXPECTED_WARNINGS = (
+    # The tiny default decodes inline (data.num_workers 0), on purpose.
+    r".*does not have many workers.*",
+    # Frozen encoders sit in eval mode on purpose.
+    r".*module\(s\) in eval mode.*",
+    # torchrun, not srun, starts our ranks inside a SLURM allocation.
+    r".*`srun` command is available.*",
+    # Lightning counts this interval per epoch; ours (logging.every_n_steps) runs across epochs,
+    # so a data set with fewer batches than the interval still logs on schedule.
+    r".*is smaller than the logging interval.*",
+    # Deprecations inside our dependencies, not in our calls.
+    r".*is_gradient_checkpointing.*",
+    r".*set_vital.*",
+    r".*LeafSpec.*",
+)
+
+
+class _DropAdverts(logging.Filter):
+    """Lightning logs a litlogger advertisement ("💡 Tip: ...") at every start."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage()
+
+
+def quiet_known_noise() -> None:
+    for pattern in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    rank_zero = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    if not any(isinstance(f, _DropAdverts) for f in rank_zero.filters):
+        rank_zero.addFilter(_DropAdverts())
 
 
 def user_error_lines(err: BaseException) -> list[str]:

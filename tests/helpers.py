@@ -129,3 +129,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+# Messages no run may print (issue 13): each was noise a user could not act on, fixed at its
+# cause or silenced exactly (purrsight/cli.py EXPECTED_WARNINGS).
+NOISE = (
+    "`weights_only` was not set",
+    "litlogger",
+    "`broadcast_buffers` is deprecated",
+    "sync_dist=True)` when logging",
+    "Total length of `list` across ranks is zero",
+    "smaller than the logging interval",
+    "Writing model shards",
+    "Epoch ",
+)
+
+
+def noise_in(text: str) -> list[str]:
+    return [message for message in NOISE if message in text]

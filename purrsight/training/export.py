@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 from purrsight.config import Config, ConfigError, safe_yaml_load, write_resolved
 from purrsight.errors import UserError
-from purrsight.training.build import build_model
+from purrsight.training.model_builder import build_model
 from purrsight.training.module import CHECKPOINT_META_KEY, CheckpointMismatchError, verify_checkpoint
 
 MODEL_PREFIX = "model."
@@ -52,6 +53,8 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     config, model, tokenizer = load_trained(Path(checkpoint))
     merged = model.llm.merge_and_unload()  # type: ignore[union-attr,operator]
     out.mkdir(parents=True, exist_ok=True)
+    # A one-shard "Writing model shards" bar says nothing, and in a log file it is a line of \r.
+    transformers_logging.disable_progress_bar()
     merged.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))  # type: ignore[attr-defined]
     projectors = {k: v.contiguous() for k, v in model.projectors.state_dict().items()}  # type: ignore[union-attr]

@@ -9,6 +9,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from purrsight.cli import setup_logging
 from purrsight.config import load_config
 from purrsight.training.run import train
 
@@ -28,4 +29,5 @@ class Probe(pl.Callback):
 
 if __name__ == "__main__":
     out, config_path, *overrides = sys.argv[1:]
+    setup_logging()  # as train_phase2.py does: our format, Lightning's known noise silenced
     train(load_config(config_path, overrides), callbacks=[Probe(Path(out))])

@@ -14,6 +14,7 @@ from tests.helpers import (
     LEARNED_NATS,
     REPO,
     column,
+    noise_in,
     python_env,
     read_metrics,
     tiny_overrides,
@@ -33,6 +34,7 @@ def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir
     command = torchrun_two_ranks(REPO / "tests" / "integration" / "ddp_probe.py", str(tmp_path), str(DEFAULT_CONFIG), *overrides)
     result = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert noise_in(result.stdout + result.stderr) == []
 
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     for name, weight in ranks[0]["weights"].items():

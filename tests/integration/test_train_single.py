@@ -21,6 +21,7 @@ from tests.helpers import (
     LEARNED_NATS,
     REPO,
     column,
+    noise_in,
     python_env,
     read_metrics,
     run_python,
@@ -42,6 +43,7 @@ def trained(synthetic_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     out = tmp_path_factory.mktemp("runs")
     result = train_tiny(synthetic_dir, out, trainer__max_steps=100, data__batch_size=16, trainer__val_every_n_steps=50)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert noise_in(result.stdout + result.stderr) == []
     return out / "phase2-tiny"
 
 
@@ -149,6 +151,7 @@ def test_export_loads_with_plain_transformers(trained: Path, tmp_path: Path) -> 
     out = tmp_path / "x"
     result = run_python([TRAIN, "export", "--checkpoint", str(trained / "checkpoints" / "last.ckpt"), "--out", str(out)])
     assert result.returncode == 0, result.stderr[-2000:]
+    assert noise_in(result.stdout + result.stderr) == []
     tokenizer = AutoTokenizer.from_pretrained(out)  # picked by config.json's model type, as a user's would be
     exported = AutoModelForCausalLM.from_pretrained(out)  # plain transformers, no peft
     _, model, trained_tokenizer = load_trained(trained / "checkpoints" / "last.ckpt")
