@@ -41,7 +41,7 @@ from bench.common import machine
 from bench.real_size import REAL_CONFIG, synthetic_tokenizer, training_flops_per_sample
 from purrsight.config import Config, load_config
 from purrsight.data.dataset import Collator, MultiModalDataset
-from purrsight.training.datasets import Datasets, build_datasets
+from purrsight.training.data_builder import Datasets, build_datasets
 from purrsight.training.telemetry import PEAK_TFLOPS
 
 TARGET_MFU = 0.40

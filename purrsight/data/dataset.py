@@ -13,7 +13,8 @@ from torch.utils.data import Dataset
 
 from purrsight.data.index import SampleIndex
 from purrsight.data.media import AudioDecoder, ImageDecoder, SampleError
-from purrsight.data.text import IGNORE_INDEX, PromptTooLongError, TextEncoder
+from purrsight.data.text import PromptTooLongError, TextEncoder
+from purrsight.model.loading import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

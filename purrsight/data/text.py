@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-IGNORE_INDEX = -100  # the label value torch's cross-entropy skips
+from purrsight.model.loading import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from purrsight.model.encoders import ModelLoadError
+from purrsight.model.loading import ModelLoadError
 
 
 class Phase1Aligner(nn.Module):

@@ -7,8 +7,6 @@ so every rank and every restart builds the same frozen weights.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -29,8 +27,7 @@ from transformers import (
     Wav2Vec2Model,
 )
 
-from purrsight.config import EncoderConfig
-from purrsight.errors import UserError
+from purrsight.model.loading import ModelLoadError, architecture_digest
 
 Modality = Literal["image", "audio"]
 TINY_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[nn.Module]]] = {
@@ -38,10 +35,6 @@ TINY_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[nn.Module]]] = 
     "siglip": (SiglipVisionConfig, SiglipVisionModel),  # the vision tower of SigLIP, as the real config uses
     "wav2vec2": (Wav2Vec2Config, Wav2Vec2Model),
 }
-
-
-class ModelLoadError(UserError):
-    """A model source that cannot be used; the message names the path or key."""
 
 
 def _tower(model: nn.Module) -> nn.Module:
@@ -95,39 +88,33 @@ class LoadedEncoder:
     source: str  # a description for the frozen-source fingerprint
 
 
-def _config_digest(config: dict[str, Any]) -> str:
-    """A digest of an architecture; where its folder lies is no part of it.
-
-    Hugging Face configs carry the folder they were read from (``_name_or_path``): a model
-    moved, or mounted elsewhere on another node, is the same model. Its weights are
-    fingerprinted by content (training/build.py).
-    """
-    architecture = {key: value for key, value in config.items() if key != "_name_or_path"}
-    return hashlib.sha256(json.dumps(architecture, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def load_encoder(cfg: EncoderConfig, modality: Modality, seed: int) -> LoadedEncoder:
-    if cfg.path is not None:
-        return _from_directory(Path(cfg.path), modality, load_processor(cfg, modality), seed)
-    assert cfg.config is not None and cfg.model_type is not None  # guaranteed by the schema
-    config_cls, model_cls = TINY_ARCHITECTURES[cfg.model_type]
+def load_encoder(
+    modality: Modality, seed: int, *, path: str | None = None, config: dict[str, Any] | None = None, model_type: str | None = None
+) -> LoadedEncoder:
+    """From a local Hugging Face directory (``path``), or random-initialised from ``config``,
+    a config dict of ``model_type`` (one of TINY_ARCHITECTURES)."""
+    if path is not None:
+        return _from_directory(Path(path), modality, load_processor(path, modality), seed)
+    if config is None or model_type not in TINY_ARCHITECTURES:
+        raise ModelLoadError(f"{modality} encoder: give a path, or a config with model_type in {', '.join(TINY_ARCHITECTURES)}")
+    config_cls, model_cls = TINY_ARCHITECTURES[model_type]
     try:
-        config = config_cls(**cfg.config)
+        built = config_cls(**config)
     except (TypeError, ValueError) as err:
-        raise ModelLoadError(f"model.{modality}_encoder.config: {err}") from None
+        raise ModelLoadError(f"{modality} encoder config ({model_type}): {err}") from None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(config)
+        model = model_cls(built)
     input_name = "pixel_values" if modality == "image" else "input_values"
-    source = f"{cfg.model_type}-config:{_config_digest(cfg.config)}:seed{seed}"
-    return LoadedEncoder(FrozenEncoder(model, input_name, _width(config)), source)
+    source = f"{model_type}-config:{architecture_digest(config)}:seed{seed}"
+    return LoadedEncoder(FrozenEncoder(model, input_name, _width(built)), source)
 
 
-def load_processor(cfg: EncoderConfig, modality: Modality) -> Any | None:
+def load_processor(directory: str | Path | None, modality: Modality) -> Any | None:
     """The directory's image processor or feature extractor; None for a config-dict encoder."""
-    if cfg.path is None:
+    if directory is None:
         return None
-    path = Path(cfg.path)
+    path = Path(directory)
     loader = AutoImageProcessor if modality == "image" else AutoFeatureExtractor
     try:
         return loader.from_pretrained(path, local_files_only=True)
@@ -148,5 +135,5 @@ def _from_directory(path: Path, modality: Modality, processor: Any, seed: int) -
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"{path}: cannot load the {modality} encoder ({err})") from None
     input_name = "pixel_values" if modality == "image" else processor.model_input_names[0]
-    source = f"dir:{_config_digest(config.to_dict())}"
+    source = f"dir:{architecture_digest(config.to_dict())}"
     return LoadedEncoder(FrozenEncoder(_tower(model), input_name, _width(config)), source)

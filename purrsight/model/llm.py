@@ -15,8 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
 
-from purrsight.config import LLMConfig
-from purrsight.model.encoders import ModelLoadError, _config_digest
+from purrsight.model.loading import ModelLoadError, architecture_digest
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -36,52 +35,60 @@ def _linear_names(model: nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
 
 
-def _base_llm(cfg: LLMConfig, vocab_size: int, seed: int) -> tuple[PreTrainedModel, str]:
-    if cfg.path is not None:
-        path = Path(cfg.path)
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
+def _base_llm(
+    vocab_size: int, seed: int, path: str | None, config: dict[str, Any] | None, attn_implementation: str
+) -> tuple[PreTrainedModel, str]:
+    if path is not None:
+        folder = Path(path)
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"{folder}: not a Hugging Face model directory (no config.json)")
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)  # weights missing from the folder: same on every rank
                 model = AutoModelForCausalLM.from_pretrained(
-                    path, local_files_only=True, attn_implementation=cfg.attn_implementation, dtype=torch.float32
+                    folder, local_files_only=True, attn_implementation=attn_implementation, dtype=torch.float32
                 )
         except (OSError, ValueError) as err:
-            raise ModelLoadError(f"{path}: cannot load the LLM ({err})") from None
-        return model, f"dir:{_config_digest(model.config.to_dict())}"
-    options = {"vocab_size": vocab_size, **(cfg.config or {})}
+            raise ModelLoadError(f"{folder}: cannot load the LLM ({err})") from None
+        return model, f"dir:{architecture_digest(model.config.to_dict())}"
+    options = {"vocab_size": vocab_size, **(config or {})}
     try:
-        config = Qwen2Config(**options)
+        qwen2 = Qwen2Config(**options)
     except (TypeError, ValueError) as err:
-        raise ModelLoadError(f"model.llm.config: {err}") from None
+        raise ModelLoadError(f"LLM config: {err}") from None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
-    return model, f"qwen2-config:{_config_digest(options)}:seed{seed}"
+        model = AutoModelForCausalLM.from_config(qwen2, attn_implementation=attn_implementation)
+    return model, f"qwen2-config:{architecture_digest(options)}:seed{seed}"
 
 
-def load_llm(cfg: LLMConfig, vocab_size: int, seed: int) -> tuple[PeftModel, str]:
-    """The LM wrapped with LoRA, and a description of its frozen source for fingerprints."""
-    base, source = _base_llm(cfg, vocab_size, seed)
-    missing = sorted(set(cfg.lora.target_modules) - _linear_names(base))
+def load_llm(
+    vocab_size: int,
+    seed: int,
+    lora: LoraConfig,
+    *,
+    path: str | None = None,
+    config: dict[str, Any] | None = None,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+) -> tuple[PeftModel, str]:
+    """The LM wrapped with ``lora``, and a description of its frozen source for fingerprints.
+
+    The LM comes from a local Hugging Face directory (``path``) or is random-initialised
+    from a Qwen2 ``config`` dict (the tiny default), seeded so every rank builds the same.
+    """
+    base, source = _base_llm(vocab_size, seed, path, config, attn_implementation)
+    targets = set(lora.target_modules or [])
+    missing = sorted(targets - _linear_names(base))
     if missing:
         available = ", ".join(sorted(_linear_names(base)))
         raise ModelLoadError(
-            f"model.llm.lora.target_modules: {', '.join(missing)} not found in the LLM; its linear layers are: {available}"
+            f"LoRA target_modules: {', '.join(missing)} not found in the LLM; its linear layers are: {available}"
         )
-    if cfg.gradient_checkpointing:
+    if gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs and with DDP.
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.config.use_cache = False  # no KV cache while training
-    lora = LoraConfig(
-        r=cfg.lora.r,
-        lora_alpha=cfg.lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works (scale alpha / r)
-        lora_dropout=cfg.lora.dropout,
-        target_modules=list(cfg.lora.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)  # LoRA A matrices are random; same on every rank
         model = get_peft_model(base, lora)

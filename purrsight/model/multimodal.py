@@ -17,9 +17,9 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from purrsight.data.text import IGNORE_INDEX
 from purrsight.model.aligner import Phase1Aligner
 from purrsight.model.encoders import FrozenEncoder
+from purrsight.model.loading import IGNORE_INDEX
 from purrsight.model.projector import Projector
 
 MODALITIES = ("image", "audio")

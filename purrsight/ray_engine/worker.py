@@ -71,8 +71,8 @@ def train_on_worker(settings: dict[str, Any]) -> dict[str, Any]:
         return {}
     # Lightning, transformers and peft load here, after the line above (timed as ours).
     from purrsight.ray_engine.callbacks import RayTrainEnvironment, RelayedStop, ReportCheckpointsToRay
-    from purrsight.training.factory import build_strategy, resolve_accelerator
     from purrsight.training.run import train
+    from purrsight.training.trainer_builder import build_strategy, resolve_accelerator
 
     config = Config.model_validate(settings["config"])
     resume = restored_checkpoint() or (settings["resume"] if earlier_starts == 0 else None)

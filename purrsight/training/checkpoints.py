@@ -1,4 +1,4 @@
-"""When and how checkpoints are written, and which one a run resumes from.
+"""When and how checkpoints are written: every N steps, at the end, and at an agreed stop.
 
 Layout in ``<run_dir>/checkpoints``: ``step-00000050.ckpt`` ... (the newest
 ``keep_last``), and ``last.ckpt``, a hard link to the newest (a copy where the
@@ -13,9 +13,7 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import pytorch_lightning as pl
@@ -23,32 +21,11 @@ import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from purrsight.errors import UserError
+from purrsight.training.fault_injection import inject_fault_during_write
 from purrsight.training.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
+from purrsight.training.stop import StopRequest, StopVote
 
 log = logging.getLogger(__name__)
-
-
-FAULT_ENV = "PURRSIGHT_FAULT"  # fault injection for the reliability tests (docs/RELIABILITY.md)
-
-
-def inject_fault_during_write(stream: Any) -> None:
-    """PURRSIGHT_FAULT=kill_during_checkpoint_write:N: SIGKILL this process during the N-th write.
-
-    The temp file is half written and flushed when the kill lands, as when a node dies or
-    the OOM killer strikes mid-save. Off unless the variable is set.
-    """
-    spec = os.environ.get(FAULT_ENV, "")
-    first_generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
-    if not spec.startswith("kill_during_checkpoint_write:") or not first_generation:
-        return  # restarted workers must be able to finish, or the fault would repeat forever
-    global _writes_seen
-    _writes_seen += 1
-    if _writes_seen == int(spec.split(":", 1)[1]):
-        stream.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-_writes_seen = 0
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -89,69 +66,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 class CheckpointWriteError(UserError):
     """A checkpoint could not be written (disk full, quota, permissions); earlier ones are intact."""
-
-
-class StopRequest:
-    """Records SIGTERM/SIGINT instead of dying mid-step; the saver acts on it at step end."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            # Signal handlers live in the main thread only. An engine that runs training in
-            # another thread (Ray Train) relays stops through request() instead.
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        self.request(signum)
-
-    def request(self, signum: int) -> None:
-        """Stop as if ``signum`` had arrived (safe from any thread)."""
-        if self.signum is None:
-            log.warning("received %s: finishing this step, then saving a checkpoint", signal.Signals(signum).name)
-        self.signum = signum
-
-
-class StopVote:
-    """Whether any rank received a stop signal, agreed by all ranks one step late.
-
-    Each step starts an all-reduce (MAX) of this rank's flag without waiting for it and
-    reads the previous step's result, which has long arrived: every rank calls the same
-    collectives in the same order and reaches the same decision at the same step. A
-    blocking vote each step cost about 3% of a small model's step time (a second
-    synchronisation point besides DDP's gradient all-reduce, bench/README.md).
-    """
-
-    def __init__(self) -> None:
-        self._pending: tuple[Any, torch.Tensor] | None = None
-
-    def exchange(self, local_stop: bool, device: torch.device) -> bool:
-        """Start this step's vote; return the previous step's outcome (False at the first)."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return local_stop
-        previous = self.finish()
-        flag = torch.tensor([int(local_stop)], device=device)
-        work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self._pending = (work, flag)
-        return previous
-
-    def finish(self) -> bool:
-        """Wait for the vote in flight, if any; its outcome."""
-        if self._pending is None:
-            return False
-        work, flag = self._pending
-        self._pending = None
-        work.wait()
-        return bool(flag.item())
 
 
 class CheckpointSaver(pl.Callback):

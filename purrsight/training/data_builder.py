@@ -32,7 +32,7 @@ def build_decoders(config: Config) -> tuple[ImageDecoder | None, AudioDecoder | 
     data = config.data
     # Absent key: modality disabled; None: the tiny default's fixed transform.
     processors = {
-        modality: load_processor(getattr(config.model, f"{modality}_encoder"), modality)  # type: ignore[arg-type]
+        modality: load_processor(getattr(config.model, f"{modality}_encoder").path, modality)  # type: ignore[arg-type]
         for modality in MODALITIES
         if getattr(config.model, f"{modality}_encoder").enabled
     }

@@ -1,4 +1,4 @@
-"""The DataModule: synthetic set on first use, the datasets (training.datasets), stateful loaders."""
+"""The DataModule: synthetic set on first use, the datasets (training.data_builder), stateful loaders."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, MultiModalDataset
 from purrsight.data.synthetic import prepare_synthetic
-from purrsight.training.datasets import build_datasets
+from purrsight.training.data_builder import build_datasets
 
 
 class Phase2DataModule(pl.LightningDataModule):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from peft import LoraConfig
 
 from purrsight.config import Config
 from purrsight.model.aligner import load_aligner
@@ -42,14 +43,31 @@ def _tensor_sample_digest(model: torch.nn.Module) -> str:
 def build_model(config: Config) -> BuiltModel:
     seed = config.run.seed
     tokenizer = load_tokenizer(config.tokenizer_dir())
-    llm, llm_source = load_llm(config.model.llm, vocab_size=len(tokenizer), seed=seed)
+    llm_cfg = config.model.llm
+    lora = LoraConfig(
+        r=llm_cfg.lora.r,
+        lora_alpha=llm_cfg.lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works (scale alpha / r)
+        lora_dropout=llm_cfg.lora.dropout,
+        target_modules=list(llm_cfg.lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    llm, llm_source = load_llm(
+        len(tokenizer),
+        seed,
+        lora,
+        path=llm_cfg.path,
+        config=llm_cfg.config,
+        gradient_checkpointing=llm_cfg.gradient_checkpointing,
+        attn_implementation=llm_cfg.attn_implementation,
+    )
     encoders: dict[str, FrozenEncoder] = {}
     sources = [llm_source]
     for offset, modality in enumerate(MODALITIES, start=2):
         cfg = getattr(config.model, f"{modality}_encoder")
         if not cfg.enabled:
             continue
-        loaded = load_encoder(cfg, modality, seed=seed + offset)  # type: ignore[arg-type]
+        loaded = load_encoder(modality, seed + offset, path=cfg.path, config=cfg.config, model_type=cfg.model_type)  # type: ignore[arg-type]
         encoders[modality] = loaded.encoder
         sources.append(loaded.source)
     aligner = None

@@ -12,10 +12,10 @@ from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 
 from purrsight.config import Config, dump_config
 from purrsight.data.media import SampleError
-from purrsight.data.text import IGNORE_INDEX
 from purrsight.errors import UserError
+from purrsight.model.loading import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
-from purrsight.training.build import build_model
+from purrsight.training.model_builder import build_model
 from purrsight.training.optim import build_optimizer
 
 CHECKPOINT_META_KEY = "purrsight"

@@ -15,12 +15,12 @@ from purrsight.cluster.distributed import TORCHRUN_RANK, agreed_max, init_proces
 from purrsight.config import Config, write_resolved
 from purrsight.training.checkpoints import CheckpointSaver
 from purrsight.training.datamodule import Phase2DataModule
-from purrsight.training.factory import build_trainer, resolve_backend
 from purrsight.training.module import Phase2Module
 from purrsight.training.preflight_callback import Preflight
 from purrsight.training.report import write_report
 from purrsight.training.run_folder import checkpoint_dir
 from purrsight.training.start import agreed_start
+from purrsight.training.trainer_builder import build_trainer, resolve_backend
 
 log = logging.getLogger(__name__)
 

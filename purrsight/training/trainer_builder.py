@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from datetime import timedelta
 from typing import Any
@@ -16,7 +17,7 @@ from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
 from purrsight.training.loggers import FitStepNumbering, build_loggers
 from purrsight.training.preflight_callback import Preflight
 from purrsight.training.profiling import StepProfiler
-from purrsight.training.progress import LineProgress, use_progress_bar
+from purrsight.training.progress import LineProgress, StepBar, use_progress_bar
 from purrsight.training.telemetry import Telemetry
 from purrsight.training.watchdog import ProgressWatchdog
 
@@ -62,6 +63,17 @@ class DDPOnDevice(DDPStrategy):
         return self._assigned_device
 
 
+def buffer_sync(every_forward: bool) -> dict[str, bool]:
+    """DDP's keyword for re-sending rank 0's buffers before each forward.
+
+    torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (the old name now
+    warns on every rank); the new one still syncs once at wrap time, which is harmless here.
+    """
+    if "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": every_forward}
+    return {"broadcast_buffers": every_forward}
+
+
 def build_strategy(
     config: Config, accelerator: str, environment: ClusterEnvironment | None = None, device: torch.device | None = None
 ) -> Strategy:
@@ -88,7 +100,7 @@ def build_strategy(
         gradient_as_bucket_view=dist.gradient_as_bucket_view,
         static_graph=dist.static_graph,
         find_unused_parameters=dist.find_unused_parameters,
-        broadcast_buffers=dist.broadcast_buffers,
+        **buffer_sync(dist.broadcast_buffers),
         checkpoint_io=io,
     )
     return DDPOnDevice(device, **settings) if device is not None else DDPStrategy(**settings)
@@ -127,8 +139,7 @@ def build_trainer(
         )
     if config.distributed.progress_timeout_s is not None:
         callbacks.append(ProgressWatchdog(config.distributed.progress_timeout_s))
-    if not bar:
-        callbacks.append(LineProgress(config.logging.every_n_steps))
+    callbacks.append(StepBar() if bar else LineProgress(config.logging.every_n_steps))
     trainer_cfg = config.trainer
     return pl.Trainer(
         accelerator=accelerator,
@@ -142,7 +153,8 @@ def build_trainer(
         gradient_clip_val=trainer_cfg.gradient_clip_val,
         val_check_interval=trainer_cfg.val_every_n_steps * trainer_cfg.accumulate_grad_batches,
         check_val_every_n_epoch=None,
-        limit_val_batches=trainer_cfg.limit_val_batches,
+        # No validation set: no validation loop at all (an empty loader makes Lightning warn on every run).
+        limit_val_batches=0 if config.data.val_index is None else trainer_cfg.limit_val_batches,
         num_sanity_val_steps=0,
         deterministic=config.run.deterministic,
         use_distributed_sampler=False,  # the DataModule builds its own DistributedSampler

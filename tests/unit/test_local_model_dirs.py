@@ -23,8 +23,8 @@ from transformers import (
 )
 
 from purrsight.model.llm import load_tokenizer
-from purrsight.training.build import build_model
 from purrsight.training.datamodule import Phase2DataModule
+from purrsight.training.model_builder import build_model
 from tests.helpers import tiny_config
 
 

@@ -9,11 +9,11 @@ import torch
 
 from purrsight.config import Config
 from purrsight.model.aligner import Phase1Aligner, load_aligner, save_aligner
-from purrsight.model.encoders import ModelLoadError
-from purrsight.training.build import build_model
+from purrsight.model.loading import ModelLoadError
 from purrsight.training.datamodule import Phase2DataModule
+from purrsight.training.model_builder import build_model
 from purrsight.training.module import Phase2Module
-from tests.helpers import tiny_config
+from tests.helpers import run_python, tiny_config
 
 
 def first_batch(config: Config) -> dict:
@@ -146,3 +146,14 @@ def test_aligner_in_the_model(synthetic_dir: Path, tmp_path: Path) -> None:
     assert not any(p.requires_grad for p in built.model.aligner.parameters())
     loss, _, _ = built.model(first_batch(config))
     assert torch.isfinite(loss)
+
+
+def test_model_package_stands_alone() -> None:
+    """model/ knows tensors, not files or configs: importing it loads no config, data or training code."""
+    probe = (
+        "import sys, purrsight.model.multimodal, purrsight.model.llm, purrsight.model.encoders, purrsight.model.aligner; "
+        "print(sorted(m for m in sys.modules if m.startswith(('purrsight.config', 'purrsight.data', 'purrsight.training'))))"
+    )
+    result = run_python(["-c", probe])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

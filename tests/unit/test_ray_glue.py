@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from purrsight.config import ConfigError, load_config, with_paths_under
-from purrsight.training.checkpoints import CheckpointSaver, StopRequest
+from purrsight.training.checkpoints import CheckpointSaver
+from purrsight.training.stop import StopRequest
 from tests.helpers import DEFAULT_CONFIG
 
 pytest.importorskip("ray", reason="the Ray engine needs the ray extra (scripts/test.sh installs it)")

@@ -9,8 +9,9 @@ from PIL import Image
 from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_prompt_lengths
 from purrsight.data.index import scan_index
 from purrsight.data.media import AudioDecoder, ImageDecoder, SampleError
-from purrsight.data.text import IGNORE_INDEX, PromptTooLongError, TextEncoder
+from purrsight.data.text import PromptTooLongError, TextEncoder
 from purrsight.model.llm import load_tokenizer
+from purrsight.model.loading import IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")
