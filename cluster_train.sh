@@ -13,6 +13,7 @@ readonly SCRIPT_DIR
 # Exit codes: the same numbers and meanings as purrsight/errors.py (tests/unit/test_exit_codes.py).
 readonly EXIT_USAGE=2
 readonly EXIT_HEALTH=3
+readonly EXIT_WATCHDOG=86
 
 usage() {
   cat <<'EOF'
@@ -67,7 +68,7 @@ Examples:
   sbatch slurm/train.sbatch config/qwen2.5-0.5b.yaml              # SLURM: one launcher per node
   qsub pbs/train.pbs                                              # PBS/Torque: one launcher per node
 
-Exit codes (the trainer's, passed through torchrun, and the launcher's own 2 and 3):
+Exit codes (the same as the trainer's; torchrun's own 1 is replaced by the workers' reason):
   0    training finished
   1    an unexpected failure (a bug): the traceback is in the log
   2    bad argument, config, data, checkpoint or environment (one line says which)
@@ -302,7 +303,7 @@ build_torchrun_args() {
   # its hostname (IPoIB, a secondary interface); --local-addr: workers reach each other on
   # the address that routes to the master, not on the machine's FQDN.
   TORCHRUN_ARGS=(
-    -m torch.distributed.run
+    -m purrsight.cluster.torchrun # torch.distributed.run without its traceback on failure
     --nnodes "${NUM_NODES}"
     --nproc-per-node "${NPROC}"
     --rdzv-backend c10d
@@ -357,6 +358,23 @@ run_torchrun() {
   return "${rc}"
 }
 
+# The job's exit code. torchrun exits 1 whatever its workers' codes were; each worker also
+# appends "<restart> <code>" to EXIT_FILE (purrsight/errors.py), so the launcher can report
+# the documented code of the last attempt: bad input (2), cluster check (3) or watchdog (86).
+# After a signal it forwarded, 128+N: the workers saved a checkpoint and stopped on request.
+job_exit_code() {
+  local rc="$1" restart code newest=-1 reason=""
+  if ((rc == 0)); then echo 0; return; fi
+  if [[ -n "${SIGNALLED}" ]]; then echo $((128 + $(kill -l "${SIGNALLED}"))); return; fi
+  if [[ -s "${EXIT_FILE}" ]]; then
+    while read -r restart code; do
+      if ((restart > newest)); then newest="${restart}" reason=""; fi
+      if [[ -z "${reason}" && " ${EXIT_USAGE} ${EXIT_HEALTH} ${EXIT_WATCHDOG} " == *" ${code} "* ]]; then reason="${code}"; fi
+    done <"${EXIT_FILE}"
+  fi
+  echo "${reason:-${rc}}"
+}
+
 main() {
   parse_args "$@"
   validate_args
@@ -372,6 +390,8 @@ main() {
   # Workers count their restarts on this node under this id (purrsight.cluster.distributed.worker_generation).
   PURRSIGHT_LAUNCH_ID="${RDZV_ID:-node${NODE_RANK}}-$$-$(date +%s)"
   export PURRSIGHT_LAUNCH_ID
+  EXIT_FILE="${TMPDIR:-/tmp}/purrsight-${PURRSIGHT_LAUNCH_ID}.exit"
+  export PURRSIGHT_EXIT_FILE="${EXIT_FILE}"
   if ((DRY_RUN)); then
     build_torchrun_args
     printf '%s\n' "${DRY_LINES[@]}" "export PURRSIGHT_NODE_RANK=${NODE_RANK}  # global ranks ordered by node"
@@ -396,12 +416,13 @@ main() {
   fi
   local rc=0
   run_torchrun || rc=$?
+  rc="$(job_exit_code "${rc}")"
   if ((rc == 0)); then
     log "training finished; node log ${LOG_DIR}/${RUN_NAME}.log"
   else
     log "training ended with exit code ${rc}${SIGNALLED:+ after SIG${SIGNALLED}}; node log ${LOG_DIR}/${RUN_NAME}.log"
   fi
-  rm -f "${TMPDIR:-/tmp}/purrsight-${PURRSIGHT_LAUNCH_ID}-"*.starts
+  rm -f "${TMPDIR:-/tmp}/purrsight-${PURRSIGHT_LAUNCH_ID}-"*.starts "${EXIT_FILE}"
   finish_node_log
   exit "${rc}"
 }

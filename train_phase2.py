@@ -26,7 +26,7 @@ Resume from the newest checkpoint of the run, or from a given one::
     python train_phase2.py --config config/train_config.yaml --resume
     python train_phase2.py --config config/train_config.yaml --resume runs/phase2-tiny/checkpoints/step-00000050.ckpt
 
-On a Ray cluster (README "Ray clusters"; workers and resources in the config's ray: section)::
+On a Ray cluster (docs/RAY.md; workers and resources in the config's ray: section)::
 
     ray job submit --address http://HEAD:8265 --working-dir . -- \
         python train_phase2.py --engine ray --config config/train_config.yaml ray.shared_dir=/shared/purrsight
@@ -49,7 +49,7 @@ from pathlib import Path
 
 from purrsight.cli import run_guarded, setup_logging
 from purrsight.cluster.distributed import order_ranks_by_node
-from purrsight.errors import EXIT_CODE_LINES, SIGNAL_BASE, ClusterError, ExitCode
+from purrsight.errors import EXIT_CODE_LINES, SIGNAL_BASE, ClusterError, ExitCode, record_exit_code
 
 DEFAULT_CONFIG = "config/train_config.yaml"
 EXIT_CODES_HELP = "Exit codes:\n" + "\n".join(f"  {line}" for line in EXIT_CODE_LINES)
@@ -156,4 +156,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_code = main()
+    record_exit_code(exit_code)
+    raise SystemExit(exit_code)

@@ -1,10 +1,51 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
 
-from purrsight.data.synthetic import generate
+# Users run this suite on GPU nodes too, and its CPU expectations (gloo, one process, "no GPU"
+# lines) must hold there: every test sees no GPU, in this process and in what it starts,
+# unless it is marked `gpu`. Set before anything initialises CUDA.
+HOST_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+from purrsight.data.synthetic import generate  # noqa: E402 (after hiding the GPUs)
+
+
+def has_gpu_driver() -> bool:
+    return any(Path(path).exists() for path in GPU_DRIVER_FILES)
+
+
+def gpu_env() -> dict[str, str]:
+    """The environment with this node's GPUs visible again, for the `gpu` tests' subprocesses."""
+    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
+    if HOST_CUDA_VISIBLE_DEVICES is not None:
+        env["CUDA_VISIBLE_DEVICES"] = HOST_CUDA_VISIBLE_DEVICES
+    return env
+
+
+@cache
+def host_gpu_count() -> int:
+    """CUDA devices the node offers (asked in a subprocess: this one hides them); 0 without a driver."""
+    if not has_gpu_driver():
+        return 0
+    code = "import torch; print(torch.cuda.device_count())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=gpu_env(), timeout=120)
+    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    gpu = item.get_closest_marker("gpu")
+    if gpu is not None and host_gpu_count() < gpu.kwargs.get("count", 1):
+        pytest.skip(f"needs {gpu.kwargs.get('count', 1)} CUDA GPU(s); this node has {host_gpu_count()} (it runs on GPU nodes)")
+    if item.get_closest_marker("no_gpu_driver") is not None and has_gpu_driver():
+        pytest.skip("checks a node without a GPU driver; on this GPU node the tests marked gpu cover the GPU path")
 
 
 @pytest.fixture(scope="session")

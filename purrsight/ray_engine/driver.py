@@ -100,7 +100,7 @@ def connect() -> None:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
     except ConnectionError as err:
         raise RayClusterError(
-            f"no Ray cluster at {address} ({err}); start one with `ray start --head` (README: Ray clusters) "
+            f"no Ray cluster at {address} ({err}); start one with `ray start --head` (docs/RAY.md) "
             "or set RAY_ADDRESS"
         ) from None
 

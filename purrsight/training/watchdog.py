@@ -21,7 +21,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from purrsight.errors import ExitCode
+from purrsight.errors import ExitCode, record_exit_code
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class ProgressWatchdog(pl.Callback):
                 sys.stderr.flush()
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
+                record_exit_code(ExitCode.WATCHDOG)
                 os._exit(ExitCode.WATCHDOG)  # no clean-up: it could block on the same stuck collective
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -152,7 +152,7 @@ def test_torchrun_restarts_of_a_refused_start_refuse_again(synthetic_dir: Path, 
     script = [str(REPO / "train_phase2.py"), "--config", str(DEFAULT_CONFIG)]
     overrides = tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=30)
     result = subprocess.run([*torchrun, *script, *overrides], env=python_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
+    assert result.returncode == 1  # plain torchrun's own code for any failed worker (the launcher reports 2)
     assert result.stderr.count(f"error: run folder {run_dir} already holds a run") == 2, result.stderr[-3000:]
     assert "torchrun restart 1: this launch has not trained" in result.stderr
     assert "resuming from" not in result.stderr

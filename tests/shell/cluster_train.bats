@@ -82,8 +82,10 @@ assert_usage_error() {
 }
 
 @test "more processes than GPUs with nccl is refused" {
-  BACKEND=nccl NPROC_PER_NODE=2 run ./cluster_train.sh
-  assert_usage_error "NPROC_PER_NODE=2 but only 0 GPU(s) are visible with BACKEND=nccl"
+  # as many GPUs as the probe sees here (0 on CPU machines), plus one
+  gpus="$(python -m purrsight.cluster.probe | sed -n 's/^gpus=//p')"
+  BACKEND=nccl NPROC_PER_NODE=$((gpus + 1)) run ./cluster_train.sh
+  assert_usage_error "NPROC_PER_NODE=$((gpus + 1)) but only ${gpus} GPU(s) are visible with BACKEND=nccl"
 }
 
 # The python that --dry-run would exec (its first word after "exec").

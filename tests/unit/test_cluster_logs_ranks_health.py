@@ -142,6 +142,7 @@ def test_worker_generation_counts_starts_on_this_node(tmp_path: Path, monkeypatc
     assert worker_generation({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2  # plain torchrun: its own count
 
 
+@pytest.mark.no_gpu_driver
 def test_probe_on_a_cpu_node_does_not_import_torch() -> None:
     """No GPU driver here: the probe reports no GPU and reads torch's version from its metadata."""
     code = "import sys, purrsight.cluster.probe as p; info = p.probe(); print(info.gpus, info.torch, 'torch' in sys.modules)"

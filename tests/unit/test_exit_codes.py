@@ -26,7 +26,11 @@ def test_launcher_and_trainer_help_list_the_same_exit_codes() -> None:
 def test_launcher_constants_match() -> None:
     script = (REPO / "cluster_train.sh").read_text()
     constants = dict(re.findall(r"^readonly (EXIT_\w+)=(\d+)$", script, flags=re.MULTILINE))
-    assert constants == {"EXIT_USAGE": str(ExitCode.USAGE.value), "EXIT_HEALTH": str(ExitCode.CLUSTER.value)}
+    assert constants == {
+        "EXIT_USAGE": str(ExitCode.USAGE.value),
+        "EXIT_HEALTH": str(ExitCode.CLUSTER.value),
+        "EXIT_WATCHDOG": str(ExitCode.WATCHDOG.value),
+    }
 
 
 def test_config_error_is_reported_before_lightning_loads() -> None:

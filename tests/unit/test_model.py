@@ -127,11 +127,11 @@ class _Exploit:
         return (os.system, ("touch pwned",))
 
 
-def test_malicious_aligner_pickle_is_refused(tmp_path: Path) -> None:
+def test_malicious_aligner_pickle_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "evil.pt"
     with path.open("wb") as handle:
         pickle.dump({"image.weight": _Exploit()}, handle)
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # where the exploit would write its marker
     with pytest.raises(ModelLoadError, match="cannot load the aligner checkpoint safely"):
         load_aligner(path, {"image": 4}, 2)
     assert not (tmp_path / "pwned").exists()

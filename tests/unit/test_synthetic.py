@@ -11,11 +11,13 @@ def test_deterministic_from_seed(tmp_path: Path) -> None:
     a = generate(tmp_path / "a", 12, 4, seed=3)
     b = generate(tmp_path / "b", 12, 4, seed=3)
     c = generate(tmp_path / "c", 12, 4, seed=4)
+    def media(folder: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.suffix in {".png", ".wav"}}
+
     assert (a / "train.jsonl").read_text() == (b / "train.jsonl").read_text()
-    assert (a / "images").iterdir() and sorted(p.read_bytes() for p in (a / "images").iterdir()) == sorted(
-        p.read_bytes() for p in (b / "images").iterdir()
-    )
+    assert len(media(a)) >= 12 and media(a) == media(b)  # every picture and sound, byte for byte
     assert (a / "train.jsonl").read_text() != (c / "train.jsonl").read_text()
+    assert media(a) != media(c)
 
 
 def test_grounded_answers_and_mixed_modalities(synthetic_dir: Path) -> None:

@@ -1,0 +1,133 @@
+"""The reference texts agree with the code they describe: --help, docs tables, the YAML's comments."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel
+
+from purrsight.config import Config
+from purrsight.errors import ExitCode
+from tests.helpers import DEFAULT_CONFIG, REPO
+
+# Variables the launcher reads that are not its settings: the schedulers' and the system's.
+NOT_SETTINGS = {"SLURM_JOB_ID", "PBS_JOBID", "TMPDIR", "LOCAL_ADDR", "RUN_NAME", "PYTHON_SOURCE"}
+
+
+def launcher_help() -> str:
+    return subprocess.run([str(REPO / "cluster_train.sh"), "--help"], capture_output=True, text=True, check=True).stdout
+
+
+def help_variables() -> dict[str, str]:
+    """NAME -> its default as --help states it (the first word in its [brackets])."""
+    section = launcher_help().split("Environment variables", 1)[1].split("\nExamples:", 1)[0]
+    entries: dict[str, str] = {}
+    name = None
+    for line in section.splitlines()[1:]:
+        match = re.match(r"^  ([A-Z_]+)\s+(.*)$", line)
+        if match:
+            name = match.group(1)
+            entries[name] = match.group(2)
+        elif name and line.startswith("    "):
+            entries[name] += " " + line.strip()
+    defaults = {}
+    for name, text in entries.items():
+        bracket = re.search(r"\[([^\]]*)\]", text)
+        assert bracket, f"--help gives no [default] for {name}"
+        defaults[name] = re.split(r"[:;,]", bracket.group(1))[0].strip()
+    return defaults
+
+
+def test_launcher_docs_table_matches_help() -> None:
+    table = {}
+    for line in (REPO / "docs" / "LAUNCHER.md").read_text().splitlines():
+        match = re.match(r"^\| `([A-Z_]+)` \| ([^|]+) \|", line)
+        if match:
+            table[match.group(1)] = match.group(2).strip()
+    assert table == help_variables()
+
+
+def test_every_variable_the_launcher_reads_is_in_help() -> None:
+    script = (REPO / "cluster_train.sh").read_text()
+    read = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*):[-=]", script)) - NOT_SETTINGS
+    assert read - set(help_variables()) == set(), "read by cluster_train.sh but missing from --help"
+
+
+def test_readme_lists_every_exit_code() -> None:
+    section = (REPO / "README.md").read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    codes = re.findall(r"^\| (\d+|128\+N) \|", section, flags=re.MULTILINE)
+    assert codes == [str(code.value) for code in ExitCode] + ["128+N"]
+
+
+def yaml_comments(text: str) -> dict[str, str]:
+    """dotted key -> its comment (continuation comment lines joined) in a commented config."""
+    comments: dict[str, str] = {}
+    path: list[tuple[int, str]] = []
+    last = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or (stripped.startswith("#") and last is None):
+            continue
+        if stripped.startswith("#"):
+            comments[last] += " " + stripped.lstrip("# ")  # type: ignore[index]
+            continue
+        match = re.match(r"^( *)([A-Za-z_][\w]*):(.*)$", line)
+        if not match:
+            continue
+        indent, key, rest = len(match.group(1)), match.group(2), match.group(3)
+        path = [(i, k) for i, k in path if i < indent] + [(indent, key)]
+        last = ".".join(k for _, k in path)
+        comments[last] = rest.split("#", 1)[1].strip() if "#" in rest else ""
+    return comments
+
+
+def type_name(annotation: Any) -> str:
+    origin = get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return "|".join("null" if arg is type(None) else type_name(arg) for arg in get_args(annotation))
+    if origin is Literal:  # one allowed word is named (bool|auto); a choice of several is a str
+        values = get_args(annotation)
+        return str(values[0]) if len(values) == 1 else "str"
+    if origin is list:
+        return f"list[{type_name(get_args(annotation)[0])}]"
+    if origin is dict:
+        return "dict"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def schema_fields(model: type[BaseModel], prefix: str = "") -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found.update(schema_fields(annotation, f"{prefix}{name}."))
+        else:
+            found[f"{prefix}{name}"] = field
+    return found
+
+
+def test_yaml_type_and_default_comments_match_the_schema() -> None:
+    """Each "(type, default)" at the end of a key's comment in the embedded default is the schema's."""
+    comments = yaml_comments(DEFAULT_CONFIG.read_text())
+    wrong = []
+    for dotted, field in schema_fields(Config).items():
+        note = re.search(r"\(([^()]*)\)\s*$", comments.get(dotted, ""))
+        if note is None:
+            if not dotted.endswith(".config"):  # encoder and LLM config dicts are documented by their items
+                wrong.append(f"{dotted}: no (type, default) note")
+            continue
+        stated_type, _, stated_default = (part.strip() for part in note.group(1).partition(","))
+        if stated_type != type_name(field.annotation):
+            wrong.append(f"{dotted}: type {stated_type!r}, schema {type_name(field.annotation)!r}")
+        default = field.get_default(call_default_factory=True)
+        stated = yaml.safe_load(stated_default) if stated_default else None
+        if isinstance(default, float) and isinstance(stated, str):
+            stated = float(stated)  # YAML 1.1 reads 2e-3 as a string; the schema coerces it
+        if stated_default and stated != default:
+            wrong.append(f"{dotted}: default {stated_default!r}, schema {default!r}")
+    assert wrong == []
