@@ -122,7 +122,10 @@ def train_command(args: argparse.Namespace) -> int:
     if outcome.stopped_by_signal is not None:
         name = signal.Signals(outcome.stopped_by_signal).name
         logging.getLogger("purrsight").warning(
-            "stopped by %s at step %d; checkpoint: %s (resume with --resume)", name, outcome.final_step, outcome.checkpoint
+            "stopped by %s at step %d; checkpoint: %s (resume with --resume; RESUME=auto with the launcher)",
+            name,
+            outcome.final_step,
+            outcome.checkpoint,
         )
         return SIGNAL_BASE + outcome.stopped_by_signal
     if int(os.environ.get("RANK", "0")) == 0:
