@@ -141,6 +141,7 @@ NOISE = (
     "Total length of `list` across ranks is zero",
     "smaller than the logging interval",
     "Writing model shards",
+    "Pre-processing sequences",  # the tokenizer trainer's bar when the synthetic set is generated
     "Epoch ",
 )
 

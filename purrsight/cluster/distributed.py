@@ -58,6 +58,8 @@ def init_process_group_in_node_order(backend: str, timeout: timedelta) -> bool:
     if TORCHRUN_RANK not in os.environ or dist.is_initialized():
         return False
     world = int(os.environ["WORLD_SIZE"])
+    if world <= 1:  # one process (the launcher on a laptop): nothing to order or agree on
+        return False
     shared_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     hosts_store = not shared_agent_store and int(os.environ[TORCHRUN_RANK]) == 0
     store: dist.Store = dist.TCPStore(

@@ -14,7 +14,9 @@ import termios
 import time
 from pathlib import Path
 
-from tests.helpers import DEFAULT_CONFIG, REPO, noise_in, python_env, tiny_overrides
+import pytest
+
+from tests.helpers import DEFAULT_CONFIG, REPO, free_port, launcher_env, noise_in, python_env, tiny_overrides
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (INFO|WARNING|ERROR) ")
@@ -62,17 +64,20 @@ def test_terminal_shows_one_step_bar_and_writes_lines_above_it(synthetic_dir: Pa
     assert noise_in(output) == []
 
 
-def test_small_run_without_validation_under_torchrun_is_quiet(tmp_path: Path) -> None:
-    """One rank under torchrun (a process group at world size 1), no validation set, and fewer
-    batches per epoch than the logging interval: each used to print a warning on every run."""
+@pytest.mark.parametrize("validation", [False, True])
+def test_small_run_through_the_launcher_is_quiet(tmp_path: Path, validation: bool) -> None:
+    """One rank through the launcher (torchrun with one worker, as on a laptop), with and
+    without a validation set, on fewer batches per epoch than the logging interval: each used
+    to print a warning on every run."""
     small = tmp_path / "small"
-    overrides = tiny_overrides(
-        small, tmp_path / "runs", data__val_index="null", data__synthetic__num_train=16, trainer__max_steps=12
-    )
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    command += [str(REPO / "train_phase2.py"), "--config", str(DEFAULT_CONFIG), *overrides]
-    result = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "step 10/12" in result.stderr  # the interval is counted across epochs (2 batches each)
-    assert noise_in(result.stdout + result.stderr) == []
-    assert "Warning" not in result.stderr, result.stderr[-3000:]
+    val = {"trainer__val_every_n_steps": 6} if validation else {"data__val_index": "null"}
+    overrides = tiny_overrides(small, tmp_path / "runs", data__synthetic__num_train=16, trainer__max_steps=12, **val)
+    env = launcher_env(tmp_path / "logs", HEALTH_CHECKS="0", NPROC_PER_NODE="1", BACKEND="gloo")
+    command = ["./cluster_train.sh", str(DEFAULT_CONFIG), "1", "0", "127.0.0.1", str(free_port()), "--", *overrides]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "step 10/12" in output  # the interval is counted across epochs (2 batches each)
+    assert ("validation at step 12" in output) == validation
+    assert noise_in(output) == []
+    assert "Warning" not in output and "recommended" not in output, output[-3000:]
