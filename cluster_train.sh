@@ -50,6 +50,8 @@ Environment variables (default in brackets; a variable you export yourself is ne
   LOG_KEEP_RUNS   runs kept per node; older logs are deleted [10]
   MAX_RESTARTS    worker restarts (on every node) before the job fails [3]
   RDZV_TIMEOUT    seconds to wait for all nodes (and, on workers, for the master) [900]
+  MONITOR_INTERVAL  seconds between torchrun's checks of its workers and of nodes waiting to join [1];
+                  each check also queries the rendezvous store on node 0 (docs/SCALING.md)
   RDZV_ID         job id shared by all nodes [purrsight-<master_port>, or the SLURM/PBS job id]
   HEALTH_CHECKS   1 | 0: run the health checks before training [1]
   HEALTH_MIN_FREE_GB  free disk required in the run and log folders [1]
@@ -79,6 +81,18 @@ EOF
 }
 
 log() { printf '%s [cluster_train] %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "$*" >&2; }
+
+# Microseconds since the epoch: bash 5's clock, or date's on bash 4 (RHEL 8).
+now_us() {
+  local now="${EPOCHREALTIME:-$(date +%s.%6N)}"
+  printf '%s' "${now//[.,]/}"
+}
+
+# Seconds since an earlier $(now_us), to the hundredth.
+seconds_since() {
+  local hundredths=$((($(now_us) - $1) / 10000))
+  printf '%d.%02d' $((hundredths / 100)) $((hundredths % 100))
+}
 
 # A user mistake: one line naming it, a hint, exit 2.
 die_usage() {
@@ -149,6 +163,8 @@ validate_env() {
   case "${HEALTH_CHECKS:=1}" in 0 | 1) ;; *) die_usage "HEALTH_CHECKS '${HEALTH_CHECKS}' must be 1 or 0" ;; esac
   is_uint "${MAX_RESTARTS:=3}" || die_usage "MAX_RESTARTS '${MAX_RESTARTS}' must be a non-negative integer"
   [[ "${RDZV_TIMEOUT:=900}" =~ ^[1-9][0-9]*$ ]] || die_usage "RDZV_TIMEOUT '${RDZV_TIMEOUT}' must be a positive number of seconds"
+  [[ "${MONITOR_INTERVAL:=1}" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ && ! "${MONITOR_INTERVAL}" =~ ^[0.]+$ ]] ||
+    die_usage "MONITOR_INTERVAL '${MONITOR_INTERVAL}' must be a positive number of seconds"
   [[ "${LOG_RANKS:=0}" =~ ^(all|[0-9]+(,[0-9]+)*)$ ]] || die_usage "LOG_RANKS '${LOG_RANKS}' must be all or a list like 0,1"
   for var in LOG_MAX_BYTES LOG_BACKUPS LOG_KEEP_RUNS; do
     [[ -z "${!var:-}" ]] || is_uint "${!var}" || die_usage "${var} '${!var}' must be a non-negative integer"
@@ -311,6 +327,7 @@ build_torchrun_args() {
     --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-${PBS_JOBID:-purrsight-${PORT}}}}"
     --rdzv-conf "is_host=${is_host},join_timeout=${RDZV_TIMEOUT},read_timeout=${RDZV_TIMEOUT}"
     --max-restarts "${MAX_RESTARTS}"
+    --monitor-interval "${MONITOR_INTERVAL}" # torchrun's 0.1 s puts nodes x 10 queries/s on node 0's store
     --local-addr "${LOCAL_ADDR:-${MASTER_IP}}"
     --log-dir "${LOG_DIR}/${RUN_NAME:-dry_run}"
     --tee 3
@@ -376,6 +393,8 @@ job_exit_code() {
 }
 
 main() {
+  local launched
+  launched="$(now_us)" # the node-ready line reports the time since (docs/SCALING.md)
   parse_args "$@"
   validate_args
   validate_env
@@ -406,6 +425,8 @@ main() {
   build_torchrun_args
   print_banner
   if ((HEALTH_CHECKS)); then
+    local health_started
+    health_started="$(now_us)"
     if ! "${PYTHON}" -m purrsight.cluster.health --config "${CONFIG}" --node-rank "${NODE_RANK}" \
       --master-addr "${MASTER_IP}" --master-port "${PORT}" --log-dir "${LOG_DIR}" --backend "${BACKEND}" \
       --master-timeout "${RDZV_TIMEOUT}" --gpus "${NODE_GPUS}" "${OVERRIDES[@]}"; then
@@ -413,7 +434,9 @@ main() {
       finish_node_log
       exit "${EXIT_HEALTH}"
     fi
+    log "health checks took $(seconds_since "${health_started}") s"
   fi
+  log "node ready after $(seconds_since "${launched}") s (probe, config check, health checks); starting torchrun"
   local rc=0
   run_torchrun || rc=$?
   rc="$(job_exit_code "${rc}")"

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.process_cpu import ProcessTreeCPU
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 TINY_CONFIG = REPO / "config" / "train_config.yaml"
@@ -71,17 +73,24 @@ def bench_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def timed(command: list[str], env: dict[str, str], log: Path) -> float:
-    """Run ``command`` to completion (output to ``log``); return its launch time (Unix seconds)."""
+def timed(command: list[str], env: dict[str, str], log: Path, cpu: ProcessTreeCPU | None = None) -> float:
+    """Run ``command`` to completion (output to ``log``); return its launch time (Unix seconds).
+
+    With ``cpu``, the CPU time of the command's process tree is sampled into it.
+    """
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         launched = time.time()
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        if cpu is not None:
+            cpu.watch(proc.pid)
         try:
-            done = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, check=False, timeout=600)
+            returncode = proc.wait(timeout=600)
         except subprocess.TimeoutExpired:
+            proc.kill()
             raise SystemExit(f"bench: {command[0]} ... still running after 600 s; see {log}") from None
-    if done.returncode != 0:
-        raise SystemExit(f"bench: {command[0]} ... failed with exit code {done.returncode}; see {log}")
+    if returncode != 0:
+        raise SystemExit(f"bench: {command[0]} ... failed with exit code {returncode}; see {log}")
     return launched
 
 
@@ -109,28 +118,39 @@ def median_timing(timings: list[Timing]) -> Timing:
 
 
 def run_stack(
-    nproc: int, steps: int, per_process_batch: int, work: Path, name: str, launcher: bool = True, extra: tuple[str, ...] = ()
+    nproc: int,
+    steps: int,
+    per_process_batch: int,
+    work: Path,
+    name: str,
+    launcher: bool = True,
+    extra: tuple[str, ...] = (),
+    launcher_env: dict[str, str] | None = None,
+    cpu: ProcessTreeCPU | None = None,
 ) -> Timing:
-    """The tiny default through cluster_train.sh (or torchrun + train_phase2.py when ``launcher`` is off)."""
+    """The tiny default through cluster_train.sh (or torchrun + train_phase2.py when ``launcher`` is off).
+
+    ``launcher_env``: further launcher variables (MONITOR_INTERVAL=...); ``cpu``: sample the run's CPU time into it.
+    """
     run_name = f"{name}-{time.time_ns()}"
     overrides = [*steps_overrides(steps, work / "runs", per_process_batch), f"run.name={run_name}", *extra]
     port = free_port()
     if launcher:
         command = ["bash", str(REPO / "cluster_train.sh"), str(TINY_CONFIG), "1", "0", "127.0.0.1", str(port), "--", *overrides]
-        env = bench_env(NPROC_PER_NODE=str(nproc), BACKEND="gloo", LOG_DIR=str(work / "logs"))
+        env = bench_env(NPROC_PER_NODE=str(nproc), BACKEND="gloo", LOG_DIR=str(work / "logs"), **(launcher_env or {}))
     else:
         command = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         command += [str(REPO / "train_phase2.py"), "--config", str(TINY_CONFIG), *overrides]
         env = bench_env()
-    launched = timed(command, env, work / "logs" / f"{run_name}.out")
+    launched = timed(command, env, work / "logs" / f"{run_name}.out", cpu)
     return timing_from_step_times(launched, telemetry_step_times(work / "runs" / run_name), steps, nproc * per_process_batch)
 
 
-def run_plain(nproc: int, steps: int, per_process_batch: int, work: Path) -> Timing:
+def run_plain(nproc: int, steps: int, per_process_batch: int, work: Path, cpu: ProcessTreeCPU | None = None) -> Timing:
     """bench/plain_ddp.py under plain torchrun: the same model, data, batch and optimizer, no Lightning."""
     out = work / f"plain-{time.time_ns()}.json"
     command = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     command += ["-m", "bench.plain_ddp", "--steps", str(steps), "--batch-size", str(per_process_batch)]
     command += ["--out", str(out)]
-    launched = timed(command, bench_env(), work / "logs" / f"{out.stem}.out")
+    launched = timed(command, bench_env(), work / "logs" / f"{out.stem}.out", cpu)
     return timing_from_step_times(launched, plain_step_times(out), steps, nproc * per_process_batch)

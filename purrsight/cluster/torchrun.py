@@ -5,13 +5,20 @@ stopped), which prints a Python traceback of torchrun's own internals into every
 after the workers' one-line errors. Here the failure is summarised in one line per failed
 rank instead; each worker's own message is already in the log above it.
 
+It also writes one line per rendezvous with torchelastic's own timing of it, so a node
+log shows how long this node waited for the others (docs/SCALING.md reads these lines):
+
+    2026-11-23 05:21:40 [torchrun] rendezvous 0 done in 1.84 s
+
     python -m purrsight.cluster.torchrun [torchrun arguments] train_phase2.py ...
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
+from torch.distributed.elastic import metrics
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
@@ -19,9 +26,26 @@ from torch.distributed.run import parse_args, run
 from purrsight.errors import SIGNAL_BASE
 
 TORCHRUN_FAILED = 1  # torchrun's own code for a failed worker group, kept for callers that read it
+RENDEZVOUS_METRIC = "._rendezvous.duration.ms"  # SimpleElasticAgent._rendezvous is timed by torchelastic's @prof
+
+
+class RendezvousLog(metrics.MetricHandler):
+    """Prints torchelastic's duration metric of each rendezvous round; drops every other metric."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def emit(self, metric_data: metrics.MetricData) -> None:
+        if not metric_data.name.endswith(RENDEZVOUS_METRIC):
+            return
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(metric_data.timestamp))
+        seconds = metric_data.value / 1000
+        print(f"{stamp} [torchrun] rendezvous {self.rounds} done in {seconds:.2f} s", file=sys.stderr, flush=True)
+        self.rounds += 1
 
 
 def main(argv: list[str] | None = None) -> int:
+    metrics.configure(RendezvousLog(), group="torchelastic")
     try:
         run(parse_args(argv if argv is not None else sys.argv[1:]))
     except ChildFailedError as err:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from bench.common import run_plain
 from tests.helpers import run_python
 
@@ -59,3 +61,42 @@ def test_data_pipeline_script_small_run() -> None:
 def test_plain_ddp_loop_on_two_ranks(tmp_path: Path) -> None:
     timing = run_plain(nproc=2, steps=40, per_process_batch=8, work=tmp_path)
     assert timing.first_step_s > 0 and timing.samples_per_s > 0
+
+
+def test_scaling_model_prints_its_tables(tmp_path: Path) -> None:
+    """--trainable skips building the 0.8B-parameter model; the checkpoint write is still real."""
+    done = run_python(["-m", "bench.scaling_model", "--trainable", "2000000", "--checkpoint-dir", str(tmp_path)], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = table_rows(done.stdout.replace("| 100 Gb/s", "| 100").replace("| 200 Gb/s", "| 200").replace("| 400 Gb/s", "| 400"))
+    assert [row[0] for row in rows] == ["100", "200", "400"]
+    assert re.search(r"checkpoint: 0\.02 GB, written in [\d.]+ s", done.stdout)  # 2M x (4 + 8) bytes
+    assert re.search(r"failures: 4\.74e-04 per GPU-day -> 0\.48 per day on 1024 GPUs", done.stdout)
+    assert list(tmp_path.iterdir()) == []  # the timed checkpoint is removed
+
+
+def test_allreduce_model_matches_the_textbook_bandwidth_terms() -> None:
+    from bench.scaling_model import allreduce_time, young_daly
+
+    size, gbps = 1e9, 100
+    line_rate = gbps * 1e9 / 8
+    ring = allreduce_time("ring", size, gbps, nodes=128, per_node=8)
+    assert ring.bandwidth_s == pytest.approx(2 * size * (1023 / 1024) / line_rate)  # nccl-tests: busbw = algbw x 2(p-1)/p
+    tree = allreduce_time("tree", size, gbps, nodes=128, per_node=8)
+    assert tree.bandwidth_s == pytest.approx(2 * size / (0.9 * line_rate))
+    # latency: the ring's grows with every rank, the tree's with log2 of the nodes
+    assert allreduce_time("ring", size, gbps, 256, 8).latency_s > 1.9 * ring.latency_s
+    assert allreduce_time("tree", size, gbps, 256, 8).latency_s < 1.2 * tree.latency_s
+    assert young_daly(checkpoint_s=2.0, mtbf_s=20_000.0) == pytest.approx(80_000**0.5 - 2)  # sqrt(2 C M) - C
+
+
+def test_node_scaling_script_one_node(tmp_path: Path) -> None:
+    """One launcher, a clean job and a job whose worker is killed: the script reads every figure it reports."""
+    done = run_python(
+        ["-m", "bench.node_scaling", "--nodes", "1", "--steps", "12", "--kill-after", "5", "--plot", str(tmp_path / "p.png")],
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (row,) = table_rows(done.stdout)
+    assert row[:2] == ["1", "loopback"]
+    assert float(row[8]) > 0  # restart after kill -9
+    assert (tmp_path / "p.png").stat().st_size > 0

@@ -79,6 +79,10 @@ assert_usage_error() {
   assert_usage_error "NPROC_PER_NODE '0' must be auto or a positive integer"
   LOG_LEVEL=LOUD run ./cluster_train.sh
   assert_usage_error "LOG_LEVEL 'LOUD' must be INFO or DEBUG"
+  for interval in 0 0.0 -1 1e3 fast; do
+    MONITOR_INTERVAL="${interval}" run ./cluster_train.sh
+    assert_usage_error "MONITOR_INTERVAL '${interval}' must be a positive number of seconds"
+  done
 }
 
 @test "more processes than GPUs with nccl is refused" {
@@ -159,11 +163,17 @@ make_conda() {
   grep -q '^export PURRSIGHT_NODE_RANK=1' <<<"${output}"
   cmd="$(grep '^exec ' <<<"${output}")"
   for needle in "--nnodes 2" "--nproc-per-node 2" "--rdzv-backend c10d" "--rdzv-endpoint 127.0.0.1:29555" \
-    "is_host=0" "--max-restarts 3" "trainer.max_steps=7" 'run.name=a\ b'; do
+    "is_host=0" "--max-restarts 3" "--monitor-interval 1" "trainer.max_steps=7" 'run.name=a\ b'; do
     grep -qF -- "${needle}" <<<"${cmd}"
   done
   [ ! -e "${LOG_DIR}" ]
   [ ! -e runs/phase2-tiny/checkpoints/step-00000007.ckpt ]
+}
+
+@test "MONITOR_INTERVAL reaches torchrun, fractions too" {
+  MONITOR_INTERVAL=0.5 run ./cluster_train.sh --dry-run config/train_config.yaml
+  [ "${status}" -eq 0 ]
+  grep -qF -- "--monitor-interval 0.5 " <<<"$(grep '^exec ' <<<"${output}")"
 }
 
 @test "node 0 hosts the rendezvous" {

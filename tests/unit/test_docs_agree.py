@@ -16,7 +16,7 @@ from purrsight.errors import ExitCode
 from tests.helpers import DEFAULT_CONFIG, REPO
 
 # Variables the launcher reads that are not its settings: the schedulers' and the system's.
-NOT_SETTINGS = {"SLURM_JOB_ID", "PBS_JOBID", "TMPDIR", "LOCAL_ADDR", "RUN_NAME", "PYTHON_SOURCE"}
+NOT_SETTINGS = {"SLURM_JOB_ID", "PBS_JOBID", "TMPDIR", "LOCAL_ADDR", "RUN_NAME", "PYTHON_SOURCE", "EPOCHREALTIME"}
 
 
 def launcher_help() -> str:

@@ -11,6 +11,7 @@ def test_deterministic_from_seed(tmp_path: Path) -> None:
     a = generate(tmp_path / "a", 12, 4, seed=3)
     b = generate(tmp_path / "b", 12, 4, seed=3)
     c = generate(tmp_path / "c", 12, 4, seed=4)
+
     def media(folder: Path) -> dict[str, bytes]:
         return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.suffix in {".png", ".wav"}}
 
