@@ -74,6 +74,22 @@ def per_step_allreduce(grad_bytes: float, bucket_mb: float, link_gbps: float, al
     return buckets * allreduce_time(algorithm, grad_bytes / buckets, link_gbps, NODES, GPUS_PER_NODE).total_s
 
 
+def preflight_s(mode: str, link_gbps: float) -> float:
+    """The preflight all-reduce's collectives at 128 x 8 (tree): each size once to warm up, then timed iterations.
+
+    Each iteration also holds two barriers (small all-reduces: latency only). NCCL's
+    communicator set-up, paid by the first collective whoever issues it, is not included.
+    """
+    from purrsight.cluster.preflight import ITERATIONS, SIZES
+
+    total = 0.0
+    for size in SIZES[(mode, "cuda")]:
+        reduce = allreduce_time("tree", size, link_gbps, NODES, GPUS_PER_NODE).total_s
+        barrier = allreduce_time("tree", 4, link_gbps, NODES, GPUS_PER_NODE).total_s
+        total += reduce + ITERATIONS[mode] * (reduce + 2 * barrier)
+    return total
+
+
 def young_daly(checkpoint_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * checkpoint_s * mtbf_s) - checkpoint_s
 
@@ -130,6 +146,10 @@ def main() -> int:
             f"| {gbps} Gb/s | {ring.total_s * 1e3:.0f} ({ring.latency_s * 1e3:.1f} latency) | {tree.total_s * 1e3:.0f}"
             f" ({tree.latency_s * 1e3:.1f} latency) | {b25 * 1e3:.0f} | {b100 * 1e3:.0f} | {b25 / 4 * 1e3:.0f} |"
         )
+
+    for mode in ("quick", "full"):
+        costs = ", ".join(f"{gbps} Gb/s {preflight_s(mode, gbps):.2f} s" for gbps in (100, 200, 400))
+        print(f"preflight all-reduce, mode {mode}: {costs}")
 
     size, write_s = checkpoint_write_s(trainable, args.checkpoint_dir)
     rate = size / write_s / 1e6

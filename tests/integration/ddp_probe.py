@@ -1,13 +1,18 @@
-"""Run by torchrun in test_train_ddp.py: train, recording each rank's sample ids and final weights."""
+"""Run by torchrun in test_train_ddp.py: train, recording each rank's sample ids, final weights,
+how many gradient all-reduces DDP issued (a counting comm hook around the default all-reduce)
+and DDP's bucket size."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from purrsight.cli import setup_logging
 from purrsight.config import load_config
@@ -18,13 +23,28 @@ class Probe(pl.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.seen: list[tuple[int, list[str]]] = []
+        self.allreduces = 0
+        self.bucket_bytes = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ddp = trainer.strategy.model
+        if isinstance(ddp, DistributedDataParallel):
+            self.bucket_bytes = ddp.bucket_bytes_cap
+
+            # No annotations: DDP checks them against dist.GradBucket, and this module's are strings.
+            def counting_allreduce(state, bucket):  # type: ignore[no-untyped-def]
+                self.allreduces += 1
+                return default_hooks.allreduce_hook(cast(dist.ProcessGroup, dist.group.WORLD), bucket)
+
+            ddp.register_comm_hook(None, counting_allreduce)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.seen.append((trainer.current_epoch, list(batch["ids"])))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         weights = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
-        torch.save({"seen": self.seen, "weights": weights}, self.out / f"rank{trainer.global_rank}.pt")
+        probe = {"seen": self.seen, "weights": weights, "allreduces": self.allreduces, "bucket_bytes": self.bucket_bytes}
+        torch.save(probe, self.out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

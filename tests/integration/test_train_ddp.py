@@ -53,3 +53,25 @@ def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir
     assert losses[0] - sum(losses[-2:]) / 2 > LEARNED_NATS, losses
     assert column(rows, "val/accuracy")[-1] > CHANCE_ACCURACY + 0.2
     assert (tmp_path / "phase2-tiny" / "checkpoints" / "step-00000080.ckpt").is_file()
+    assert ranks[0]["allreduces"] == 80  # the tiny model's gradients fit one 25 MB bucket: one all-reduce a step
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step(synthetic_dir: Path, tmp_path: Path) -> None:
+    """docs/SCALING.md's levers at 128 nodes: trainer.accumulate_grad_batches and distributed.bucket_cap_mb."""
+    overrides = tiny_overrides(
+        synthetic_dir,
+        tmp_path,
+        trainer__max_steps=12,
+        trainer__accumulate_grad_batches=2,  # 8 batches per epoch and rank: every step whole
+        distributed__bucket_cap_mb=100,
+        checkpoint__every_n_steps=12,
+    )
+    command = torchrun_two_ranks(REPO / "tests" / "integration" / "ddp_probe.py", str(tmp_path), str(DEFAULT_CONFIG), *overrides)
+    result = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for probe in ranks:
+        assert len(probe["seen"]) == 24  # micro-batches
+        assert probe["allreduces"] == 12  # optimizer steps: the other micro-batches skip the all-reduce (no_sync)
+        assert probe["bucket_bytes"] == 100 * 2**20
+    assert (tmp_path / "phase2-tiny" / "checkpoints" / "step-00000012.ckpt").is_file()
