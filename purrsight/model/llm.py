@@ -82,9 +82,7 @@ def load_llm(
     missing = sorted(targets - _linear_names(base))
     if missing:
         available = ", ".join(sorted(_linear_names(base)))
-        raise ModelLoadError(
-            f"LoRA target_modules: {', '.join(missing)} not found in the LLM; its linear layers are: {available}"
-        )
+        raise ModelLoadError(f"LoRA target_modules: {', '.join(missing)} not found in the LLM; its linear layers are: {available}")
     if gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs and with DDP.
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

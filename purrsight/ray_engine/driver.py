@@ -100,8 +100,7 @@ def connect() -> None:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
     except ConnectionError as err:
         raise RayClusterError(
-            f"no Ray cluster at {address} ({err}); start one with `ray start --head` (docs/RAY.md) "
-            "or set RAY_ADDRESS"
+            f"no Ray cluster at {address} ({err}); start one with `ray start --head` (docs/RAY.md) or set RAY_ADDRESS"
         ) from None
 
 
@@ -198,9 +197,7 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
         ),
     )
-    log.info(
-        "starting %d Ray Train workers, each %s, backend %s", config.ray.num_workers, config.ray.resources_per_worker, backend
-    )
+    log.info("starting %d Ray Train workers, each %s, backend %s", config.ray.num_workers, config.ray.resources_per_worker, backend)
     try:
         result = trainer.fit()
     except TrainingFailedError as err:

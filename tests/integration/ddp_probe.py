@@ -1,6 +1,6 @@
 """Run by torchrun in test_train_ddp.py: train, recording each rank's sample ids, final weights,
-how many gradient all-reduces DDP issued (a counting comm hook around the default all-reduce)
-and DDP's bucket size."""
+how many gradient all-reduces DDP issued (a counting comm hook around the default all-reduce),
+DDP's bucket size and the process group's timeout."""
 
 from __future__ import annotations
 
@@ -25,11 +25,15 @@ class Probe(pl.Callback):
         self.seen: list[tuple[int, list[str]]] = []
         self.allreduces = 0
         self.bucket_bytes = 0
+        self.timeout_s = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ddp = trainer.strategy.model
         if isinstance(ddp, DistributedDataParallel):
             self.bucket_bytes = ddp.bucket_bytes_cap
+            # the process group's own timeout (no public getter: read from the gloo backend's options)
+            backend = cast(dist.ProcessGroup, dist.group.WORLD)._get_backend(torch.device("cpu"))
+            self.timeout_s = backend.options._timeout.total_seconds()
 
             # No annotations: DDP checks them against dist.GradBucket, and this module's are strings.
             def counting_allreduce(state, bucket):  # type: ignore[no-untyped-def]
@@ -44,6 +48,7 @@ class Probe(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         weights = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
         probe = {"seen": self.seen, "weights": weights, "allreduces": self.allreduces, "bucket_bytes": self.bucket_bytes}
+        probe["timeout_s"] = self.timeout_s
         torch.save(probe, self.out / f"rank{trainer.global_rank}.pt")
 
 

@@ -57,13 +57,14 @@ def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir
 
 
 def test_accumulation_all_reduces_once_per_optimizer_step(synthetic_dir: Path, tmp_path: Path) -> None:
-    """docs/SCALING.md's levers at 128 nodes: trainer.accumulate_grad_batches and distributed.bucket_cap_mb."""
+    """docs/SCALING.md's settings at 128 nodes: accumulate_grad_batches, bucket_cap_mb, the process-group timeout."""
     overrides = tiny_overrides(
         synthetic_dir,
         tmp_path,
         trainer__max_steps=12,
         trainer__accumulate_grad_batches=2,  # 8 batches per epoch and rank: every step whole
         distributed__bucket_cap_mb=100,
+        distributed__timeout_s=1234,
         checkpoint__every_n_steps=12,
     )
     command = torchrun_two_ranks(REPO / "tests" / "integration" / "ddp_probe.py", str(tmp_path), str(DEFAULT_CONFIG), *overrides)
@@ -74,4 +75,5 @@ def test_accumulation_all_reduces_once_per_optimizer_step(synthetic_dir: Path, t
         assert len(probe["seen"]) == 24  # micro-batches
         assert probe["allreduces"] == 12  # optimizer steps: the other micro-batches skip the all-reduce (no_sync)
         assert probe["bucket_bytes"] == 100 * 2**20
+        assert probe["timeout_s"] == 1234
     assert (tmp_path / "phase2-tiny" / "checkpoints" / "step-00000012.ckpt").is_file()

@@ -131,3 +131,31 @@ def test_yaml_type_and_default_comments_match_the_schema() -> None:
         if stated_default and stated != default:
             wrong.append(f"{dotted}: default {stated_default!r}, schema {default!r}")
     assert wrong == []
+
+
+def config_key_exists(dotted: str) -> bool:
+    model: Any = Config
+    for part in dotted.split("."):
+        fields = getattr(model, "model_fields", {})
+        if part not in fields:
+            return False
+        model = fields[part].annotation
+    return True
+
+
+def test_scaling_settings_exist_and_name_tests_that_exist() -> None:
+    """docs/SCALING.md's table of settings to change: each setting is real, each test it names exists."""
+    text = (REPO / "docs" / "SCALING.md").read_text()
+    table = text.split("## Settings to change", 1)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 8
+    launcher = set(help_variables())
+    for row in rows:
+        setting, *_, tests = [cell.strip() for cell in row.strip("|").split("|")]
+        for name in re.findall(r"`([^`]+)`", setting):
+            assert name in launcher if name.isupper() else config_key_exists(name), f"SCALING.md recommends unknown {name}"
+        named = re.findall(r"`(tests/[^`:]+)(?:::(\w+))?`", tests)
+        assert named, f"no test named for {setting}"
+        for path, function in named:
+            assert (REPO / path).is_file(), path
+            assert not function or f"def {function}(" in (REPO / path).read_text(), f"{path}::{function}"
