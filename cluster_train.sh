@@ -289,7 +289,8 @@ apply_env_plan() {
       local) LOCAL_ADDR="${NODE_ADDR:-${value}}" ;;
     esac
   done < <("${PYTHON}" -m purrsight.cluster.launch_env --master-addr "${MASTER_IP}" --master-port "${PORT}" \
-    --nproc "${NPROC}" --backend "${BACKEND}" --log-level "${LOG_LEVEL}" --nccl-preset "${NCCL_PRESET}")
+    --nproc "${NPROC}" --nnodes "${NUM_NODES}" --backend "${BACKEND}" --log-level "${LOG_LEVEL}" \
+    --nccl-preset "${NCCL_PRESET}")
 }
 
 start_node_log() {

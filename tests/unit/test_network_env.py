@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from purrsight.cluster.launch_env import mask, nccl_settings, plan
+from purrsight.cluster.launch_env import mask, nccl_settings, plan, threads_per_process
 from purrsight.cluster.network import Route, active_ib_ports, parse_route
 
 
@@ -120,6 +120,16 @@ def test_user_exported_values_survive() -> None:
     assert fresh["OMP_NUM_THREADS"] == "8" and fresh["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and fresh["NCCL_DEBUG"] == "INFO"
     gloo = {e.name: e.value for e in plan({}, "127.0.0.1", 1, 2, "gloo", "INFO", "auto", [], Route("lo", "127.0.0.1"), 2)}
     assert gloo["GLOO_SOCKET_IFNAME"] == "lo" and not any(name.startswith("NCCL_") for name in gloo)
+
+
+def test_nodes_behind_a_loopback_master_share_this_machines_cores() -> None:
+    """A loopback master is reachable from this machine only: every node of the job runs here."""
+    assert threads_per_process(16, 2, 4, "127.0.0.1")[1] == "2"  # 16 cores / (2 processes x 4 nodes)
+    assert "4 nodes, all on this machine" in threads_per_process(16, 2, 4, "127.0.0.1")[2]
+    assert threads_per_process(16, 2, 4, "::1")[1] == "2"
+    assert threads_per_process(16, 2, 4, "10.0.0.1")[1] == "8"  # real nodes: their own cores
+    assert threads_per_process(2, 1, 16, "127.0.0.1")[1] == "1"  # never below one
+    assert threads_per_process(16, 2, 4, "node0.cluster")[1] == "8"  # a name, not an address: nothing to infer
 
 
 def test_secrets_are_masked() -> None:
