@@ -101,9 +101,12 @@ def timing_from_step_times(launched: float, step_times: dict[int, float], steps:
 
 
 def telemetry_step_times(run_dir: Path) -> dict[int, float]:
-    """Step -> wall time of the rows node 0's telemetry wrote (step 1, then every ROW_EVERY)."""
+    """Step -> wall time of the rows node 0's telemetry wrote (step 1, then every ROW_EVERY).
+
+    A row still being written (read while the run goes on) has no time yet and is left out.
+    """
     with (run_dir / "telemetry" / "node0.csv").open() as file:
-        return {int(float(row["step"])): float(row["time"]) for row in csv.DictReader(file)}
+        return {int(float(row["step"])): float(row["time"]) for row in csv.DictReader(file) if row.get("time")}
 
 
 def plain_step_times(path: Path) -> dict[int, float]:

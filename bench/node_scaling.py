@@ -23,7 +23,6 @@ real nodes do not have; the CPU seconds per node are what one node spends on its
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import re
 import signal
@@ -38,8 +37,8 @@ from pathlib import Path
 
 import psutil
 
-from bench.common import REPO, TINY_CONFIG, bench_env, free_port, machine
-from bench.process_cpu import ROLES, ProcessTreeCPU
+from bench.common import REPO, TINY_CONFIG, bench_env, free_port, machine, telemetry_step_times
+from bench.process_cpu import ROLES, ProcessTreeCPU, role_of
 from bench.stack_vs_plain import ensure_synthetic_set
 from tests.network_hosts import Host, network_hosts
 
@@ -62,13 +61,9 @@ class JobTimes:
     restart_rendezvous_s: list[float] | None = None  # fault job: round 1, per node
 
 
-def step_times(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, wall time) rows of node 0's telemetry, in file order (a restart rewrites the tail)."""
-    path = run_dir / "telemetry" / "node0.csv"
-    if not path.exists():
-        return []
-    with path.open() as file:
-        return [(int(float(row["step"])), float(row["time"])) for row in csv.DictReader(file) if row.get("time")]
+def steps_so_far(run_dir: Path) -> dict[int, float]:
+    """Node 0's telemetry rows while the job runs: none before the file exists."""
+    return telemetry_step_times(run_dir) if (run_dir / "telemetry" / "node0.csv").exists() else {}
 
 
 def rendezvous_rounds(log: str) -> dict[int, float]:
@@ -77,8 +72,7 @@ def rendezvous_rounds(log: str) -> dict[int, float]:
 
 def worker_of(launcher: subprocess.Popen[bytes]) -> psutil.Process:
     for process in psutil.Process(launcher.pid).children(recursive=True):
-        command = " ".join(process.cmdline())
-        if "train_phase2.py" in command and "purrsight.cluster.torchrun" not in command:
+        if role_of(process.cmdline()) == "worker":
             return process
     raise RuntimeError("bench: the last node has no worker process to kill")
 
@@ -117,7 +111,7 @@ def run_job(nodes: int, work: Path, steps: int, kill_after: int | None, hosts: S
                 for p in launchers:
                     p.kill()
                 raise SystemExit(f"bench: {name} still running after 900 s; see {work}")
-            if kill_after and killed_at is None and any(step >= kill_after for step, _ in step_times(run_dir)):
+            if kill_after and killed_at is None and any(step >= kill_after for step in steps_so_far(run_dir)):
                 victim = worker_of(launchers[-1])
                 killed_at = time.time()
                 victim.send_signal(signal.SIGKILL)
@@ -126,8 +120,8 @@ def run_job(nodes: int, work: Path, steps: int, kill_after: int | None, hosts: S
     if codes != [0] * nodes:
         raise SystemExit(f"bench: {name}: launcher exit codes {codes}; logs in {log_dir}")
     logs = [(log_dir / f"latest_node{rank}.log").read_text() for rank in range(nodes)]
-    rows = step_times(run_dir)
-    first_step = next(t for step, t in rows if step == 1)
+    rows = telemetry_step_times(run_dir)  # a restart rewrites the rows after its checkpoint
+    first_step = rows[1]
     cpu_s = {role: seconds / nodes for role, seconds in cpu.by_role().items()}
     times = JobTimes(
         nodes=nodes,
@@ -140,7 +134,7 @@ def run_job(nodes: int, work: Path, steps: int, kill_after: int | None, hosts: S
         cpu_s_per_node=cpu_s,
     )
     if killed_at is not None:
-        times.restart_s = min(t for _, t in rows if t > killed_at) - killed_at
+        times.restart_s = min(t for t in rows.values() if t > killed_at) - killed_at
         times.restart_rendezvous_s = [rendezvous_rounds(log)[1] for log in logs]
     return times
 

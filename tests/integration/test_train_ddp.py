@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +23,14 @@ from tests.helpers import (
 )
 
 
+def train_two_probed_ranks(run_dir: Path, overrides: list[str]) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """ddp_probe.py on two ranks under torchrun; the run's output and each rank's probe record."""
+    command = torchrun_two_ranks(REPO / "tests" / "integration" / "ddp_probe.py", str(run_dir), str(DEFAULT_CONFIG), *overrides)
+    result = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result, [torch.load(run_dir / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
 def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir: Path, tmp_path: Path) -> None:
     overrides = tiny_overrides(
         synthetic_dir,
@@ -31,12 +40,9 @@ def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir
         data__batch_size=8,
         checkpoint__every_n_steps=40,
     )
-    command = torchrun_two_ranks(REPO / "tests" / "integration" / "ddp_probe.py", str(tmp_path), str(DEFAULT_CONFIG), *overrides)
-    result = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    result, ranks = train_two_probed_ranks(tmp_path, overrides)
     assert noise_in(result.stdout + result.stderr) == []
 
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     for name, weight in ranks[0]["weights"].items():
         assert torch.equal(weight, ranks[1]["weights"][name]), f"{name} differs between ranks"
 
@@ -67,10 +73,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step(synthetic_dir: Path, t
         distributed__timeout_s=1234,
         checkpoint__every_n_steps=12,
     )
-    command = torchrun_two_ranks(REPO / "tests" / "integration" / "ddp_probe.py", str(tmp_path), str(DEFAULT_CONFIG), *overrides)
-    result = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    _, ranks = train_two_probed_ranks(tmp_path, overrides)
     for probe in ranks:
         assert len(probe["seen"]) == 24  # micro-batches
         assert probe["allreduces"] == 12  # optimizer steps: the other micro-batches skip the all-reduce (no_sync)
