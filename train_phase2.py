@@ -31,6 +31,11 @@ On a Ray cluster (docs/RAY.md; workers and resources in the config's ray: sectio
     ray job submit --address http://HEAD:8265 --working-dir . -- \
         python train_phase2.py --engine ray --config config/train_config.yaml ray.shared_dir=/shared/purrsight
 
+Prepare a large dataset once (decoded, tokenised, memory-mapped shards; docs/DATA.md), then train from it::
+
+    python train_phase2.py prepare --config config/qwen2.5-0.5b.yaml --out /shared/prepared/v1
+    python train_phase2.py --config config/qwen2.5-0.5b.yaml data.prepared=/shared/prepared/v1
+
 Export (LoRA merged, Hugging Face directory, projectors beside it)::
 
     python train_phase2.py export --checkpoint runs/phase2-tiny/checkpoints/last.ckpt --out exported/phase2-tiny
@@ -151,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("purrsight.cluster").info(ranks_note)
     if argv[:1] == ["export"]:
         return run_guarded(export_command, parse_export_args(argv[1:]))
+    if argv[:1] == ["prepare"]:
+        from purrsight.training.prepare import parse_prepare_args, prepare_command
+
+        try:
+            prepare_args = parse_prepare_args(argv[1:])
+        except SystemExit as exit_:
+            return ExitCode.USAGE if exit_.code else ExitCode.OK
+        return run_guarded(prepare_command, prepare_args)
     try:
         args = parse_train_args(argv)
     except SystemExit as exit_:

@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 import soundfile
 from PIL import Image
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from bench.common import machine
 from bench.real_size import REAL_CONFIG, synthetic_tokenizer, training_flops_per_sample
 from purrsight.config import Config, load_config
-from purrsight.data.dataset import Collator, MultiModalDataset
+from purrsight.data.dataset import Collator, MultiModalDataset, Sample
 from purrsight.training.data_builder import Datasets, build_datasets
 from purrsight.training.telemetry import PEAK_TFLOPS
 
@@ -93,7 +93,7 @@ def save_processors(folder: Path) -> tuple[Path, Path]:
     return image_dir, audio_dir
 
 
-def loader_rate(dataset: MultiModalDataset, collator: Collator, workers: int, batch_size: int, batches: int) -> float:
+def loader_rate(dataset: Dataset[Sample], collator: Collator, workers: int, batch_size: int, batches: int) -> float:
     """Samples/s once the workers have started (the first batch is not timed)."""
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=collator, shuffle=True)
     iterator = iter(loader)
@@ -122,6 +122,7 @@ def corpus_config(work: Path, name: str, image_dir: Path, audio_dir: Path, **kwa
 
 def processor_path(data: Datasets) -> Datasets:
     """The same datasets with the image decoder as it was: processor called, JPEGs decoded whole."""
+    assert isinstance(data.train, MultiModalDataset)
     image = copy.copy(data.train.image)
     assert image is not None
     image.plan, image.draft_box = None, None

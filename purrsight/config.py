@@ -141,6 +141,10 @@ class SyntheticConfig(_Section):
 class DataConfig(_Section):
     train_index: str = Field("data/synthetic/train.jsonl", description="JSONL index; media paths are relative to its folder.")
     val_index: str | None = Field("data/synthetic/val.jsonl", description="Validation index; none: no validation.")
+    prepared: str | None = Field(
+        None,
+        description="A prepared set (python train_phase2.py prepare): train from it; none: decode the indexes' files.",
+    )
     synthetic_dir: str | None = Field("data/synthetic", description="Generate the synthetic set here when absent; none: never.")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     max_length: int = Field(64, gt=0, description="Text tokens per sample (prompt + response), truncated beyond.")
@@ -447,6 +451,7 @@ PATH_KEYS = (
     "run.output_dir",
     "data.train_index",
     "data.val_index",
+    "data.prepared",
     "data.synthetic_dir",
     "model.llm.path",
     "model.llm.tokenizer",

@@ -122,12 +122,14 @@ class Collator:
         return batch
 
 
-def check_prompt_lengths(index: SampleIndex, prompt_length: Callable[[str], int], max_length: int) -> None:
+def check_prompt_lengths(
+    index: str | Path, records: list[dict[str, Any]], prompt_length: Callable[[str], int], max_length: int
+) -> None:
     """Fail before training when a prompt leaves no room for its response."""
-    for number, record in enumerate(index.records, start=1):
+    for record in records:
         length = prompt_length(record["prompt"])
         if length >= max_length:
             raise SampleError(
-                f"{index.path}: sample {record['id']!r} (record {number}): prompt is {length} tokens, "
+                f"{index}:{record['line']} (id {record['id']!r}): prompt is {length} tokens, "
                 f"data.max_length is {max_length}; raise data.max_length or shorten the prompt"
             )

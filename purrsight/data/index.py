@@ -43,7 +43,7 @@ class SampleIndex:
         return len(self.records)
 
 
-def _check_record(record: Any, where: str, root: Path) -> dict[str, Any]:
+def _check_record(record: Any, where: str, root: Path, check_media: bool) -> dict[str, Any]:
     if not isinstance(record, dict):
         raise IndexFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
     sample_id = record.get("id")
@@ -61,7 +61,7 @@ def _check_record(record: Any, where: str, root: Path) -> dict[str, Any]:
             continue
         if not isinstance(value, str):
             raise IndexFileError(f"{label}: field {field!r} must be a path string or null")
-        if not (root / value).is_file():
+        if check_media and not (root / value).is_file():  # one metadata call: at scale, only one process makes it
             raise IndexFileError(f"{label}: {field} file {root / value} does not exist")
         clean[field] = value
     unknown = sorted(set(record) - set(REQUIRED_TEXT_FIELDS) - set(MEDIA_FIELDS))
@@ -70,15 +70,19 @@ def _check_record(record: Any, where: str, root: Path) -> dict[str, Any]:
     return clean
 
 
-def read_index(path: str | Path) -> list[dict[str, Any]]:
-    """Validate every line; raise IndexFileError on the first problem, naming where it is.
+def read_index(path: str | Path, check_media: bool = True, max_problems: int = 1) -> list[dict[str, Any]]:
+    """Validate every line; raise IndexFileError naming where each problem is.
 
+    Stops at the first problem by default; ``max_problems`` > 1 goes on and lists up to that
+    many (the prepare step reports a whole index in one round trip). ``check_media=False``
+    leaves the media files alone: no metadata call per line (they are opened when decoded).
     Without `datasets` (half a second to import): the launcher's health check calls this.
     """
     path = Path(path)
     if not path.is_file():
         raise IndexFileError(f"{path}: index file does not exist")
     records: list[dict[str, Any]] = []
+    problems: list[str] = []
     seen_ids: dict[str, int] = {}
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
@@ -86,24 +90,37 @@ def read_index(path: str | Path) -> list[dict[str, Any]]:
                 continue
             where = f"{path}:{number}"
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise IndexFileError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from None
-            clean = _check_record(record, where, path.parent)
-            if clean["id"] in seen_ids:
-                raise IndexFileError(f"{where}: duplicate id {clean['id']!r} (first on line {seen_ids[clean['id']]})")
+                clean = _check_record(_parse(line, where), where, path.parent, check_media)
+                if clean["id"] in seen_ids:
+                    raise IndexFileError(f"{where}: duplicate id {clean['id']!r} (first on line {seen_ids[clean['id']]})")
+            except IndexFileError as err:
+                problems.append(str(err))
+                if len(problems) >= max_problems:
+                    break
+                continue
             seen_ids[clean["id"]] = number
             records.append({**clean, "line": number})  # decode errors in training name it too
+    if problems:
+        if max_problems == 1:
+            raise IndexFileError(problems[0])
+        more = f" (the first {max_problems}; the scan stopped there)" if len(problems) >= max_problems else ""
+        raise IndexFileError(problems=[*problems, f"{path}: {len(problems)} bad line(s){more}"])
     if not records:
         raise IndexFileError(f"{path}: index holds no samples")
     return records
 
 
-def scan_index(path: str | Path) -> SampleIndex:
-    """read_index(), then the records in an Arrow table (one copy, shared by the loader workers)."""
+def _parse(line: str, where: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise IndexFileError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from None
+
+
+def records_table(records: list[dict[str, Any]]) -> datasets.Dataset:
+    """Validated records in an Arrow table (one copy, shared by the loader workers)."""
     import datasets
 
-    records = read_index(path)
     features = datasets.Features(
         {
             "id": datasets.Value("string"),
@@ -114,4 +131,9 @@ def scan_index(path: str | Path) -> SampleIndex:
             "line": datasets.Value("int32"),
         }
     )
-    return SampleIndex(path=Path(path), records=datasets.Dataset.from_list(records, features=features))
+    return datasets.Dataset.from_list(records, features=features)
+
+
+def scan_index(path: str | Path, check_media: bool = True) -> SampleIndex:
+    """read_index(), then the records in an Arrow table."""
+    return SampleIndex(path=Path(path), records=records_table(read_index(path, check_media)))

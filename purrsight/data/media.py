@@ -87,17 +87,35 @@ class ImageDecoder:
             return 2 * self.plan.width, 2 * self.plan.height
         return (2 * self.size, 2 * self.size) if self.processor is None else None
 
-    def _to_tensor(self, image: Image.Image) -> torch.Tensor:
+    @property
+    def storage(self) -> str:
+        """What a prepared set keeps of a picture: ``uint8`` pixels (resized and cropped, not yet
+        normalised: 4x smaller than floats, and normalised exactly as here when read), or
+        ``float32``, the finished tensor, for a processor whose steps are not replayed here."""
+        return "uint8" if self.plan is not None or self.processor is None else "float32"
+
+    def stored(self, image: Image.Image) -> torch.Tensor:
+        """The form ``storage`` names, from a picture as displayed."""
         if self.plan is not None:
-            return self.plan(image)
-        if self.processor is not None:
-            if self.normalisation is None:
-                return self.processor(images=image, return_tensors="pt")["pixel_values"][0]
-            resized = self.processor(images=image, return_tensors="pt", do_rescale=False, do_normalize=False)["pixel_values"][0]
-            return normalise(resized, self.normalisation)
-        resized = image.resize((self.size, self.size), Image.Resampling.BILINEAR)
-        array = np.asarray(resized, dtype=np.float32) / 127.5 - 1.0
-        return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+            return self.plan.pixels(image)
+        if self.processor is None:
+            resized = image.resize((self.size, self.size), Image.Resampling.BILINEAR)
+            return torch.from_numpy(np.array(resized)).permute(2, 0, 1)
+        if self.normalisation is None:
+            return self.processor(images=image, return_tensors="pt")["pixel_values"][0]
+        resized = self.processor(images=image, return_tensors="pt", do_rescale=False, do_normalize=False)["pixel_values"][0]
+        return normalise(resized, self.normalisation)
+
+    def finish(self, stored: torch.Tensor) -> torch.Tensor:
+        """The tensor the tower takes, from what ``stored`` returned (or a prepared set kept)."""
+        if stored.dtype != torch.uint8:
+            return stored
+        if self.plan is not None:
+            return normalise(stored, self.plan.normalisation)
+        return stored.float() / 127.5 - 1.0  # the tiny default's fixed scaling to [-1, 1]
+
+    def _to_tensor(self, image: Image.Image) -> torch.Tensor:
+        return self.finish(self.stored(image))
 
     def load(self, path: Path) -> Image.Image:
         """The picture in ``path`` as displayed, 8-bit RGB; SampleError when it cannot be used."""
@@ -162,7 +180,7 @@ class AudioDecoder:
         self.num_samples = round(sample_rate * seconds)
         self.resample = resample
 
-    def _features(self, wave: np.ndarray) -> torch.Tensor:
+    def features(self, wave: np.ndarray) -> torch.Tensor:
         if self.feature_extractor is not None:
             out = self.feature_extractor(wave, sampling_rate=self.sample_rate, return_tensors="pt")
             return out[self.feature_extractor.model_input_names[0]][0]
@@ -187,11 +205,15 @@ class AudioDecoder:
             raise SampleError(f"{path}: cannot decode audio, {kind} ({err}); readable formats: {AUDIO_FORMATS}") from None
         return wave.mean(axis=1), rate  # mono: average the channels
 
-    def __call__(self, path: Path) -> torch.Tensor:
+    def window(self, path: Path) -> np.ndarray:
+        """The clip the encoder hears: mono, at the encoder's rate, cropped or zero-padded to
+        ``num_samples`` (float32). What a prepared set stores; ``features`` finishes it."""
         wave, rate = self.read_window(path)
         wave = resample(wave, rate, self.sample_rate)  # read_window refused another rate when resample is off
-        wave = np.pad(wave[: self.num_samples], (0, max(0, self.num_samples - len(wave))))  # crop or pad
-        return self._features(wave)
+        return np.pad(wave[: self.num_samples], (0, max(0, self.num_samples - len(wave)))).astype(np.float32, copy=False)
+
+    def __call__(self, path: Path) -> torch.Tensor:
+        return self.features(self.window(path))
 
     def blank(self) -> torch.Tensor:
-        return torch.zeros_like(self._features(np.zeros(self.num_samples, dtype=np.float32)))
+        return torch.zeros_like(self.features(np.zeros(self.num_samples, dtype=np.float32)))

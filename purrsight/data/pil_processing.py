@@ -73,14 +73,17 @@ class PilPlan:
             return self.crop[1], self.crop[0]
         return self.resized_size(width, height)
 
-    def __call__(self, image: Image.Image) -> torch.Tensor:
+    def pixels(self, image: Image.Image) -> torch.Tensor:
+        """The resized and cropped picture, channel-first uint8: what a prepared set stores."""
         image = image.resize(self.resized_size(*image.size), resample=self.resample, reducing_gap=None)
         if self.crop is not None:
             crop_height, crop_width = self.crop
             top, left = (image.height - crop_height) // 2, (image.width - crop_width) // 2
             image = image.crop((left, top, left + crop_width, top + crop_height))
-        pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # a copy: PIL's buffer is read-only
-        return normalise(pixels, self.normalisation)
+        return torch.from_numpy(np.array(image)).permute(2, 0, 1)  # a copy: PIL's buffer is read-only
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        return normalise(self.pixels(image), self.normalisation)
 
 
 def plan_for(processor: Any) -> PilPlan | None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from purrsight.config import safe_yaml_load
 from purrsight.errors import UserError
 from purrsight.training.run_folder import LAST_NAME, step_checkpoints
 
@@ -58,3 +60,21 @@ def newest_checkpoint(folder: Path) -> tuple[Path, int] | None:
             return path, step
         log.warning("checkpoint %s is unreadable (corrupted or truncated): trying the previous one", path)
     return None
+
+
+def training_position(path: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(the training sampler's state, the saved run config) in a checkpoint.
+
+    Memory-mapped: only the few small entries read here leave the disk, whatever the
+    checkpoint's size. The sampler state is None when the checkpoint holds none (saved at the
+    end of an epoch, or by a loader without one).
+    """
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        loader = state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+        sampler = loader["_sampler_iter_state"]["sampler_state"]
+    except (KeyError, IndexError, TypeError):
+        sampler = None
+    saved = state.get("purrsight", {}).get("config")
+    config = safe_yaml_load(saved) if isinstance(saved, str) else {}
+    return (sampler if isinstance(sampler, dict) else None), (config if isinstance(config, dict) else {})

@@ -2,20 +2,40 @@
 
 Free of Lightning: the DataModule wraps these, and bench/plain_ddp.py trains on the very
 same samples with a plain PyTorch loop.
+
+Checked once per job: rank 0 reads the indexes (or verifies the prepared set) and every
+other rank takes its result through the process group, so no rank but one touches every
+media file, tokenises every prompt or hashes the index before training.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
 
 from purrsight.config import Config
-from purrsight.data.dataset import Collator, MultiModalDataset, check_prompt_lengths
-from purrsight.data.index import IndexFileError, scan_index
+from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_prompt_lengths
+from purrsight.data.index import IndexFileError, SampleIndex, read_index, records_table
 from purrsight.data.media import AudioDecoder, ImageDecoder
+from purrsight.data.prepared import PreparedSplit
+from purrsight.data.prepared_manifest import (
+    FORMAT_VERSION,
+    PreparedSetError,
+    differences,
+    directory_digest,
+    file_digest,
+    read_manifest,
+)
 from purrsight.data.text import TextEncoder
 from purrsight.model.encoders import load_processor
 from purrsight.model.llm import load_tokenizer
+from purrsight.model.loading import architecture_digest
 from purrsight.model.multimodal import MODALITIES
 
 log = logging.getLogger(__name__)
@@ -23,8 +43,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Datasets:
-    train: MultiModalDataset
-    val: MultiModalDataset | None
+    train: Dataset[Sample]
+    val: Dataset[Sample] | None
     collator: Collator
 
 
@@ -49,26 +69,145 @@ def build_decoders(config: Config) -> tuple[ImageDecoder | None, AudioDecoder | 
     return image, audio
 
 
+# --------------------------------------------------------------------------- prepared sets
+
+
+def _tower_digest(config: Config, modality: str) -> str:
+    """The tower's architecture (not its folder's location): a prepared set is made for one tower."""
+    encoder = getattr(config.model, f"{modality}_encoder")
+    if encoder.config is not None:
+        return architecture_digest({**encoder.config, "model_type": encoder.model_type})
+    return architecture_digest(json.loads((Path(encoder.path) / "config.json").read_text()))
+
+
+def _processor_digest(processor: Any | None) -> str | None:
+    return None if processor is None else architecture_digest(processor.to_dict())
+
+
+def preparation_settings(config: Config, image: ImageDecoder | None, audio: AudioDecoder | None) -> dict[str, Any]:
+    """Everything a prepared sample depends on besides the index: a set made with other values is stale."""
+    data = config.data
+    settings: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "tokenizer": directory_digest(config.tokenizer_dir()),
+        "max_length": data.max_length,
+        "image": None,
+        "audio": None,
+    }
+    if image is not None:
+        settings["image"] = {
+            "tower": _tower_digest(config, "image"),
+            "processor": _processor_digest(image.processor),
+            "image_size": data.image_size if image.processor is None else None,
+            "max_image_pixels": data.max_image_pixels,
+            "background": list(data.image_background),
+            "storage": image.storage,
+        }
+    if audio is not None:
+        settings["audio"] = {
+            "tower": _tower_digest(config, "audio"),
+            "sample_rate": data.audio_sample_rate,
+            "seconds": data.audio_seconds,
+            "resample": data.resample,
+        }
+    return settings
+
+
+def source_of(index: Path, records: int) -> dict[str, Any]:
+    """What a split was prepared from: the index's content (its path may differ on another machine)."""
+    return {"index": str(index), "sha256": file_digest(index), "records": records}
+
+
+def verify_prepared(config: Config, folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of ``folder`` when it was made from these indexes with these settings; else one line why not."""
+    manifest = read_manifest(folder)
+    changed = differences(manifest.get("settings"), settings)
+    if changed:
+        raise PreparedSetError(
+            f"data.prepared: {folder} was made with other settings ({', '.join(changed)} differ from this config); "
+            "prepare it again into another folder (--out) or delete it"
+        )
+    for split, index in (("train", config.data.train_index), ("val", config.data.val_index)):
+        source = manifest["sources"].get(split)
+        if index is None or source is None:
+            continue
+        if not Path(index).is_file():
+            raise PreparedSetError(f"data.{split}_index: {index} does not exist (data.prepared {folder} names its source)")
+        if file_digest(Path(index)) != source["sha256"]:
+            raise PreparedSetError(
+                f"data.prepared: {folder} was made from another content of {index} (prepared from {source['index']}, "
+                f"{source['records']} samples); run prepare again"
+            )
+    return manifest
+
+
+# --------------------------------------------------------------------------- checked once, shared
+
+
+def _shared(check: Callable[[], Any]) -> Any:
+    """``check()`` on rank 0; its result (or its user error, raised) on every rank."""
+    import torch.distributed as dist
+
+    from purrsight.cluster.distributed import from_rank_zero
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    result: Any = None
+    problem: IndexFileError | PreparedSetError | None = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            result = check()
+        except (IndexFileError, PreparedSetError) as err:
+            problem = err
+    if distributed:
+        result, lines = from_rank_zero((result, problem.lines() if problem is not None else None))
+        if lines and problem is None:
+            raise IndexFileError(problems=lines)  # the same lines on every rank: all exit 2 together
+    if problem is not None:
+        raise problem
+    return result
+
+
+def scanned_index(index: str, text: TextEncoder, max_length: int) -> list[dict[str, Any]]:
+    """Every line validated, media files present, every prompt fits: on rank 0 only."""
+    records = read_index(index)
+    check_prompt_lengths(index, records, text.prompt_length, max_length)
+    return records
+
+
 def build_datasets(config: Config, world_size: int) -> Datasets:
-    """Scan the indexes and check every prompt fits, before any step; errors name the file."""
+    """The sets of a run, checked before any step; errors name the file and line."""
     data = config.data
     tokenizer = load_tokenizer(config.tokenizer_dir())
     text = TextEncoder(tokenizer, data.max_length)
     image, audio = build_decoders(config)
     collator = Collator(tokenizer.pad_token_id, image.blank() if image else None, audio.blank() if audio else None)
-    train_index = scan_index(data.train_index)
-    check_prompt_lengths(train_index, text.prompt_length, data.max_length)
-    train = MultiModalDataset(train_index, text, image, audio, data.on_bad_sample, data.max_consecutive_bad_samples)
-    if len(train) < data.batch_size * world_size:
+
+    def raw(index: str) -> MultiModalDataset:
+        records = _shared(lambda: scanned_index(index, text, data.max_length))
+        sample_index = SampleIndex(path=Path(index), records=records_table(records))
+        return MultiModalDataset(sample_index, text, image, audio, data.on_bad_sample, data.max_consecutive_bad_samples)
+
+    train: Dataset[Sample]
+    val: Dataset[Sample] | None = None
+    if data.prepared is not None:
+        folder = Path(data.prepared)
+        settings = preparation_settings(config, image, audio)
+        manifest = _shared(lambda: verify_prepared(config, folder, settings))
+        train = PreparedSplit(folder, manifest["splits"]["train"]["shards"], image, audio)
+        if data.val_index is not None and "val" in manifest["splits"]:
+            val = PreparedSplit(folder, manifest["splits"]["val"]["shards"], image, audio)
+        elif data.val_index is not None:
+            val = raw(data.val_index)  # a validation set may stay raw: it is small
+        source = f"prepared {folder}"
+    else:
+        train = raw(data.train_index)
+        val = raw(data.val_index) if data.val_index is not None else None
+        source = data.train_index
+    if len(train) < data.batch_size * world_size:  # type: ignore[arg-type]
         # drop_last would leave no batch at all: a run that "finishes" at step 0 is a silent no-op.
         raise IndexFileError(
-            f"{data.train_index}: {len(train)} samples, fewer than one global batch "
+            f"{source}: {len(train)} samples, fewer than one global batch "  # type: ignore[arg-type]
             f"(data.batch_size {data.batch_size} x {world_size} processes); add samples or lower data.batch_size"
         )
-    val = None
-    if data.val_index is not None:
-        val_index = scan_index(data.val_index)
-        check_prompt_lengths(val_index, text.prompt_length, data.max_length)
-        val = MultiModalDataset(val_index, text, image, audio, data.on_bad_sample, data.max_consecutive_bad_samples)
-    log.info("data: %d train samples (%s), %d val samples", len(train), data.train_index, len(val) if val else 0)
+    log.info("data: %d train samples (%s), %d val samples", len(train), source, len(val) if val else 0)  # type: ignore[arg-type]
     return Datasets(train, val, collator)

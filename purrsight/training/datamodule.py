@@ -6,22 +6,30 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from purrsight.config import Config
-from purrsight.data.dataset import Collator, MultiModalDataset
+from purrsight.data.dataset import Collator, Sample
+from purrsight.data.sampler import GlobalPositionSampler
 from purrsight.data.synthetic import prepare_synthetic
 from purrsight.training.data_builder import build_datasets
 
 
 class Phase2DataModule(pl.LightningDataModule):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, sampler_state: dict[str, Any] | None = None) -> None:
+        """``sampler_state``: the training sampler's state in the checkpoint a run resumes from.
+
+        Lightning loads it too, but only after it has measured the epoch (len of the loader),
+        which after a change of world size depends on it.
+        """
         super().__init__()
         self.config = config
+        self.sampler_state = sampler_state
         self.prepare_data_per_node = True  # each node generates into its own (or the shared) folder
-        self.train_set: MultiModalDataset | None = None
-        self.val_set: MultiModalDataset | None = None
+        self.train_set: Dataset[Sample] | None = None
+        self.val_set: Dataset[Sample] | None = None
         self.collator: Collator | None = None
 
     def prepare_data(self) -> None:
@@ -34,18 +42,22 @@ class Phase2DataModule(pl.LightningDataModule):
         built = build_datasets(self.config, world)
         self.train_set, self.val_set, self.collator = built.train, built.val, built.collator
 
-    def _loader(self, dataset: MultiModalDataset, shuffle: bool) -> StatefulDataLoader:
+    def _loader(self, dataset: Dataset[Sample], shuffle: bool) -> StatefulDataLoader:
         data = self.config.data
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        # Our own distributed sampler (Lightning's injection is off): every rank sees a
-        # disjoint shard, reshuffled per epoch (Lightning calls set_epoch), and drop_last
-        # keeps all ranks at the same number of steps. The stateful variant skips the
-        # already-seen samples lazily, in __iter__, after set_epoch: with a plain
-        # DistributedSampler a resume past epoch 0 replayed epoch 0's order.
-        sampler = StatefulDistributedSampler(
-            dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=self.config.run.seed, drop_last=shuffle
-        )
+        # Our own distributed samplers (Lightning's injection is off): every rank sees a
+        # disjoint shard, reshuffled per epoch (Lightning calls set_epoch), and every rank
+        # takes the same number of steps. Training keeps the job's global position in the
+        # epoch (data/sampler.py), so a resume continues exactly, on any world size;
+        # validation starts over each time and pads the last shard like DistributedSampler.
+        sampler: Sampler[int]
+        if shuffle:
+            sampler = GlobalPositionSampler(len(dataset), world, rank, self.config.run.seed)  # type: ignore[arg-type]
+            if self.sampler_state is not None:
+                sampler.load_state_dict(self.sampler_state)
+        else:
+            sampler = StatefulDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
         on_gpu = trainer is not None and trainer.strategy.root_device.type == "cuda"
         pin = on_gpu if data.pin_memory == "auto" else bool(data.pin_memory)
         return StatefulDataLoader(

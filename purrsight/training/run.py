@@ -7,12 +7,14 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.strategies import Strategy
 
 from purrsight.cluster.distributed import TORCHRUN_RANK, agreed_max, init_process_group, worker_generation
 from purrsight.config import Config, write_resolved
+from purrsight.training.checkpoint_files import training_position
 from purrsight.training.checkpoints import CheckpointSaver
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.module import Phase2Module
@@ -23,6 +25,30 @@ from purrsight.training.start import agreed_start
 from purrsight.training.trainer_builder import build_trainer, resolve_backend
 
 log = logging.getLogger(__name__)
+
+
+def global_batch_change(
+    saved_config: dict[str, Any], sampler_state: dict[str, Any] | None, config: Config, world: int
+) -> str | None:
+    """A line naming a change of the global batch between a checkpoint and this start, or None.
+
+    Samples per optimizer step = data.batch_size x accumulate_grad_batches x processes. The
+    learning rate is not rescaled with it (no rule is applied): the line says so.
+    """
+    saved_batch = saved_config.get("data", {}).get("batch_size")
+    saved_accumulation = saved_config.get("trainer", {}).get("accumulate_grad_batches", 1)
+    saved_world = (sampler_state or {}).get("world_size")
+    if saved_batch is None or saved_world is None:
+        return None  # saved before these were recorded: nothing to compare
+    before = int(saved_batch) * int(saved_accumulation) * int(saved_world)
+    now = config.data.batch_size * config.trainer.accumulate_grad_batches * world
+    if before == now:
+        return None
+    return (
+        f"global batch {before} -> {now} samples per optimizer step (data.batch_size {saved_batch} -> {config.data.batch_size}, "
+        f"accumulate_grad_batches {saved_accumulation} -> {config.trainer.accumulate_grad_batches}, "
+        f"processes {saved_world} -> {world}); optim.lr is not rescaled ({config.optim.lr:g}): scale it yourself if you want a rule"
+    )
 
 
 @dataclass
@@ -75,7 +101,13 @@ def train(
         write_resolved(config, config.run.run_dir)
     saver = CheckpointSaver(checkpoint_dir(config.run.run_dir), config.checkpoint.every_n_steps, config.checkpoint.keep_last)
     module = Phase2Module(config)
-    data = Phase2DataModule(config)
+    sampler_state = None
+    if ckpt is not None:
+        sampler_state, saved_config = training_position(ckpt)
+        change = global_batch_change(saved_config, sampler_state, config, int(os.environ.get("WORLD_SIZE", "1")))
+        if change and int(os.environ.get("RANK", "0")) == 0:
+            log.warning(change)
+    data = Phase2DataModule(config, sampler_state)
     trainer = build_trainer(config, saver, callbacks, resumed_step=plan.step, strategy=strategy)
     if ckpt is not None:
         log.info("resuming from checkpoint %s", ckpt)

@@ -99,4 +99,4 @@ def test_skip_covers_oversized_images_and_stops_at_the_consecutive_limit(
     with pytest.raises(SampleError, match=r"3 consecutive bad samples from record 1 .*data\.max_consecutive_bad_samples"):
         MultiModalDataset(index, text, *decoders, on_bad_sample="skip", max_consecutive_bad=3)[0]
     with pytest.raises(SampleError, match=r"prompt is \d+ tokens, data.max_length is 3"):
-        check_prompt_lengths(index, TextEncoder(tokenizer, 3).prompt_length, 3)
+        check_prompt_lengths(index.path, list(index.records), TextEncoder(tokenizer, 3).prompt_length, 3)

@@ -1,0 +1,120 @@
+"""Prepared sets' shards: written by the prepare step, read in training as a map-style dataset.
+
+The folder's layout and manifest: data/prepared_manifest.py.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from purrsight.data.dataset import Sample
+from purrsight.data.media import AudioDecoder, ImageDecoder
+
+
+def shard_schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("line", pa.int32()),
+            ("input_ids", pa.list_(pa.int32())),
+            ("labels", pa.list_(pa.int32())),
+            ("image", pa.binary()),  # the ImageDecoder's stored form (uint8 or float32), C-contiguous
+            ("image_shape", pa.list_(pa.int32())),
+            ("audio", pa.binary()),  # the clip at the encoder's rate, float32
+        ]
+    )
+
+
+def sample_row(
+    sample_id: str, line: int, input_ids: list[int], labels: list[int], image: torch.Tensor | None, audio: np.ndarray | None
+) -> dict[str, Any]:
+    return {
+        "id": sample_id,
+        "line": line,
+        "input_ids": input_ids,
+        "labels": labels,
+        "image": None if image is None else image.contiguous().numpy().tobytes(),
+        "image_shape": None if image is None else list(image.shape),
+        "audio": None if audio is None else np.ascontiguousarray(audio, dtype=np.float32).tobytes(),
+    }
+
+
+def write_shard(path: Path, rows: Iterable[dict[str, Any]], batch_rows: int = 64) -> int:
+    """Rows into one Arrow stream file (the format ``datasets`` memory-maps); the number written."""
+    import pyarrow as pa
+
+    schema = shard_schema()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    count, pending = 0, []
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for row in rows:
+            pending.append(row)
+            if len(pending) == batch_rows:
+                writer.write_batch(pa.RecordBatch.from_pylist(pending, schema=schema))
+                count, pending = count + len(pending), []
+        if pending:
+            writer.write_batch(pa.RecordBatch.from_pylist(pending, schema=schema))
+            count += len(pending)
+    os.replace(tmp, path)
+    return count
+
+
+class PreparedSplit(Dataset[Sample]):
+    """One split of a prepared set as a map-style dataset of Samples.
+
+    Shards are opened on first use (memory-mapped by ``datasets``), so a start costs a few
+    file opens whatever the set's size, and loader workers open their own maps.
+    """
+
+    def __init__(
+        self, folder: Path, shards: list[dict[str, Any]], image: ImageDecoder | None, audio: AudioDecoder | None
+    ) -> None:
+        self.folder = folder
+        self.files = [str(folder / f"{entry['name']}.arrow") for entry in shards]
+        self.offsets = np.cumsum([0] + [int(entry["rows"]) for entry in shards]).tolist()
+        self.image = image
+        self.audio = audio
+        self._open: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_open"] = {}  # memory maps are per process: a loader worker opens its own
+        return state
+
+    def _shard(self, number: int) -> Any:
+        table = self._open.get(number)
+        if table is None:
+            import datasets
+
+            table = self._open[number] = datasets.Dataset.from_file(self.files[number])
+        return table
+
+    def __getitem__(self, i: int) -> Sample:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        number = bisect.bisect_right(self.offsets, i) - 1
+        row = self._shard(number)[i - self.offsets[number]]
+        image = audio = None
+        if row["image"] is not None and self.image is not None:
+            stored = torch.frombuffer(bytearray(row["image"]), dtype=self._image_dtype()).reshape(row["image_shape"])
+            image = self.image.finish(stored)
+        if row["audio"] is not None and self.audio is not None:
+            audio = self.audio.features(np.frombuffer(row["audio"], dtype=np.float32))
+        return Sample(row["id"], list(row["input_ids"]), list(row["labels"]), image, audio, skipped=0)
+
+    def _image_dtype(self) -> torch.dtype:
+        assert self.image is not None
+        return torch.uint8 if self.image.storage == "uint8" else torch.float32

@@ -1,0 +1,106 @@
+"""A prepared dataset's folder: its layout, manifest and digests (no torch: the health check reads it).
+
+A prepared dataset holds every sample decoded once, in memory-mapped Arrow shards (data/prepared.py).
+Training from one opens no original file: a sample is a row of an Arrow file (``datasets``
+maps it into memory, so the ranks of a node share one copy in the page cache), and its
+per-sample work is reading and normalising. Made by ``python train_phase2.py prepare``
+(training/prepare.py); this module knows the folder's layout and reads it::
+
+    DIR/plan.json                 what is being prepared: sources, settings, shards (written first)
+    DIR/train/shard-00000.arrow   samples of the training index, in index order (one Arrow stream)
+    DIR/train/shard-00000.json    the shard's receipt: rows and bad samples (written after its data)
+    DIR/val/...                   the validation index, the same way
+    DIR/bad_samples.jsonl         samples left out (data.on_bad_sample: skip), one per line
+    DIR/manifest.json             written last, atomically, once every shard exists: the set is whole
+
+Every file is written to a temporary name and renamed, so a prepare killed half-way leaves
+whole shards and no manifest: it is never taken for complete, and a second prepare continues.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from purrsight.errors import UserError
+
+FORMAT_VERSION = 1
+PLAN_NAME = "plan.json"
+MANIFEST_NAME = "manifest.json"
+BAD_SAMPLES_NAME = "bad_samples.jsonl"
+
+
+class PreparedSetError(UserError):
+    """A prepared set that cannot be used as it is; the message says what differs and what to run."""
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """``data`` at ``path``, or nothing there: a reader (or a second prepare) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, value: Any) -> None:
+    write_atomically(path, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (an index of a million lines: about a second)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def directory_digest(folder: Path) -> str:
+    """sha256 over the names and bytes of a folder's files (a tokenizer directory)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0" + file_digest(path).encode())
+    return digest.hexdigest()
+
+
+def shard_name(split: str, number: int) -> str:
+    return f"{split}/shard-{number:05d}"
+
+
+def differences(expected: Any, found: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two JSON-like trees."""
+    if isinstance(expected, dict) and isinstance(found, dict):
+        keys = sorted(set(expected) | set(found))
+        return [d for key in keys for d in differences(expected.get(key), found.get(key), f"{prefix}{key}.")]
+    return [] if expected == found else [prefix.rstrip(".")]
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a complete prepared set; PreparedSetError naming what to run when there is none."""
+    path = folder / MANIFEST_NAME
+    if not folder.is_dir():
+        raise PreparedSetError(
+            f"data.prepared: {folder} does not exist; make it with `python train_phase2.py prepare --config CONFIG`"
+        )
+    if not path.is_file():
+        started = (folder / PLAN_NAME).is_file()
+        what = "a prepare was interrupted or is still running" if started else "it holds no prepared set"
+        raise PreparedSetError(
+            f"data.prepared: {folder} is not complete (no {MANIFEST_NAME}: {what}); "
+            "continue it with `python train_phase2.py prepare --config CONFIG` (the same overrides)"
+        )
+    try:
+        manifest = read_json(path)
+    except (OSError, ValueError) as err:
+        raise PreparedSetError(f"data.prepared: cannot read {path} ({err})") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise PreparedSetError(
+            f"data.prepared: {folder} has format {manifest.get('format')}, this version reads {FORMAT_VERSION}; prepare it again"
+        )
+    return dict(manifest)
