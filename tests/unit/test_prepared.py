@@ -1,0 +1,248 @@
+"""Prepared sets: the raw path's samples, refused when stale or partial, continued, made in parts.
+
+The media are real files built from public packages' media (as in test_real_media.py):
+matplotlib's photograph as a JPEG and as a 12-MP phone JPEG stored turned with an EXIF
+orientation tag, its RGBA icon, a 16-bit grayscale PNG of its MRI slice, and Debian's
+speech and Vorbis recordings at 48 kHz (resampled), as MP3 and as an empty clip.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+from PIL import Image
+from transformers import CLIPImageProcessor, SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+from purrsight.config import Config
+from purrsight.data.prepared_manifest import MANIFEST_NAME, PLAN_NAME, PreparedSetError, read_manifest
+from purrsight.training.data_builder import build_datasets
+from purrsight.training.prepare import prepare
+from tests.helpers import REPO, python_env, tiny_config
+from tests.unit.test_real_media import SPEECH, STEREO_VORBIS, png_16bit, sample_data
+
+EXIF_ORIENTATION = 0x0112
+
+
+@pytest.fixture(scope="module")
+def real_media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An index over real files of the kinds users bring; the tokenizer is the synthetic set's."""
+    root = tmp_path_factory.mktemp("real")
+    with Image.open(sample_data("grace_hopper.jpg")) as opened:
+        photo = opened.convert("RGB")
+    photo.save(root / "photo.jpg", quality=92)
+    phone = photo.resize((3000, 4000), Image.Resampling.BICUBIC).transpose(Image.Transpose.ROTATE_90)  # stored turned
+    exif = Image.Exif()
+    exif[EXIF_ORIENTATION] = 6  # "rotate 90 to display": upright in a viewer
+    phone.save(root / "phone.jpg", quality=90, exif=exif)
+    with Image.open(sample_data("Minduka_Present_Blue_Pack.png")) as icon:
+        icon.save(root / "icon.png")
+    with gzip.open(sample_data("s1045.ima.gz")) as handle:
+        mri = np.frombuffer(handle.read(), np.uint16).reshape(256, 256)
+    png_16bit(mri.astype(np.uint16) * 16, root / "mri.png")
+    speech, rate = soundfile.read(SPEECH, dtype="float32")
+    soundfile.write(root / "speech.wav", speech, rate, subtype="PCM_16")
+    soundfile.write(root / "speech.mp3", speech, rate, format="MP3")
+    soundfile.write(root / "empty.wav", np.zeros(0, np.float32), 22050)
+    (root / "alarm.oga").write_bytes(STEREO_VORBIS.read_bytes())
+    samples = [
+        ("photo", "photo.jpg", "speech.wav"),
+        ("phone", "phone.jpg", None),
+        ("icon", "icon.png", "alarm.oga"),
+        ("mri", "mri.png", "speech.mp3"),
+        ("voice", None, "empty.wav"),
+        ("both", "photo.jpg", "alarm.oga"),
+    ]
+    lines = []
+    for number, (name, image, audio) in enumerate(samples):
+        record = {"id": name, "prompt": f"Describe item {number}.", "response": f"It is the {name}."}
+        record.update({key: value for key, value in (("image", image), ("audio", audio)) if value})
+        lines.append(json.dumps(record))
+    (root / "index.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def image_towers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny SigLIP tower saved with a processor replayed here (stored uint8) and one called as is (stored float32)."""
+    root = tmp_path_factory.mktemp("towers")
+    tower = SiglipVisionModel(SiglipVisionConfig(image_size=32, patch_size=8, hidden_size=24, num_hidden_layers=1,
+                                                 num_attention_heads=2, intermediate_size=48))
+    folders = {"siglip": root / "siglip", "clip-other-rule": root / "clip"}
+    for folder in folders.values():
+        tower.save_pretrained(folder)
+    SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folders["siglip"])
+    CLIPImageProcessor(size={"shortest_edge": 40, "longest_edge": 48}, crop_size={"height": 32, "width": 32}).save_pretrained(
+        folders["clip-other-rule"]
+    )
+    return folders
+
+
+def media_config(real_media: Path, synthetic_dir: Path, out: Path, tower: Path | None = None, **extra: object) -> Config:
+    settings: dict[str, object] = {
+        "data__train_index": str(real_media / "index.jsonl"),
+        "data__val_index": "null",
+        "data__synthetic_dir": "null",
+        "model__llm__tokenizer": str(synthetic_dir / "tokenizer"),
+        "data__audio_seconds": 1.0,
+        "data__batch_size": 2,
+    }
+    if tower is not None:
+        settings.update(model__image_encoder__path=str(tower), model__image_encoder__config="null")
+    return tiny_config(synthetic_dir, out, **{**settings, **extra})
+
+
+@pytest.mark.parametrize("tower", [None, "siglip", "clip-other-rule"])
+def test_a_prepared_sample_is_the_raw_paths_sample(
+    tower: str | None, real_media: Path, image_towers: dict[str, Path], synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """Pictures to 1e-5, audio and tokens exactly, with each way a picture is stored."""
+    config = media_config(real_media, synthetic_dir, tmp_path, image_towers[tower] if tower else None)
+    raw = build_datasets(config, world_size=1).train
+    manifest = prepare(config, tmp_path / "prepared", processes=1, part=(0, 1), shard_size=4)
+    assert manifest is not None and manifest["splits"]["train"]["samples"] == len(raw) == 6
+    prepared = build_datasets(config.model_copy(update={"data": config.data.model_copy(update={"prepared": str(tmp_path / "prepared")})}), 1).train
+    expected_storage = "float32" if tower == "clip-other-rule" else "uint8"
+    assert manifest["settings"]["image"]["storage"] == expected_storage
+    for i in range(len(raw)):
+        want, got = raw[i], prepared[i]
+        assert (got.id, got.input_ids, got.labels) == (want.id, want.input_ids, want.labels)
+        assert (got.image is None) == (want.image is None) and (got.audio is None) == (want.audio is None), want.id
+        if want.image is not None:
+            assert got.image is not None and got.image.shape == want.image.shape
+            assert torch.allclose(got.image, want.image, atol=1e-5, rtol=0), want.id
+        if want.audio is not None:
+            assert got.audio is not None and torch.equal(got.audio, want.audio), want.id
+
+
+def test_a_phone_photo_is_stored_upright(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> None:
+    config = media_config(real_media, synthetic_dir, tmp_path)
+    prepare(config, tmp_path / "p", processes=1, part=(0, 1), shard_size=64)
+    settings = config.data.model_copy(update={"prepared": str(tmp_path / "p")})
+    phone = build_datasets(config.model_copy(update={"data": settings}), 1).train[1]
+    with Image.open(sample_data("grace_hopper.jpg")) as opened:
+        upright = np.asarray(opened.convert("RGB").resize((32, 32), Image.Resampling.BILINEAR), np.float32) / 127.5 - 1
+    assert phone.id == "phone" and phone.image is not None
+    assert float(np.abs(phone.image.permute(1, 2, 0).numpy() - upright).mean()) < 0.1  # turned, it would be far off
+
+
+def with_prepared(config: Config, folder: Path, **data: object) -> Config:
+    return config.model_copy(update={"data": config.data.model_copy(update={"prepared": str(folder), **data})})
+
+
+def test_a_stale_set_is_refused_naming_what_differs(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> None:
+    config = media_config(real_media, synthetic_dir, tmp_path)
+    folder = tmp_path / "p"
+    prepare(config, folder, processes=1, part=(0, 1), shard_size=4)
+    build_datasets(with_prepared(config, folder), 1)  # made for this config: accepted
+
+    with pytest.raises(PreparedSetError, match=r"other settings \(max_length differ"):
+        build_datasets(with_prepared(config, folder, max_length=48), 1)
+    with pytest.raises(PreparedSetError, match=r"other settings \(audio.seconds differ"):
+        build_datasets(with_prepared(config, folder, audio_seconds=2.0), 1)
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text((real_media / "index.jsonl").read_text().replace("It is the photo.", "It is a photo."))
+    with pytest.raises(PreparedSetError, match=r"made from another content of .*changed.jsonl.*run prepare again"):
+        build_datasets(with_prepared(config, folder, train_index=str(changed)), 1)
+    # The same folder cannot take a prepare of something else: its plan names what it holds.
+    with pytest.raises(PreparedSetError, match=r"holds a prepare of other sources or settings \(settings.max_length differ"):
+        prepare(with_prepared(config, folder, max_length=48), folder, processes=1, part=(0, 1), shard_size=4)
+
+
+def test_a_partial_set_is_refused_and_a_second_prepare_continues_it(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> None:
+    config = media_config(real_media, synthetic_dir, tmp_path)
+    folder = tmp_path / "p"
+    prepare(config, folder, processes=1, part=(0, 1), shard_size=2)  # 3 shards
+    # What a prepare killed in its second shard leaves: shard 0 whole, no receipt for 1 and 2, no manifest.
+    (folder / MANIFEST_NAME).unlink()
+    for number in (1, 2):
+        (folder / "train" / f"shard-0000{number}.json").unlink()
+    (folder / "train" / "shard-00002.arrow").unlink()
+    kept = (folder / "train" / "shard-00000.arrow").stat().st_mtime_ns
+    with pytest.raises(PreparedSetError, match=r"is not complete \(no manifest.json: a prepare was interrupted.*continue it with"):
+        read_manifest(folder)
+    with pytest.raises(PreparedSetError, match="is not complete"):
+        build_datasets(with_prepared(config, folder), 1)
+    manifest = prepare(config, folder, processes=1, part=(0, 1), shard_size=2)
+    assert manifest is not None and manifest["splits"]["train"]["samples"] == 6
+    assert (folder / "train" / "shard-00000.arrow").stat().st_mtime_ns == kept  # done work is not redone
+    assert len(build_datasets(with_prepared(config, folder), 1).train) == 6  # type: ignore[arg-type]
+
+
+def test_bad_samples_are_listed_all_at_once_or_left_out_and_listed(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in real_media.iterdir():
+        (broken / item.name).symlink_to(item)
+    (broken / "truncated.jpg").write_bytes((real_media / "photo.jpg").read_bytes()[:3000])
+    lines = (real_media / "index.jsonl").read_text().splitlines()
+    lines.append(json.dumps({"id": "cut", "prompt": "p", "response": "r", "image": "truncated.jpg"}))
+    lines.append(json.dumps({"id": "gone", "prompt": "p", "response": "r", "audio": "absent.wav"}))
+    (broken / "index.jsonl").unlink()
+    (broken / "index.jsonl").write_text("\n".join(lines) + "\n")
+    config = media_config(broken, synthetic_dir, tmp_path, data__train_index=str(broken / "index.jsonl"))
+    with pytest.raises(PreparedSetError) as refused:
+        prepare(config, tmp_path / "p", processes=1, part=(0, 1), shard_size=4)
+    problems = refused.value.lines()
+    assert problems[0].startswith(f"{broken / 'index.jsonl'}:7 (id 'cut'): ") and "cannot decode image" in problems[0]
+    assert problems[1].startswith(f"{broken / 'index.jsonl'}:8 (id 'gone'): ") and "absent.wav" in problems[1]
+    assert "2 bad sample(s): fix or remove them" in problems[2]
+    assert not (tmp_path / "p" / MANIFEST_NAME).exists()
+
+    skipping = with_prepared(config, tmp_path / "p", on_bad_sample="skip")
+    manifest = prepare(skipping, tmp_path / "q", processes=1, part=(0, 1), shard_size=4)
+    assert manifest is not None and manifest["splits"]["train"] == {**manifest["splits"]["train"], "samples": 6, "bad": 2}
+    listed = [json.loads(line) for line in (tmp_path / "q" / "bad_samples.jsonl").read_text().splitlines()]
+    assert [entry["where"].rpartition(" ")[2] for entry in listed] == ["'cut')", "'gone')"]
+
+
+def test_an_index_with_bad_lines_lists_them_all_before_decoding(synthetic_dir: Path, tmp_path: Path) -> None:
+    lines = (synthetic_dir / "train.jsonl").read_text().splitlines()[:5]
+    lines[1] = "{not json"
+    lines[3] = lines[0]  # a duplicate id
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    config = tiny_config(synthetic_dir, tmp_path, data__train_index=str(tmp_path / "train.jsonl"), data__val_index="null")
+    with pytest.raises(Exception) as refused:
+        prepare(config, tmp_path / "p", processes=1, part=(0, 1), shard_size=4)
+    assert [line.split(": ", 1)[0] for line in refused.value.lines()] == [  # type: ignore[attr-defined]
+        f"{tmp_path / 'train.jsonl'}:2",
+        f"{tmp_path / 'train.jsonl'}:4",
+        f"{tmp_path / 'train.jsonl'}",
+    ]
+    assert not (tmp_path / "p").exists()  # nothing decoded, nothing written
+
+
+def test_two_parts_prepared_by_two_processes_make_one_set(synthetic_dir: Path, tmp_path: Path) -> None:
+    """``--part 0/2`` and ``--part 1/2`` at once, as two machines of a SLURM array would: the last one done joins them."""
+    overrides = [
+        f"data.synthetic_dir={synthetic_dir}",
+        f"data.train_index={synthetic_dir / 'train.jsonl'}",
+        f"data.val_index={synthetic_dir / 'val.jsonl'}",
+    ]
+    command = [sys.executable, str(REPO / "train_phase2.py"), "prepare", "--config", str(REPO / "config" / "train_config.yaml")]
+    parts = [
+        subprocess.Popen(
+            [*command, "--out", str(tmp_path / "p"), "--num-proc", "1", "--shard-size", "16", "--part", f"{i}/2", *overrides],
+            env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [part.communicate(timeout=300) for part in parts]
+    assert [part.returncode for part in parts] == [0, 0], outputs
+    assert sum("prepared set complete" in out for out, _ in outputs) >= 1
+    manifest = read_manifest(tmp_path / "p")
+    assert manifest["splits"]["train"]["samples"] == 128 and len(manifest["splits"]["train"]["shards"]) == 8
+    assert manifest["splits"]["val"]["samples"] == 32
+    assert (tmp_path / "p" / PLAN_NAME).is_file()
+    config = tiny_config(synthetic_dir, tmp_path, data__prepared=str(tmp_path / "p"))
+    train = build_datasets(config, 1).train
+    assert sorted(train[i].id for i in range(len(train))) == sorted(  # type: ignore[arg-type]
+        json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()
+    )

@@ -1,0 +1,81 @@
+"""The training sampler: DistributedSampler's order, and a position that survives a change of world size."""
+
+from __future__ import annotations
+
+import pytest
+from torch.utils.data.distributed import DistributedSampler
+
+from purrsight.data.sampler import GlobalPositionSampler
+
+
+@pytest.mark.parametrize(("size", "world"), [(128, 1), (128, 2), (130, 3), (97, 4)])
+def test_a_fresh_epoch_is_distributed_samplers_order(size: int, world: int) -> None:
+    """Runs and checkpoints made with DistributedSampler(shuffle, drop_last) continue unchanged."""
+    for epoch in (0, 3):
+        for rank in range(world):
+            ours = GlobalPositionSampler(size, world, rank, seed=1234)
+            theirs = DistributedSampler(range(size), num_replicas=world, rank=rank, shuffle=True, seed=1234, drop_last=True)
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(ours) == list(theirs)
+            assert len(ours) == len(theirs)
+
+
+def take(samplers: list[GlobalPositionSampler], per_rank: int, epoch: int) -> tuple[list[int], dict[str, int]]:
+    """``per_rank`` samples from every rank (as lockstep DDP steps take them); what they were, rank 0's state."""
+    taken = []
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+        iterator = iter(sampler)
+        taken += [next(iterator) for _ in range(per_rank)]
+    return taken, samplers[0].state_dict()
+
+
+def world(size: int, count: int, state: dict[str, int] | None) -> list[GlobalPositionSampler]:
+    samplers = [GlobalPositionSampler(size, count, rank, seed=7) for rank in range(count)]
+    for sampler in samplers:
+        if state is not None:
+            sampler.load_state_dict(state)
+    return samplers
+
+
+def test_resumes_on_two_then_one_then_three_ranks_take_every_sample_once() -> None:
+    size, batch = 120, 4
+    first, state = take(world(size, 2, None), 5 * batch, epoch=2)  # 5 steps on 2 ranks: 40 samples
+    assert state["consumed"] == 40 and state["world_size"] == 2
+    one = world(size, 1, state)
+    assert len(one[0]) == 20 + 80  # the trainer's count: 20 taken per rank before, 80 still to come
+    second, state = take(one, 5 * batch, epoch=2)  # 5 steps on 1 rank: 20 more
+    assert state["consumed"] == 60
+    three = world(size, 3, state)
+    assert [len(s) for s in three] == [40 + 20] * 3
+    third, _ = take(three, 20, epoch=2)  # the rest of the epoch: 60 samples, 20 a rank
+    epoch = first + second + third
+    assert sorted(epoch) == list(range(size))  # none twice, none missing
+
+
+def test_the_order_continues_exactly_as_one_uninterrupted_job() -> None:
+    """On the same world size, a resume yields what the uninterrupted sampler would have."""
+    size = 64
+    whole = [list(GlobalPositionSampler(size, 2, rank, seed=7)) for rank in range(2)]
+    _, state = take(world(size, 2, None), 10, epoch=0)
+    resumed = world(size, 2, state)
+    for rank, sampler in enumerate(resumed):
+        sampler.set_epoch(0)
+        assert list(sampler) == whole[rank][10:]
+
+
+def test_a_state_saved_by_torchdatas_sampler_resumes_on_the_same_world_size() -> None:
+    size = 64
+    whole = list(GlobalPositionSampler(size, 2, 1, seed=3))
+    sampler = GlobalPositionSampler(size, 2, 1, seed=3)
+    sampler.load_state_dict({"yielded": 12})  # StatefulDistributedSampler's whole state
+    assert list(sampler) == whole[12:]
+
+
+def test_the_next_epoch_starts_from_its_beginning() -> None:
+    sampler = GlobalPositionSampler(32, 2, 0, seed=3)
+    sampler.load_state_dict({"epoch": 0, "consumed": 30, "seen": 15, "world_size": 2})
+    assert len(list(sampler)) == 1
+    sampler.set_epoch(1)
+    assert len(list(sampler)) == 16 and sampler.state_dict()["consumed"] == 32
