@@ -73,8 +73,11 @@ def real_media(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def image_towers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny SigLIP tower saved with a processor replayed here (stored uint8) and one called as is (stored float32)."""
     root = tmp_path_factory.mktemp("towers")
-    tower = SiglipVisionModel(SiglipVisionConfig(image_size=32, patch_size=8, hidden_size=24, num_hidden_layers=1,
-                                                 num_attention_heads=2, intermediate_size=48))
+    tower = SiglipVisionModel(
+        SiglipVisionConfig(
+            image_size=32, patch_size=8, hidden_size=24, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48
+        )
+    )
     folders = {"siglip": root / "siglip", "clip-other-rule": root / "clip"}
     for folder in folders.values():
         tower.save_pretrained(folder)
@@ -108,7 +111,7 @@ def test_a_prepared_sample_is_the_raw_paths_sample(
     raw = build_datasets(config, world_size=1).train
     manifest = prepare(config, tmp_path / "prepared", processes=1, part=(0, 1), shard_size=4)
     assert manifest is not None and manifest["splits"]["train"]["samples"] == len(raw) == 6
-    prepared = build_datasets(config.model_copy(update={"data": config.data.model_copy(update={"prepared": str(tmp_path / "prepared")})}), 1).train
+    prepared = build_datasets(with_prepared(config, tmp_path / "prepared"), 1).train
     expected_storage = "float32" if tower == "clip-other-rule" else "uint8"
     assert manifest["settings"]["image"]["storage"] == expected_storage
     for i in range(len(raw)):
@@ -125,8 +128,7 @@ def test_a_prepared_sample_is_the_raw_paths_sample(
 def test_a_phone_photo_is_stored_upright(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> None:
     config = media_config(real_media, synthetic_dir, tmp_path)
     prepare(config, tmp_path / "p", processes=1, part=(0, 1), shard_size=64)
-    settings = config.data.model_copy(update={"prepared": str(tmp_path / "p")})
-    phone = build_datasets(config.model_copy(update={"data": settings}), 1).train[1]
+    phone = build_datasets(with_prepared(config, tmp_path / "p"), 1).train[1]
     with Image.open(sample_data("grace_hopper.jpg")) as opened:
         upright = np.asarray(opened.convert("RGB").resize((32, 32), Image.Resampling.BILINEAR), np.float32) / 127.5 - 1
     assert phone.id == "phone" and phone.image is not None
@@ -230,7 +232,10 @@ def test_two_parts_prepared_by_two_processes_make_one_set(synthetic_dir: Path, t
     parts = [
         subprocess.Popen(
             [*command, "--out", str(tmp_path / "p"), "--num-proc", "1", "--shard-size", "16", "--part", f"{i}/2", *overrides],
-            env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=python_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(2)
     ]
