@@ -1,0 +1,106 @@
+"""Training from a prepared set on real ranks (torchrun, gloo): exact resume, and resumes on other world sizes.
+
+120 samples (the synthetic set's first 120), 4 per rank and step. Epoch 0 is cut as a
+requeue onto other node counts would cut it: 5 steps on 2 ranks (40 samples), 5 on 1 rank
+(20), then the remaining 60 on 3 ranks, 20 each. Every sample of the epoch must be trained
+exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from purrsight.training.prepare import prepare
+from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, tiny_config, tiny_overrides
+
+PROBE = REPO / "tests" / "integration" / "ddp_probe.py"
+SAMPLES, BATCH = 120, 4
+
+
+@pytest.fixture(scope="module")
+def prepared(synthetic_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the 120-line index, its prepared set)."""
+    root = tmp_path_factory.mktemp("prepared")
+    for name in ("images", "audio"):
+        (root / name).symlink_to(synthetic_dir / name)
+    index = root / "train.jsonl"
+    index.write_text("\n".join((synthetic_dir / "train.jsonl").read_text().splitlines()[:SAMPLES]) + "\n")
+    config = tiny_config(synthetic_dir, root, data__train_index=str(index))
+    assert prepare(config, root / "set", processes=2, part=(0, 1), shard_size=32) is not None
+    return index, root / "set"
+
+
+def probed_run(
+    ranks: int, out: Path, synthetic_dir: Path, prepared: tuple[Path, Path], resume: str | None = None, **extra: object
+) -> tuple[str, list[dict[str, Any]]]:
+    """ddp_probe.py on ``ranks`` processes (torchrun; a plain process for one); its log and each rank's record."""
+    index, folder = prepared
+    overrides = tiny_overrides(
+        synthetic_dir,
+        out,
+        data__train_index=index,
+        data__prepared=folder,
+        data__batch_size=BATCH,
+        trainer__val_every_n_steps=1000,
+        checkpoint__every_n_steps=5,
+        checkpoint__keep_last=10,
+        run__deterministic="true",
+        **extra,
+    )
+    launch = [sys.executable]
+    if ranks > 1:
+        launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1"]
+        launch += ["--master-port", str(free_port())]
+    env = {**python_env(), "OMP_NUM_THREADS": "1", **({"PURRSIGHT_RESUME": resume} if resume else {})}
+    done = subprocess.run(
+        [*launch, str(PROBE), str(out), str(DEFAULT_CONFIG), *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(ranks)]
+
+
+def ids_of_epoch(probes: list[dict[str, Any]], epoch: int) -> list[str]:
+    return [sample for probe in probes for seen_epoch, ids in probe["seen"] for sample in ids if seen_epoch == epoch]
+
+
+def test_resumes_on_one_then_three_ranks_train_every_sample_of_the_epoch_once(
+    synthetic_dir: Path, prepared: tuple[Path, Path], tmp_path: Path
+) -> None:
+    _, two = probed_run(2, tmp_path / "a", synthetic_dir, prepared, trainer__max_steps=5)
+    checkpoint = tmp_path / "a" / "phase2-tiny" / "checkpoints" / "step-00000005.ckpt"
+    log_one, one = probed_run(1, tmp_path / "b", synthetic_dir, prepared, resume=str(checkpoint), trainer__max_steps=10)
+    assert "resuming on 1 processes, saved on 2: epoch 0 continues at sample 40 of 120" in log_one
+    assert "global batch 8 -> 4 samples per optimizer step" in log_one and "optim.lr is not rescaled" in log_one
+    log_three, three = probed_run(3, tmp_path / "b", synthetic_dir, prepared, resume="auto", trainer__max_steps=17)
+    assert "resuming on 3 processes, saved on 1: epoch 0 continues at sample 60 of 120" in log_three
+
+    epoch0 = ids_of_epoch(two, 0) + ids_of_epoch(one, 0) + ids_of_epoch(three, 0)
+    twice = [sample for sample, count in Counter(epoch0).items() if count > 1]
+    assert not twice, f"trained twice in epoch 0: {twice}"
+    every = {json.loads(line)["id"] for line in prepared[0].read_text().splitlines()}
+    assert set(epoch0) == every, f"left out of epoch 0: {sorted(every - set(epoch0))}"
+    assert [len(p["seen"]) for p in three] == [7, 7, 7]  # 5 steps end epoch 0, then 2 steps of epoch 1
+    assert {epoch for p in three for epoch, _ in p["seen"]} == {0, 1}
+
+
+def test_a_mid_epoch_resume_from_a_prepared_set_matches_an_uninterrupted_run(
+    synthetic_dir: Path, prepared: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Two ranks: stopped at step 5 of 15 and resumed == never stopped (same samples, same weights)."""
+    _, whole = probed_run(2, tmp_path / "whole", synthetic_dir, prepared, trainer__max_steps=10)
+    probed_run(2, tmp_path / "cut", synthetic_dir, prepared, trainer__max_steps=5)
+    checkpoint = tmp_path / "cut" / "phase2-tiny" / "checkpoints" / "step-00000005.ckpt"
+    _, resumed = probed_run(2, tmp_path / "resumed", synthetic_dir, prepared, resume=str(checkpoint), trainer__max_steps=10)
+    for rank in (0, 1):
+        assert resumed[rank]["seen"] == whole[rank]["seen"][5:]
+        for name, weight in whole[rank]["weights"].items():
+            assert torch.allclose(resumed[rank]["weights"][name], weight, atol=1e-6, rtol=0), name
