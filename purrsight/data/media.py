@@ -29,7 +29,7 @@ import soundfile
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from purrsight.data.pil_processing import fused_normalisation, normalise, plan_for
+from purrsight.data.pil_processing import fused_normalisation, normalise, plan_for, scale_and_offset, scale_pixels
 from purrsight.errors import UserError
 
 WHITE = (255, 255, 255)
@@ -66,6 +66,7 @@ class ImageDecoder:
         self.plan = plan_for(processor) if processor is not None else None
         self.normalisation = fused_normalisation(processor)
         self.draft_box = self._draft_box()
+        self.pixel_scaling = self._pixel_scaling()
         if max_pixels is not None:
             # Our limit, checked from the header with a message naming the file and the
             # setting, replaces Pillow's (DecompressionBombError at 2x its own default).
@@ -87,12 +88,21 @@ class ImageDecoder:
             return 2 * self.plan.width, 2 * self.plan.height
         return (2 * self.size, 2 * self.size) if self.processor is None else None
 
+    def _pixel_scaling(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(scale, offset) per channel that turn this decoder's uint8 pixels into the tower's input; None: not uint8."""
+        if self.plan is not None:
+            return scale_and_offset(self.plan.normalisation)
+        if self.processor is None:  # the tiny default's fixed scaling to [-1, 1]
+            return torch.full((3, 1, 1), 1 / 127.5), torch.full((3, 1, 1), -1.0)
+        return None
+
     @property
     def storage(self) -> str:
-        """What a prepared set keeps of a picture: ``uint8`` pixels (resized and cropped, not yet
-        normalised: 4x smaller than floats, and normalised exactly as here when read), or
-        ``float32``, the finished tensor, for a processor whose steps are not replayed here."""
-        return "uint8" if self.plan is not None or self.processor is None else "float32"
+        """What a sample carries of a picture (and a prepared set keeps): ``uint8`` pixels, resized
+        and cropped but not yet normalised (4x smaller than floats on disk, through the loader and
+        to the GPU, which normalises them: ``pixel_scaling``), or ``float32``, the finished tensor,
+        for a processor whose steps are not replayed here."""
+        return "uint8" if self.pixel_scaling is not None else "float32"
 
     def stored(self, image: Image.Image) -> torch.Tensor:
         """The form ``storage`` names, from a picture as displayed."""
@@ -108,11 +118,9 @@ class ImageDecoder:
 
     def finish(self, stored: torch.Tensor) -> torch.Tensor:
         """The tensor the tower takes, from what ``stored`` returned (or a prepared set kept)."""
-        if stored.dtype != torch.uint8:
+        if stored.dtype != torch.uint8 or self.pixel_scaling is None:
             return stored
-        if self.plan is not None:
-            return normalise(stored, self.plan.normalisation)
-        return stored.float() / 127.5 - 1.0  # the tiny default's fixed scaling to [-1, 1]
+        return scale_pixels(stored, *self.pixel_scaling)
 
     def _to_tensor(self, image: Image.Image) -> torch.Tensor:
         return self.finish(self.stored(image))
@@ -139,8 +147,8 @@ class ImageDecoder:
         return self._to_tensor(self.load(path))
 
     def blank(self) -> torch.Tensor:
-        """The tensor stood in for a sample without an image (zero-weighted in the model)."""
-        return torch.zeros_like(self._to_tensor(Image.new("RGB", (self.size, self.size))))
+        """The stored form stood in for a sample without an image (never encoded: its prefix is masked)."""
+        return torch.zeros_like(self.stored(Image.new("RGB", (self.size, self.size))))
 
 
 RESAMPLE_MARGIN = 256  # frames mirrored (and read past the window) so the spectrum sees no jump at the edges

@@ -72,16 +72,21 @@ def write_shard(path: Path, rows: Iterable[dict[str, Any]], batch_rows: int = 64
 class PreparedSplit(Dataset[Sample]):
     """One split of a prepared set as a map-style dataset of Samples.
 
-    Shards are opened on first use (memory-mapped by ``datasets``), so a start costs a few
+    Shards are Arrow streams (``datasets.Dataset.from_file`` reads them too), memory-mapped
+    here with pyarrow and read column by column: a row costs a few microseconds instead of a
+    generic row formatter's hundreds. They are opened on first use, so a start costs a few
     file opens whatever the set's size, and loader workers open their own maps.
     """
 
-    def __init__(self, folder: Path, shards: list[dict[str, Any]], image: ImageDecoder | None, audio: AudioDecoder | None) -> None:
+    def __init__(
+        self, folder: Path, shards: list[dict[str, Any]], image: ImageDecoder | None, audio: AudioDecoder | None
+    ) -> None:
         self.folder = folder
         self.files = [str(folder / f"{entry['name']}.arrow") for entry in shards]
         self.offsets = np.cumsum([0] + [int(entry["rows"]) for entry in shards]).tolist()
         self.image = image
         self.audio = audio
+        self.image_dtype = torch.uint8 if image is None or image.storage == "uint8" else torch.float32
         self._open: dict[int, Any] = {}
 
     def __len__(self) -> int:
@@ -95,24 +100,31 @@ class PreparedSplit(Dataset[Sample]):
     def _shard(self, number: int) -> Any:
         table = self._open.get(number)
         if table is None:
-            import datasets
+            import pyarrow as pa
 
-            table = self._open[number] = datasets.Dataset.from_file(self.files[number])
+            with pa.memory_map(self.files[number], "r") as source:
+                table = pa.ipc.open_stream(source).read_all().combine_chunks()  # zero-copy views of the map
+            table = self._open[number] = {name: table.column(name).chunk(0) for name in table.column_names}
         return table
 
     def __getitem__(self, i: int) -> Sample:
         if not 0 <= i < len(self):
             raise IndexError(i)
         number = bisect.bisect_right(self.offsets, i) - 1
-        row = self._shard(number)[i - self.offsets[number]]
+        columns, row = self._shard(number), i - self.offsets[number]
         image = audio = None
-        if row["image"] is not None and self.image is not None:
-            stored = torch.frombuffer(bytearray(row["image"]), dtype=self._image_dtype()).reshape(row["image_shape"])
-            image = self.image.finish(stored)
-        if row["audio"] is not None and self.audio is not None:
-            audio = self.audio.features(np.frombuffer(row["audio"], dtype=np.float32))
-        return Sample(row["id"], list(row["input_ids"]), list(row["labels"]), image, audio, skipped=0)
-
-    def _image_dtype(self) -> torch.dtype:
-        assert self.image is not None
-        return torch.uint8 if self.image.storage == "uint8" else torch.float32
+        picture, clip = columns["image"][row], columns["audio"][row]
+        if self.image is not None and picture.is_valid:
+            shape = columns["image_shape"][row].values.to_numpy().tolist()
+            # A copy (the map is read-only), in the stored form the raw path's samples carry too.
+            image = torch.frombuffer(bytearray(picture.as_buffer()), dtype=self.image_dtype).reshape(*shape)
+        if self.audio is not None and clip.is_valid:
+            audio = self.audio.features(np.frombuffer(clip.as_buffer(), dtype=np.float32))
+        return Sample(
+            columns["id"][row].as_py(),
+            columns["input_ids"][row].values.to_numpy().tolist(),
+            columns["labels"][row].values.to_numpy().tolist(),
+            image,
+            audio,
+            skipped=0,
+        )

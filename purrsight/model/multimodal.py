@@ -33,8 +33,17 @@ class PurrSightModel(nn.Module):
         aligner: Phase1Aligner | None,
         prefix_tokens: int,
         projector_hidden: int,
+        pixel_scaling: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``pixel_scaling``: per-channel (scale, offset) that turn uint8 pictures into the image
+        tower's input (the image processor's rescale and normalisation)."""
         super().__init__()
+        scale, offset = pixel_scaling if pixel_scaling is not None else (torch.ones(3, 1, 1), torch.zeros(3, 1, 1))
+        # Not persistent: fixed by the processor, so no part of a checkpoint or of the weights' fingerprint.
+        self.register_buffer("pixel_scale", scale.clone(), persistent=False)
+        self.register_buffer("pixel_offset", offset.clone(), persistent=False)
+        self.pixel_scale: torch.Tensor
+        self.pixel_offset: torch.Tensor
         self.llm = llm
         self.encoders = nn.ModuleDict(encoders)
         self.aligner = aligner
@@ -56,13 +65,21 @@ class PurrSightModel(nn.Module):
         prefix = self.projectors[modality](features)
         return prefix * present.to(prefix.dtype)[:, None, None]
 
+    def tower_input(self, batch: dict[str, Any], modality: str) -> torch.Tensor:
+        """The batch's tensor for a tower. uint8 pixels are normalised here, on the device: the
+        loader, its workers' hand-over and the copy to the GPU move a quarter of the bytes."""
+        inputs = cast(torch.Tensor, batch[modality])
+        if inputs.dtype != torch.uint8:
+            return inputs
+        return inputs.float().mul_(self.pixel_scale).add_(self.pixel_offset)
+
     def build_inputs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """inputs_embeds, attention_mask and labels with the modality prefixes in front."""
         text = self.llm.get_input_embeddings()(batch["input_ids"])
         embeds, masks, labels = [], [], []
         for modality in self.encoders:
             present = batch[f"has_{modality}"].bool()
-            prefix = self._prefix(modality, batch[modality], present)
+            prefix = self._prefix(modality, self.tower_input(batch, modality), present)
             embeds.append(prefix.to(text.dtype))
             masks.append(present.long()[:, None].expand(-1, prefix.shape[1]))
             labels.append(torch.full(prefix.shape[:2], IGNORE_INDEX, device=text.device, dtype=torch.long))

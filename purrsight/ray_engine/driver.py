@@ -22,6 +22,7 @@ from typing import Any
 
 from purrsight.config import Config, ConfigError, path_problems, with_paths_under
 from purrsight.data.index import read_index
+from purrsight.data.prepared_manifest import read_manifest
 from purrsight.data.synthetic import prepare_synthetic
 from purrsight.errors import SIGNAL_BASE, ClusterError, ExitCode
 from purrsight.training.run_folder import utc_stamp
@@ -64,7 +65,10 @@ def prepared_config(config: Config, source: str) -> Config:
         raise ConfigError(problems)
     config.tokenizer_dir()  # a config without any tokenizer fails here, not in every worker
     prepare_synthetic(config)  # what the DataModule would do on each node, once here
-    read_index(config.data.train_index)
+    if config.data.prepared is not None:
+        read_manifest(Path(config.data.prepared))  # complete (rank 0 checks that it matches the config)
+        return config
+    read_index(config.data.train_index)  # a bad line stops the job before any worker starts (and restarts)
     if config.data.val_index is not None:
         read_index(config.data.val_index)
     return config

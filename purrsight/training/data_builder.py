@@ -35,7 +35,7 @@ from purrsight.data.prepared_manifest import (
 from purrsight.data.text import TextEncoder
 from purrsight.model.encoders import load_processor
 from purrsight.model.llm import load_tokenizer
-from purrsight.model.loading import architecture_digest
+from purrsight.model.loading import ModelLoadError, architecture_digest
 from purrsight.model.multimodal import MODALITIES
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,13 @@ def _tower_digest(config: Config, modality: str) -> str:
     encoder = getattr(config.model, f"{modality}_encoder")
     if encoder.config is not None:
         return architecture_digest({**encoder.config, "model_type": encoder.model_type})
-    return architecture_digest(json.loads((Path(encoder.path) / "config.json").read_text()))
+    config_file = Path(encoder.path) / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(
+            f"model.{modality}_encoder.path: {encoder.path} has no config.json "
+            "(a Hugging Face model directory holds config.json, the weights and the processor)"
+        )
+    return architecture_digest(json.loads(config_file.read_text()))
 
 
 def _processor_digest(processor: Any | None) -> str | None:

@@ -14,6 +14,7 @@ from purrsight.model.aligner import load_aligner
 from purrsight.model.encoders import FrozenEncoder, load_encoder
 from purrsight.model.llm import load_llm, load_tokenizer
 from purrsight.model.multimodal import MODALITIES, PurrSightModel
+from purrsight.training.data_builder import build_decoders
 
 
 @dataclass
@@ -77,6 +78,8 @@ def build_model(config: Config) -> BuiltModel:
         sources.append("aligner")  # its weights are in the tensor digest; its path is not identity
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 10)  # projector init: identical on every rank and restart
-        model = PurrSightModel(llm, encoders, aligner, config.model.prefix_tokens, config.model.projector_hidden)
+        image_decoder = build_decoders(config)[0] if "image" in encoders else None
+        pixel_scaling = image_decoder.pixel_scaling if image_decoder is not None else None  # the model normalises uint8 pictures
+        model = PurrSightModel(llm, encoders, aligner, config.model.prefix_tokens, config.model.projector_hidden, pixel_scaling)
     fingerprint = hashlib.sha256(("|".join(sources) + _tensor_sample_digest(model)).encode()).hexdigest()
     return BuiltModel(model, tokenizer, fingerprint)

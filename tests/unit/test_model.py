@@ -74,7 +74,8 @@ def test_absent_image_does_not_change_the_loss(synthetic_dir: Path, tmp_path: Pa
     batch = first_batch(config)
     batch["has_image"] = torch.zeros_like(batch["has_image"])
     loss_a = built.model(batch)[0]
-    batch["image"] = torch.randn_like(batch["image"])
+    assert batch["image"].dtype == torch.uint8  # pictures travel as uint8 and are normalised in the model
+    batch["image"] = torch.randint_like(batch["image"], 0, 256)
     loss_b = built.model(batch)[0]
     assert torch.allclose(loss_a, loss_b, atol=1e-6)
 
@@ -157,3 +158,18 @@ def test_model_package_stands_alone() -> None:
     result = run_python(["-c", probe])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_uint8_pictures_are_normalised_in_the_model_as_the_decoder_would(synthetic_dir: Path, tmp_path: Path) -> None:
+    """Batches carry uint8 pictures (a quarter of the bytes to the GPU); the tower gets the decoder's tensor."""
+    from purrsight.training.data_builder import build_decoders
+
+    config = tiny_config(synthetic_dir, tmp_path)
+    built = build_model(config)
+    batch = first_batch(config)
+    decoder = build_decoders(config)[0]
+    assert decoder is not None and batch["image"].dtype == torch.uint8
+    expected = torch.stack([decoder.finish(picture) for picture in batch["image"]])
+    assert torch.equal(built.model.tower_input(batch, "image"), expected)
+    assert float(expected.min()) >= -1.0 and float(expected.max()) <= 1.0 and float(expected.std()) > 0.1
+    assert not any("pixel" in key for key in built.model.state_dict())  # fixed by the processor: not checkpointed
