@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from purrsight.cluster.distributed import order_ranks_by_node, worker_generation
 from purrsight.cluster.health import (
     CheckFailedError,
     CheckSkippedError,
+    check_data,
     check_disk,
     check_gpus,
     check_master,
@@ -160,3 +162,27 @@ def test_probe_with_a_driver_asks_torch(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(probe, "GPU_DRIVER_FILES", (str(tmp_path / "nvidiactl"),))
     assert not probe._no_gpu_possible()
     assert probe.probe().gpus == 0
+
+
+def test_only_node_0_reads_every_index_line_and_a_prepared_set_needs_its_manifest(synthetic_dir: Path, tmp_path: Path) -> None:
+    """A million-line index checked by every node is millions of metadata calls each on a shared filesystem."""
+    from tests.helpers import tiny_config
+
+    lines = (synthetic_dir / "train.jsonl").read_text().splitlines()[:4]
+    lines.append('{"id": "x", "prompt": "p", "response": "r", "image": "images/absent.png"}')
+    (tmp_path / "images").symlink_to(synthetic_dir / "images")
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    config = tiny_config(synthetic_dir, tmp_path, data__train_index=str(tmp_path / "train.jsonl"), data__val_index="null")
+    with pytest.raises(CheckFailedError, match=r"train.jsonl:5 \(id 'x'\): image file .*absent.png does not exist"):
+        check_data(config, node_rank=0)
+    assert "readable (node 0 checks every line)" in check_data(config, node_rank=1)
+    (tmp_path / "train.jsonl").chmod(0)
+    if os.geteuid() != 0:  # root reads any file
+        with pytest.raises(CheckFailedError, match="cannot read the index"):
+            check_data(config, node_rank=1)
+    (tmp_path / "train.jsonl").chmod(0o644)
+
+    prepared = config.model_copy(update={"data": config.data.model_copy(update={"prepared": str(tmp_path / "set")})})
+    for node_rank in (0, 1):
+        with pytest.raises(CheckFailedError, match=r"set does not exist; make it with `python train_phase2.py prepare"):
+            check_data(prepared, node_rank)

@@ -23,6 +23,7 @@ from tests.helpers import DEFAULT_CONFIG
 
 pytest.importorskip("ray", reason="the Ray engine needs the ray extra (scripts/test.sh installs it)")
 
+from purrsight.data.prepared_manifest import PreparedSetError
 from purrsight.ray_engine import callbacks, driver, worker
 from purrsight.ray_engine.coordinator import RunCoordinator
 from purrsight.ray_engine.pointer import POINTER_FILE
@@ -35,6 +36,9 @@ def test_relative_paths_are_taken_from_the_base_and_absolute_ones_kept(tmp_path:
     assert moved.data.train_index == str(tmp_path / "data/synthetic/train.jsonl")
     assert moved.data.synthetic_dir == str(tmp_path / "data/synthetic")
     assert moved.model.aligner_checkpoint == "/abs/aligner.pt"
+    assert with_paths_under(
+        config.model_copy(update={"data": config.data.model_copy(update={"prepared": "sets/v1"})}), tmp_path
+    ).data.prepared == str(tmp_path / "sets/v1")  # a prepared set lives under ray.shared_dir like the indexes
     assert moved.model.llm.path is None  # unset stays unset
     assert moved.trainer == config.trainer  # nothing else changes
 
@@ -183,3 +187,11 @@ def test_the_working_dir_upload_leaves_out_runs_data_logs_and_models(tmp_path: P
     uploaded = {name for name in zipfile.ZipFile(package).namelist() if not name.endswith("/")}
     assert {"train_phase2.py", "purrsight/config.py"} <= uploaded
     assert not [name for name in uploaded if name.split("/")[0] in {"runs", "data", "logs", "models"}], uploaded
+
+
+def test_the_driver_refuses_an_incomplete_prepared_set_before_any_worker(tmp_path: Path) -> None:
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "plan.json").write_text("{}")  # a prepare that never finished
+    config = load_config(DEFAULT_CONFIG, [f"ray.shared_dir={tmp_path}", "data.prepared=v1"], check_paths=False)
+    with pytest.raises(PreparedSetError, match=r"v1 is not complete \(no manifest.json: a prepare was interrupted"):
+        driver.prepared_config(config, "cfg.yaml")
