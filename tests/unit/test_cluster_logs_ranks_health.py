@@ -170,7 +170,8 @@ def test_only_node_0_reads_every_index_line_and_a_prepared_set_needs_its_manifes
 
     lines = (synthetic_dir / "train.jsonl").read_text().splitlines()[:4]
     lines.append('{"id": "x", "prompt": "p", "response": "r", "image": "images/absent.png"}')
-    (tmp_path / "images").symlink_to(synthetic_dir / "images")
+    for media in ("images", "audio"):
+        (tmp_path / media).symlink_to(synthetic_dir / media)
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
     config = tiny_config(synthetic_dir, tmp_path, data__train_index=str(tmp_path / "train.jsonl"), data__val_index="null")
     with pytest.raises(CheckFailedError, match=r"train.jsonl:5 \(id 'x'\): image file .*absent.png does not exist"):
