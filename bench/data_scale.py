@@ -5,8 +5,8 @@ Side by side in one run, on this machine:
 1. **Start and memory, 2 ranks** (torchrun, the tiny default's model, 32-px JPEGs cut from
    matplotlib's photograph, 1,000 distinct files behind 1,000,000 index lines): the embedded
    default (512 generated samples), the 1M index read raw, and the 1M set prepared. For each:
-   launch -> end of the first optimizer step, and the peak memory of each rank (USS, the
-   process's own pages, and RSS, which also counts shared page-cache pages it mapped).
+   launch -> end of the first optimizer step, and the peak memory of each rank (anonymous:
+   the process's own; RSS, which also counts the page-cache pages of files it maps).
 2. **Metadata calls per rank** (strace: stat, open and access calls of each worker, imports
    included), raw and prepared, at two index sizes: which ones grow with the data set.
 3. **Prepare throughput per core** on 4000x3000 phone-size JPEGs (the photograph upscaled,
@@ -92,11 +92,24 @@ def data_overrides(index: Path | None, prepared: Path | None, tokenizer: Path) -
     ]
 
 
+def anonymous_mib(pid: int) -> float:
+    """The process's anonymous resident memory (its own heap and stacks; not the page cache it maps)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 class WorkerMemory:
-    """Peak USS and RSS of each training process under a root pid, by its RANK, sampled every 0.2 s."""
+    """Peak memory of each training process under a root pid, by its RANK, sampled every 0.2 s.
+
+    ``anon``: anonymous memory, what a rank costs the node (a prepared set's memory-mapped
+    shards are page cache, shared by the node's ranks and given back under pressure);
+    ``rss``: everything resident, mapped file pages included.
+    """
 
     def __init__(self) -> None:
-        self.peaks: dict[int, dict[str, float]] = defaultdict(lambda: {"uss": 0.0, "rss": 0.0})
+        self.peaks: dict[int, dict[str, float]] = defaultdict(lambda: {"anon": 0.0, "rss": 0.0})
         self.pids: dict[int, int] = {}
         self._stop = threading.Event()
 
@@ -117,12 +130,12 @@ class WorkerMemory:
                     if "train_phase2.py" not in " ".join(child.cmdline()):
                         continue
                     rank = int(child.environ().get("RANK", "-1"))
-                    info = child.memory_full_info()
-                except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+                    rss, anon = child.memory_info().rss / 2**20, anonymous_mib(child.pid)
+                except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, OSError):
                     continue
                 self.pids[child.pid] = rank
                 peak = self.peaks[rank]
-                peak["uss"], peak["rss"] = max(peak["uss"], info.uss / 2**20), max(peak["rss"], info.rss / 2**20)
+                peak["anon"], peak["rss"] = max(peak["anon"], anon), max(peak["rss"], rss)
             time.sleep(0.2)
 
 
@@ -251,6 +264,9 @@ def main() -> int:
     parser.add_argument("--strace-lines", type=int, nargs=2, default=[10_000, 100_000], help="two index sizes for part 2")
     parser.add_argument("--photos", type=int, default=64, help="4000x3000 photos for parts 3 and 4 (default: %(default)s)")
     parser.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one, removed after)")
+    parser.add_argument(
+        "--runs-only", action="store_true", help="part 1's training runs only, on --work's index and prepared set of an earlier run"
+    )
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="data-scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -258,13 +274,14 @@ def main() -> int:
     tokenizer = synthetic_tokenizer(work / "synthetic")
     results: dict[str, Any] = {"machine": machine(), "lines": args.lines}
 
-    index = write_index(work / "corpus", args.lines)
-    started = time.monotonic()
     prepared = work / f"prepared-{args.lines}"
-    shutil.rmtree(prepared, ignore_errors=True)
-    results["prepare_s"] = prepared_set(index, tokenizer, prepared, processes=2)
-    results["prepare_wall_s"] = time.monotonic() - started
-    results["prepared_gib"] = sum(f.stat().st_size for f in prepared.rglob("*")) / 2**30
+    if args.runs_only:
+        index = work / "corpus" / f"train-{args.lines}.jsonl"
+    else:
+        index = write_index(work / "corpus", args.lines)
+        shutil.rmtree(prepared, ignore_errors=True)
+        results["prepare_s"] = prepared_set(index, tokenizer, prepared, processes=2)
+        results["prepared_gib"] = sum(f.stat().st_size for f in prepared.rglob("*")) / 2**30
     for name, overrides in (
         ("default", data_overrides(None, None, tokenizer)),
         ("raw", data_overrides(index, None, tokenizer)),
@@ -273,6 +290,9 @@ def main() -> int:
         results[name] = train_two_ranks(work, name, overrides)
         print(name, json.dumps(results[name]["first_step_s"]), json.dumps(results[name]["memory_mib"]), flush=True)
 
+    if args.runs_only:
+        print(json.dumps(results, indent=1, default=str))
+        return 0
     results["metadata_calls"] = {}
     for lines in args.strace_lines:
         small = write_index(work / "corpus", lines)

@@ -102,9 +102,11 @@ class PreparedSplit(Dataset[Sample]):
         if table is None:
             import pyarrow as pa
 
+            # Views of the map, not copies: the record batches are left as they are (combining them
+            # into one array would copy the whole shard into this process's memory).
             with pa.memory_map(self.files[number], "r") as source:
-                table = pa.ipc.open_stream(source).read_all().combine_chunks()  # zero-copy views of the map
-            table = self._open[number] = {name: table.column(name).chunk(0) for name in table.column_names}
+                table = pa.ipc.open_stream(source).read_all()
+            table = self._open[number] = {name: table.column(name) for name in table.column_names}
         return table
 
     def __getitem__(self, i: int) -> Sample:

@@ -150,6 +150,12 @@ def _plan(config: Config, settings: dict[str, Any], shard_size: int, records: di
     }
 
 
+def _without_paths(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan as it is compared: a source is its content (another machine may spell its path otherwise)."""
+    sources = {split: {k: v for k, v in source.items() if k != "index"} for split, source in plan.get("sources", {}).items()}
+    return {**plan, "sources": sources}
+
+
 def _claim_folder(out: Path, plan: dict[str, Any]) -> None:
     """Write the plan, or check that the folder's plan is this one (a continued or parallel prepare)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -158,7 +164,7 @@ def _claim_folder(out: Path, plan: dict[str, Any]) -> None:
     existing = out / PLAN_NAME
     if existing.is_file():
         found = read_json(existing)
-        changed = differences(found, plan)
+        changed = differences(_without_paths(found), _without_paths(plan))
         if changed:
             raise PreparedSetError(
                 f"{out} holds a prepare of other sources or settings ({', '.join(changed)} differ); "

@@ -12,6 +12,7 @@ import gzip
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -226,22 +227,27 @@ def test_an_index_with_bad_lines_lists_them_all_before_decoding(synthetic_dir: P
 
 
 def test_two_parts_prepared_by_two_processes_make_one_set(synthetic_dir: Path, tmp_path: Path) -> None:
-    """``--part 0/2`` and ``--part 1/2`` at once, as two machines of a SLURM array would: the last one done joins them."""
-    overrides = [
+    """``--part 0/2`` and ``--part 1/2`` at once, as two machines of a SLURM array would: the last one done joins them.
+
+    The second runs from another folder with relative paths, as another machine may name the same files.
+    """
+    relative = ["data.synthetic_dir=.", "data.train_index=train.jsonl", "data.val_index=val.jsonl"]
+    absolute = [
         f"data.synthetic_dir={synthetic_dir}",
-        f"data.train_index={synthetic_dir / 'train.jsonl'}",
-        f"data.val_index={synthetic_dir / 'val.jsonl'}",
+        f"data.train_index={synthetic_dir}/train.jsonl",
+        f"data.val_index={synthetic_dir}/val.jsonl",
     ]
     command = [sys.executable, str(REPO / "train_phase2.py"), "prepare", "--config", str(REPO / "config" / "train_config.yaml")]
     parts = [
         subprocess.Popen(
             [*command, "--out", str(tmp_path / "p"), "--num-proc", "1", "--shard-size", "16", "--part", f"{i}/2", *overrides],
+            cwd=cwd,
             env=python_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for i in range(2)
+        for i, (overrides, cwd) in enumerate([(absolute, REPO), (relative, synthetic_dir)])
     ]
     outputs = [part.communicate(timeout=300) for part in parts]
     assert [part.returncode for part in parts] == [0, 0], outputs
@@ -250,8 +256,34 @@ def test_two_parts_prepared_by_two_processes_make_one_set(synthetic_dir: Path, t
     assert manifest["splits"]["train"]["samples"] == 128 and len(manifest["splits"]["train"]["shards"]) == 8
     assert manifest["splits"]["val"]["samples"] == 32
     assert (tmp_path / "p" / PLAN_NAME).is_file()
-    config = tiny_config(synthetic_dir, tmp_path, data__prepared=str(tmp_path / "p"))
+    config = tiny_config(synthetic_dir, tmp_path, data__prepared=str(tmp_path / "p"), data__val_index="null")
     train = build_datasets(config, 1).train
     assert sorted(train[i].id for i in range(len(train))) == sorted(  # type: ignore[arg-type]
         json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()
     )
+
+
+def test_a_prepare_killed_mid_way_is_refused_then_continued(synthetic_dir: Path, tmp_path: Path) -> None:
+    """kill -9 of a real prepare once its first shards are written: no manifest, whole shards, a rerun finishes."""
+    out = tmp_path / "p"
+    args = [str(REPO / "train_phase2.py"), "prepare", "--config", str(REPO / "config" / "train_config.yaml"), "--out", str(out)]
+    args += ["--num-proc", "1", "--shard-size", "4", f"data.synthetic_dir={synthetic_dir}"]
+    args += [f"data.train_index={synthetic_dir}/train.jsonl", f"data.val_index={synthetic_dir}/val.jsonl"]
+    proc = subprocess.Popen([sys.executable, *args], env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len(list((out / "train").glob("*.json"))) < 3 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    receipts = sorted(p.name for p in (out / "train").glob("*.json"))
+    assert 3 <= len(receipts) < 32, receipts  # killed part of the way through the 32 training shards
+    assert not (out / MANIFEST_NAME).exists()
+    for receipt in receipts:  # every shard with a receipt is whole
+        assert (out / "train" / receipt.replace(".json", ".arrow")).stat().st_size > 0
+    config = tiny_config(synthetic_dir, tmp_path, data__prepared=str(out))
+    with pytest.raises(PreparedSetError, match="is not complete"):
+        build_datasets(config, 1)
+    done = subprocess.run([sys.executable, *args], env=python_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{32 + 8 - len(receipts)} shards to do" in done.stderr
+    assert len(build_datasets(config, 1).train) == 128  # type: ignore[arg-type]
