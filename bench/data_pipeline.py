@@ -93,6 +93,18 @@ def save_processors(folder: Path) -> tuple[Path, Path]:
     return image_dir, audio_dir
 
 
+def h100_consumption(config: Config) -> tuple[float, float]:
+    """(training FLOPs per sample of ``config``'s model with 1 s audio, samples/s one H100 consumes at TARGET_MFU)."""
+    flops = training_flops_per_sample(
+        config.data.max_length,
+        2 * config.model.prefix_tokens,
+        config.model.llm.lora.r,
+        list(config.model.llm.lora.target_modules),
+        audio_s=1.0,
+    )
+    return flops, TARGET_MFU * PEAK_TFLOPS["H100"] * 1e12 / flops
+
+
 def loader_rate(dataset: Dataset[Sample], collator: Collator, workers: int, batch_size: int, batches: int) -> float:
     """Samples/s once the workers have started (the first batch is not timed)."""
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=collator, shuffle=True)
@@ -173,14 +185,7 @@ def main() -> int:
             for w in args.workers
         }
 
-    flops = training_flops_per_sample(
-        config.data.max_length,
-        2 * config.model.prefix_tokens,
-        config.model.llm.lora.r,
-        list(config.model.llm.lora.target_modules),
-        audio_s=1.0,
-    )
-    gpu_rate = TARGET_MFU * PEAK_TFLOPS["H100"] * 1e12 / flops
+    flops, gpu_rate = h100_consumption(config)
     median = {key: statistics.median(values) for key, values in side_by_side.items()}
     print(f"machine: {machine()}")
     print(f"{args.samples} samples (224-px JPEG + 1 s WAV), batch {batch}, {args.batches} timed batches, {args.repeats} repeats")

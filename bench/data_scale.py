@@ -39,14 +39,13 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from bench.common import PYTHON, REPO, TINY_CONFIG, bench_env, free_port, machine, telemetry_step_times
-from bench.data_pipeline import TARGET_MFU, save_processors
-from bench.real_size import REAL_CONFIG, synthetic_tokenizer, training_flops_per_sample
+from bench.data_pipeline import h100_consumption, save_processors
+from bench.real_size import REAL_CONFIG, synthetic_tokenizer
 from purrsight.config import load_config
 from purrsight.data.dataset import Collator, Sample
 from purrsight.data.synthetic import generate
 from purrsight.training.data_builder import build_datasets
 from purrsight.training.prepare import prepare
-from purrsight.training.telemetry import PEAK_TFLOPS
 
 METADATA_CALLS = "stat,lstat,newfstatat,statx,access,faccessat,faccessat2,open,openat,readlink"
 
@@ -247,14 +246,7 @@ def photo_pipeline(work: Path, photos: int, tokenizer: Path) -> dict[str, float]
     prepared = config.model_copy(update={"data": config.data.model_copy(update={"prepared": str(out)})})
     data = build_datasets(prepared, world_size=1)
     rate = max(one_worker_rate(data.train, data.collator, batch=8, batches=50) for _ in range(3))
-    flops = training_flops_per_sample(
-        config.data.max_length,
-        2 * config.model.prefix_tokens,
-        config.model.llm.lora.r,
-        list(config.model.llm.lora.target_modules),
-        audio_s=1.0,
-    )
-    gpu_rate = TARGET_MFU * PEAK_TFLOPS["H100"] * 1e12 / flops
+    _, gpu_rate = h100_consumption(config)
     return {"prepare_per_core": per_core, "loader_per_worker": rate, "h100_consumes": gpu_rate}
 
 
