@@ -73,8 +73,8 @@ class PreparedSplit(Dataset[Sample]):
     """One split of a prepared set as a map-style dataset of Samples.
 
     Shards are Arrow streams (``datasets.Dataset.from_file`` reads them too), memory-mapped
-    here with pyarrow and read column by column: a row costs a few microseconds instead of a
-    generic row formatter's hundreds. They are opened on first use, so a start costs a few
+    here with pyarrow and read column by column: a sample costs tens of microseconds instead of
+    the hundreds a generic row formatter takes. They are opened on first use, so a start costs a few
     file opens whatever the set's size, and loader workers open their own maps.
     """
 

@@ -61,10 +61,17 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def directory_digest(folder: Path) -> str:
-    """sha256 over the names and bytes of a folder's files (a tokenizer directory)."""
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", "spiece")
+
+
+def tokenizer_digest(folder: Path) -> str:
+    """sha256 over the names and bytes of a tokenizer's files in ``folder``.
+
+    Only the tokenizer's own files: the folder is often the LLM's, whose weights (gigabytes)
+    have no say in the token ids and would be read on every start.
+    """
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name.startswith(TOKENIZER_FILE_PREFIXES)):
         digest.update(path.name.encode() + b"\0" + file_digest(path).encode())
     return digest.hexdigest()
 

@@ -28,9 +28,9 @@ from purrsight.data.prepared_manifest import (
     FORMAT_VERSION,
     PreparedSetError,
     differences,
-    directory_digest,
     file_digest,
     read_manifest,
+    tokenizer_digest,
 )
 from purrsight.data.text import TextEncoder
 from purrsight.model.encoders import load_processor
@@ -95,7 +95,7 @@ def preparation_settings(config: Config, image: ImageDecoder | None, audio: Audi
     data = config.data
     settings: dict[str, Any] = {
         "format": FORMAT_VERSION,
-        "tokenizer": directory_digest(config.tokenizer_dir()),
+        "tokenizer": tokenizer_digest(config.tokenizer_dir()),
         "max_length": data.max_length,
         "image": None,
         "audio": None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ from PIL import Image
 from transformers import CLIPImageProcessor, SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
 
 from purrsight.config import Config
-from purrsight.data.prepared_manifest import MANIFEST_NAME, PLAN_NAME, PreparedSetError, read_manifest
+from purrsight.data.prepared_manifest import MANIFEST_NAME, PLAN_NAME, PreparedSetError, read_manifest, tokenizer_digest
 from purrsight.training.data_builder import build_datasets, build_decoders
 from purrsight.training.prepare import prepare
 from tests.helpers import REPO, python_env, tiny_config
@@ -287,3 +288,15 @@ def test_a_prepare_killed_mid_way_is_refused_then_continued(synthetic_dir: Path,
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"{32 + 8 - len(receipts)} shards to do" in done.stderr
     assert len(build_datasets(config, 1).train) == 128  # type: ignore[arg-type]
+
+
+def test_the_tokenizer_digest_reads_the_tokenizer_not_the_weights_beside_it(synthetic_dir: Path, tmp_path: Path) -> None:
+    """model.llm.path is usually both: hashing its gigabytes of weights on every start would cost minutes."""
+    folder = tmp_path / "llm"
+    shutil.copytree(synthetic_dir / "tokenizer", folder)
+    before = tokenizer_digest(folder)
+    (folder / "model.safetensors").write_bytes(b"\0" * 1024)
+    (folder / "config.json").write_text("{}")
+    assert tokenizer_digest(folder) == before
+    (folder / "tokenizer_config.json").write_text((folder / "tokenizer_config.json").read_text().replace("<pad>", "<PAD>"))
+    assert tokenizer_digest(folder) != before
