@@ -197,8 +197,7 @@ def build_datasets(config: Config, world_size: int) -> Datasets:
     val: Dataset[Sample] | None = None
     if data.prepared is not None:
         folder = Path(data.prepared)
-        settings = preparation_settings(config, image, audio)
-        manifest = _shared(lambda: verify_prepared(config, folder, settings))
+        manifest = _shared(lambda: verify_prepared(config, folder, preparation_settings(config, image, audio)))
         train = PreparedSplit(folder, manifest["splits"]["train"]["shards"], image, audio)
         if data.val_index is not None and "val" in manifest["splits"]:
             val = PreparedSplit(folder, manifest["splits"]["val"]["shards"], image, audio)
