@@ -25,6 +25,18 @@ from torch.utils.data import Sampler
 log = logging.getLogger(__name__)
 
 
+def batches_done(size: int, world: int, batch_size: int, consumed: int) -> int:
+    """How many of an epoch's batches a rank counts as done when the job has consumed ``consumed``.
+
+    An epoch is ``size // world`` samples per rank, ``batch_size`` at a time (the last short
+    batch dropped); those still to come are the rank's share of what remains. A trainer that
+    resumes on another world size counts its position in the epoch in these units, so the
+    epoch ends exactly when the sampler runs out.
+    """
+    remaining = max(0, size - consumed) // world
+    return (size // world) // batch_size - remaining // batch_size
+
+
 class GlobalPositionSampler(Sampler[int]):
     def __init__(self, size: int, num_replicas: int, rank: int, seed: int) -> None:
         if not 0 <= rank < num_replicas:
@@ -35,7 +47,6 @@ class GlobalPositionSampler(Sampler[int]):
         self.seed = seed
         self.epoch = 0
         self.start = 0  # global position this pass over the epoch starts at (> 0 after a mid-epoch resume)
-        self.seen_before = 0  # samples each rank took in this epoch before `start`, as the trainer's loop counts them
         self.yielded = 0  # samples this rank took since `start`
         self._pending: dict[str, int] | None = None  # a loaded state, applied when its epoch begins
 
@@ -43,17 +54,14 @@ class GlobalPositionSampler(Sampler[int]):
         self.epoch = epoch
 
     def _apply_pending(self) -> None:
-        self.start, self.seen_before = 0, 0
+        self.start = 0
         pending, self._pending = self._pending, None
         if pending is None:
             return
         if pending["epoch"] != self.epoch:
             log.warning("sampler state of epoch %d ignored in epoch %d: the epoch starts over", pending["epoch"], self.epoch)
             return
-        self.start, self.seen_before = pending["consumed"], pending["seen"]
-
-    def _remaining_per_rank(self) -> int:
-        return max(0, self.size - self.start) // self.num_replicas  # the tail short of one sample per rank waits for the next epoch
+        self.start = pending["consumed"]
 
     def __iter__(self) -> Iterator[int]:
         self._apply_pending()
@@ -61,40 +69,26 @@ class GlobalPositionSampler(Sampler[int]):
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.size, generator=generator)
-        first = self.start + self.rank
-        stop = self.start + self._remaining_per_rank() * self.num_replicas
-        for position in range(first, stop, self.num_replicas):
+        remaining = max(0, self.size - self.start) // self.num_replicas  # the tail short of one sample per rank waits
+        for position in range(self.start + self.rank, self.start + remaining * self.num_replicas, self.num_replicas):
             self.yielded += 1
             yield int(order[position])
 
     def __len__(self) -> int:
-        # What the trainer's loop counts for this epoch: the samples taken before a resume plus
-        # those still to come. Lightning restores its in-epoch batch count and ends the epoch
-        # when it reaches len(loader), so on another world size the length must be this sum.
-        pending = self._pending  # loaded before the trainer sets the epoch: it is the resumed one
-        if pending is not None:
-            return pending["seen"] + max(0, self.size - pending["consumed"]) // self.num_replicas
-        return self.seen_before + self._remaining_per_rank()
+        # A whole epoch, also the resumed one: the trainer counts the batches done before the
+        # resume in this world's units (batches_done), so that count plus what this pass yields
+        # is the epoch, whatever world size the checkpoint was saved on.
+        return self.size // self.num_replicas
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
             "consumed": self.start + self.yielded * self.num_replicas,  # global: survives a change of world size
-            "seen": self.seen_before + self.yielded,
             "world_size": self.num_replicas,
-            "yielded": self.seen_before + self.yielded,  # the name torchdata's sampler used (same meaning)
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "consumed" in state:
-            consumed, seen, saved_world = int(state["consumed"]), int(state["seen"]), int(state["world_size"])
-        elif "yielded" in state:
-            # Saved by StatefulDistributedSampler (before this sampler), which only resumed on the
-            # same world size: its per-rank count times this world is the global position.
-            seen = int(state["yielded"])
-            consumed, saved_world = seen * self.num_replicas, self.num_replicas
-        else:
-            raise ValueError(f"not a sampler state: {sorted(state)}")
+        consumed, saved_world = resumed_position(state, self.num_replicas)
         epoch = int(state.get("epoch", self.epoch))
         if saved_world != self.num_replicas and self.rank == 0:
             log.warning(
@@ -106,4 +100,15 @@ class GlobalPositionSampler(Sampler[int]):
                 consumed,
                 self.size,
             )
-        self._pending = {"epoch": epoch, "consumed": consumed, "seen": seen}
+        self._pending = {"epoch": epoch, "consumed": consumed}
+
+
+def resumed_position(state: dict[str, Any], world: int) -> tuple[int, int]:
+    """(samples of the epoch the job consumed, the world size it ran on) from a saved sampler state."""
+    if "consumed" in state:
+        return int(state["consumed"]), int(state["world_size"])
+    if "yielded" in state:
+        # Saved by torchdata's StatefulDistributedSampler (before this sampler), which only resumed
+        # on the same world size: its per-rank count times this world is the global position.
+        return int(state["yielded"]) * world, world
+    raise ValueError(f"not a sampler state: {sorted(state)}")

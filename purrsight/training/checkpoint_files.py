@@ -70,11 +70,15 @@ def training_position(path: Path) -> tuple[dict[str, Any] | None, dict[str, Any]
     end of an epoch, or by a loader without one).
     """
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    try:
-        loader = state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
-        sampler = loader["_sampler_iter_state"]["sampler_state"]
-    except (KeyError, IndexError, TypeError):
-        sampler = None
     saved = state.get("purrsight", {}).get("config")
     config = safe_yaml_load(saved) if isinstance(saved, str) else {}
-    return (sampler if isinstance(sampler, dict) else None), (config if isinstance(config, dict) else {})
+    return sampler_state_in(state), (config if isinstance(config, dict) else {})
+
+
+def sampler_state_in(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The training sampler's state inside a loaded checkpoint (the fit loop's loader state), or None."""
+    try:
+        sampler = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["_sampler_iter_state"]["sampler_state"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return sampler if isinstance(sampler, dict) else None

@@ -112,7 +112,11 @@ class CheckpointSaver(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
         stop = self.vote.exchange(self.stop.signum is not None, trainer.strategy.root_device)
-        due = step != self.last_saved_step and step % self.every_n_steps == 0
+        # The last step is saved here too, not in on_train_end: by then Lightning has closed the
+        # epoch in its loop state, and a resume from that file (RESUME=auto with a larger
+        # trainer.max_steps) started the next epoch, leaving the rest of this one out.
+        last = trainer.max_steps > 0 and step >= trainer.max_steps
+        due = step != self.last_saved_step and (step % self.every_n_steps == 0 or last)
         if (stop or due) and step != self.last_saved_step:
             self.save(trainer)
         if stop:

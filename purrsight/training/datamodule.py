@@ -12,18 +12,16 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, Sample
-from purrsight.data.sampler import GlobalPositionSampler
+from purrsight.data.sampler import GlobalPositionSampler, batches_done, resumed_position
 from purrsight.data.synthetic import prepare_synthetic
+from purrsight.training.checkpoint_files import sampler_state_in
 from purrsight.training.data_builder import build_datasets
 
 
 class Phase2DataModule(pl.LightningDataModule):
     def __init__(self, config: Config, sampler_state: dict[str, Any] | None = None) -> None:
-        """``sampler_state``: the training sampler's state in the checkpoint a run resumes from.
-
-        Lightning loads it too, but only after it has measured the epoch (len of the loader),
-        which after a change of world size depends on it.
-        """
+        """``sampler_state``: the training sampler's state in the checkpoint a run resumes from
+        (Lightning loads it again later; loaded here, the resume is logged when the loader is built)."""
         super().__init__()
         self.config = config
         self.sampler_state = sampler_state
@@ -71,6 +69,25 @@ class Phase2DataModule(pl.LightningDataModule):
             drop_last=shuffle,
             generator=torch.Generator().manual_seed(self.config.run.seed),
         )
+
+    def align_epoch_progress(self, checkpoint: dict[str, Any]) -> None:
+        """Count the resumed epoch's done batches in this world's units, in the checkpoint's loop state.
+
+        Lightning restores its in-epoch batch count as saved and ends the epoch when the count
+        reaches len(loader). Saved on another world size, that count is in the other world's
+        batches: the epoch would end early (samples left out) or run past the sampler. Called from
+        the LightningModule's on_load_checkpoint, before Lightning restores its loops.
+        """
+        state = sampler_state_in(checkpoint)
+        trainer = self.trainer
+        if state is None or self.train_set is None or trainer is None:
+            return
+        consumed, _ = resumed_position(state, trainer.world_size)
+        done = batches_done(len(self.train_set), trainer.world_size, self.config.data.batch_size, consumed)  # type: ignore[arg-type]
+        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+        shift = done - progress["ready"]
+        for counter in ("ready", "started", "processed", "completed"):  # their offsets to each other are kept
+            progress[counter] += shift
 
     def train_dataloader(self) -> StatefulDataLoader:
         assert self.train_set is not None, "setup() runs before the loaders are built"

@@ -15,6 +15,7 @@ from purrsight.data.media import SampleError
 from purrsight.errors import UserError
 from purrsight.model.loading import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
+from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.model_builder import build_model
 from purrsight.training.optim import build_optimizer
 
@@ -117,6 +118,9 @@ class Phase2Module(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         verify_checkpoint(checkpoint, self.fingerprint, self.trainable_shapes())
+        datamodule = getattr(self._trainer, "datamodule", None)  # set by fit(); absent when the module is used alone
+        if isinstance(datamodule, Phase2DataModule):  # a resume on another world size counts the epoch in its units
+            datamodule.align_epoch_progress(checkpoint)
 
 
 def verify_checkpoint(checkpoint: dict[str, Any], fingerprint: str, shapes: dict[str, list[int]]) -> None:

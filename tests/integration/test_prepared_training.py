@@ -2,8 +2,8 @@
 
 120 samples (the synthetic set's first 120), 4 per rank and step. Epoch 0 is cut as a
 requeue onto other node counts would cut it: 5 steps on 2 ranks (40 samples), 5 on 1 rank
-(20), then the remaining 60 on 3 ranks, 20 each. Every sample of the epoch must be trained
-exactly once.
+(20), then the remaining 60 on 3 ranks, 20 each; then the job moves back to 1 rank mid-epoch 1.
+Every sample of every epoch must be trained exactly once.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def ids_of_epoch(probes: list[dict[str, Any]], epoch: int) -> list[str]:
     return [sample for probe in probes for seen_epoch, ids in probe["seen"] for sample in ids if seen_epoch == epoch]
 
 
-def test_resumes_on_one_then_three_ranks_train_every_sample_of_the_epoch_once(
+def test_resumes_on_one_then_three_then_one_rank_train_every_sample_of_each_epoch_once(
     synthetic_dir: Path, prepared: tuple[Path, Path], tmp_path: Path
 ) -> None:
     _, two = probed_run(2, tmp_path / "a", synthetic_dir, prepared, trainer__max_steps=5)
@@ -82,14 +82,19 @@ def test_resumes_on_one_then_three_ranks_train_every_sample_of_the_epoch_once(
     assert "global batch 8 -> 4 samples per optimizer step" in log_one and "optim.lr is not rescaled" in log_one
     log_three, three = probed_run(3, tmp_path / "b", synthetic_dir, prepared, resume="auto", trainer__max_steps=17)
     assert "resuming on 3 processes, saved on 1: epoch 0 continues at sample 60 of 120" in log_three
+    # Back to one rank at step 17 (2 steps into epoch 1 on 3 ranks): the rest of epoch 1, a whole
+    # epoch 2 (30 steps of 4) and one step of epoch 3. A length counted in the other world's batches
+    # would end epoch 1 or 2 early (samples left out) or run past the sampler.
+    _, last = probed_run(1, tmp_path / "b", synthetic_dir, prepared, resume="auto", trainer__max_steps=72)
 
-    epoch0 = ids_of_epoch(two, 0) + ids_of_epoch(one, 0) + ids_of_epoch(three, 0)
-    twice = [sample for sample, count in Counter(epoch0).items() if count > 1]
-    assert not twice, f"trained twice in epoch 0: {twice}"
     every = {json.loads(line)["id"] for line in prepared[0].read_text().splitlines()}
-    assert set(epoch0) == every, f"left out of epoch 0: {sorted(every - set(epoch0))}"
+    for epoch, runs in ((0, two + one + three), (1, three + last), (2, last)):
+        taken = ids_of_epoch(runs, epoch)
+        twice = [sample for sample, count in Counter(taken).items() if count > 1]
+        assert not twice, f"trained twice in epoch {epoch}: {twice}"
+        assert set(taken) == every, f"left out of epoch {epoch}: {sorted(every - set(taken))}"
     assert [len(p["seen"]) for p in three] == [7, 7, 7]  # 5 steps end epoch 0, then 2 steps of epoch 1
-    assert {epoch for p in three for epoch, _ in p["seen"]} == {0, 1}
+    assert [epoch for epoch, _ in last[0]["seen"]] == [1] * 24 + [2] * 30 + [3]
 
 
 def test_a_mid_epoch_resume_from_a_prepared_set_matches_an_uninterrupted_run(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.utils.data.distributed import DistributedSampler
 
-from purrsight.data.sampler import GlobalPositionSampler
+from purrsight.data.sampler import GlobalPositionSampler, batches_done
 
 
 @pytest.mark.parametrize(("size", "world"), [(128, 1), (128, 2), (130, 3), (97, 4)])
@@ -44,11 +44,12 @@ def test_resumes_on_two_then_one_then_three_ranks_take_every_sample_once() -> No
     first, state = take(world(size, 2, None), 5 * batch, epoch=2)  # 5 steps on 2 ranks: 40 samples
     assert state["consumed"] == 40 and state["world_size"] == 2
     one = world(size, 1, state)
-    assert len(one[0]) == 20 + 80  # the trainer's count: 20 taken per rank before, 80 still to come
+    assert len(one[0]) == 120  # an epoch on this world size; the trainer counts 10 batches of 4 as done
+    assert batches_done(size, 1, batch, state["consumed"]) == 10
     second, state = take(one, 5 * batch, epoch=2)  # 5 steps on 1 rank: 20 more
     assert state["consumed"] == 60
     three = world(size, 3, state)
-    assert [len(s) for s in three] == [40 + 20] * 3
+    assert [len(s) for s in three] == [40] * 3 and batches_done(size, 3, batch, 60) == 5
     third, _ = take(three, 20, epoch=2)  # the rest of the epoch: 60 samples, 20 a rank
     epoch = first + second + third
     assert sorted(epoch) == list(range(size))  # none twice, none missing
@@ -75,7 +76,18 @@ def test_a_state_saved_by_torchdatas_sampler_resumes_on_the_same_world_size() ->
 
 def test_the_next_epoch_starts_from_its_beginning() -> None:
     sampler = GlobalPositionSampler(32, 2, 0, seed=3)
-    sampler.load_state_dict({"epoch": 0, "consumed": 30, "seen": 15, "world_size": 2})
+    sampler.load_state_dict({"epoch": 0, "consumed": 30, "world_size": 2})
     assert len(list(sampler)) == 1
     sampler.set_epoch(1)
     assert len(list(sampler)) == 16 and sampler.state_dict()["consumed"] == 32
+
+
+@pytest.mark.parametrize(("size", "world", "batch", "consumed"), [(120, 1, 4, 40), (120, 3, 4, 60), (130, 3, 8, 0), (97, 4, 5, 64)])
+def test_batches_done_plus_those_to_come_make_the_epoch(size: int, world: int, batch: int, consumed: int) -> None:
+    samplers = world_at(size, world, consumed)
+    to_come = len(list(samplers[0])) // batch
+    assert batches_done(size, world, batch, consumed) + to_come == len(samplers[0]) // batch
+
+
+def world_at(size: int, count: int, consumed: int) -> list[GlobalPositionSampler]:
+    return world(size, count, {"epoch": 0, "consumed": consumed, "world_size": 2})
