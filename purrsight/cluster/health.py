@@ -76,7 +76,7 @@ def check_data(config: Config | None, node_rank: int = 0) -> str:
     million metadata calls on the shared filesystem for nothing.
     """
     from purrsight.data.index import IndexFileError, read_index
-    from purrsight.data.prepared_manifest import PreparedSetError, read_manifest
+    from purrsight.data.prepared_manifest import PreparedSetError, check_sources, read_manifest
 
     if config is None:
         raise CheckSkippedError("config invalid (see the config check)")
@@ -84,10 +84,12 @@ def check_data(config: Config | None, node_rank: int = 0) -> str:
     if data.prepared is not None:
         try:
             manifest = read_manifest(Path(data.prepared))
+            if node_rank == 0:  # made from these indexes (a hash of each: no media file touched)
+                check_sources(manifest, Path(data.prepared), {"train": data.train_index, "val": data.val_index})
         except PreparedSetError as err:
             raise CheckFailedError(str(err)) from None
         counts = ", ".join(f"{split} {entry['samples']} samples" for split, entry in manifest["splits"].items())
-        return f"prepared {data.prepared}: {counts} (rank 0 checks it matches the config)"
+        return f"prepared {data.prepared}: {counts} (rank 0 checks the settings match the config)"
     indexes = [i for i in (data.train_index, data.val_index) if i]
     if data.synthetic_dir and not all(Path(i).is_file() for i in indexes):
         raise CheckSkippedError(f"synthetic set generated on first use in {data.synthetic_dir}")

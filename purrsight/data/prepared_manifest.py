@@ -111,3 +111,18 @@ def read_manifest(folder: Path) -> dict[str, Any]:
             f"data.prepared: {folder} has format {manifest.get('format')}, this version reads {FORMAT_VERSION}; prepare it again"
         )
     return dict(manifest)
+
+
+def check_sources(manifest: dict[str, Any], folder: Path, indexes: dict[str, str | None]) -> None:
+    """PreparedSetError unless each index (split -> path) holds the content the set was prepared from."""
+    for split, index in indexes.items():
+        source = manifest["sources"].get(split)
+        if index is None or source is None:
+            continue
+        if not Path(index).is_file():
+            raise PreparedSetError(f"data.{split}_index: {index} does not exist (data.prepared {folder} names its source)")
+        if file_digest(Path(index)) != source["sha256"]:
+            raise PreparedSetError(
+                f"data.prepared: {folder} was made from another content of {index} (prepared from {source['index']}, "
+                f"{source['records']} samples); run prepare again"
+            )

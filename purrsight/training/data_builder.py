@@ -27,6 +27,7 @@ from purrsight.data.prepared import PreparedSplit
 from purrsight.data.prepared_manifest import (
     FORMAT_VERSION,
     PreparedSetError,
+    check_sources,
     differences,
     file_digest,
     read_manifest,
@@ -133,17 +134,7 @@ def verify_prepared(config: Config, folder: Path, settings: dict[str, Any]) -> d
             f"data.prepared: {folder} was made with other settings ({', '.join(changed)} differ from this config); "
             "prepare it again into another folder (--out) or delete it"
         )
-    for split, index in (("train", config.data.train_index), ("val", config.data.val_index)):
-        source = manifest["sources"].get(split)
-        if index is None or source is None:
-            continue
-        if not Path(index).is_file():
-            raise PreparedSetError(f"data.{split}_index: {index} does not exist (data.prepared {folder} names its source)")
-        if file_digest(Path(index)) != source["sha256"]:
-            raise PreparedSetError(
-                f"data.prepared: {folder} was made from another content of {index} (prepared from {source['index']}, "
-                f"{source['records']} samples); run prepare again"
-            )
+    check_sources(manifest, folder, {"train": config.data.train_index, "val": config.data.val_index})
     return manifest
 
 
