@@ -90,8 +90,7 @@ class GlobalPositionSampler(Sampler[int]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         consumed, saved_world = resumed_position(state, self.num_replicas)
         epoch = int(state.get("epoch", self.epoch))
-        again = self._pending == {"epoch": epoch, "consumed": consumed}  # the DataModule loads it before Lightning does
-        if saved_world != self.num_replicas and self.rank == 0 and not again:
+        if saved_world != self.num_replicas and self.rank == 0:
             log.warning(
                 "resuming on %d processes, saved on %d: epoch %d continues at sample %d of %d, "
                 "every rank's shard derived from that position (no sample repeated or left out)",

@@ -19,12 +19,9 @@ from purrsight.training.data_builder import build_datasets
 
 
 class Phase2DataModule(pl.LightningDataModule):
-    def __init__(self, config: Config, sampler_state: dict[str, Any] | None = None) -> None:
-        """``sampler_state``: the training sampler's state in the checkpoint a run resumes from
-        (Lightning loads it again later; loaded here, the resume is logged when the loader is built)."""
+    def __init__(self, config: Config) -> None:
         super().__init__()
         self.config = config
-        self.sampler_state = sampler_state
         self.prepare_data_per_node = True  # each node generates into its own (or the shared) folder
         self.train_set: Dataset[Sample] | None = None
         self.val_set: Dataset[Sample] | None = None
@@ -52,8 +49,6 @@ class Phase2DataModule(pl.LightningDataModule):
         sampler: Sampler[int]
         if shuffle:
             sampler = GlobalPositionSampler(len(dataset), world, rank, self.config.run.seed)  # type: ignore[arg-type]
-            if self.sampler_state is not None:
-                sampler.load_state_dict(self.sampler_state)
         else:
             sampler = StatefulDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
         on_gpu = trainer is not None and trainer.strategy.root_device.type == "cuda"

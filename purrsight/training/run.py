@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def global_batch_change(
-    saved_config: dict[str, Any], sampler_state: dict[str, Any] | None, config: Config, world: int
+    sampler_state: dict[str, Any] | None, saved_config: dict[str, Any], config: Config, world: int
 ) -> str | None:
     """A line naming a change of the global batch between a checkpoint and this start, or None.
 
@@ -101,13 +101,11 @@ def train(
         write_resolved(config, config.run.run_dir)
     saver = CheckpointSaver(checkpoint_dir(config.run.run_dir), config.checkpoint.every_n_steps, config.checkpoint.keep_last)
     module = Phase2Module(config)
-    sampler_state = None
-    if ckpt is not None:
-        sampler_state, saved_config = training_position(ckpt)
-        change = global_batch_change(saved_config, sampler_state, config, int(os.environ.get("WORLD_SIZE", "1")))
-        if change and int(os.environ.get("RANK", "0")) == 0:
+    if ckpt is not None and int(os.environ.get("RANK", "0")) == 0:
+        change = global_batch_change(*training_position(ckpt), config, int(os.environ.get("WORLD_SIZE", "1")))
+        if change:
             log.warning(change)
-    data = Phase2DataModule(config, sampler_state)
+    data = Phase2DataModule(config)
     trainer = build_trainer(config, saver, callbacks, resumed_step=plan.step, strategy=strategy)
     if ckpt is not None:
         log.info("resuming from checkpoint %s", ckpt)
