@@ -47,8 +47,11 @@ def random_batch(config: Config, model: PurrSightModel, batch: int, seq_len: int
         "attention_mask": torch.ones_like(input_ids),
         "image": torch.randn(batch, 3, image_size, image_size, device=device),
         "has_image": torch.ones(batch, dtype=torch.bool, device=device),
+        "image_rows": torch.arange(batch, device=device),
         "audio": torch.randn(batch, round(config.data.audio_sample_rate * config.data.audio_seconds), device=device),
         "has_audio": torch.ones(batch, dtype=torch.bool, device=device),
+        "audio_rows": torch.arange(batch, device=device),
+        "padded": False,  # full-length rows, every modality: SDPA runs causal without a mask
         "num_skipped": 0,
         "ids": [str(i) for i in range(batch)],
     }

@@ -103,32 +103,43 @@ class Collator:
         self.blank_audio = blank_audio
 
     @staticmethod
-    def _stack_media(items: list[torch.Tensor | None], blank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        present = torch.tensor([item is not None for item in items])
+    def _stack_media(items: list[torch.Tensor | None], blank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(stacked, present mask, indices of the present rows)."""
+        present = [item is not None for item in items]
         stacked = torch.stack([blank if item is None else item for item in items])
-        return stacked, present
+        rows = torch.tensor([row for row, has in enumerate(present) if has], dtype=torch.long)
+        return stacked, torch.tensor(present), rows
 
     def __call__(self, samples: list[Sample]) -> dict[str, Any]:
-        longest = max(len(s.input_ids) for s in samples)
+        lengths = [len(s.input_ids) for s in samples]
+        longest = max(lengths)
         input_ids = torch.full((len(samples), longest), self.pad_id, dtype=torch.long)
         labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((len(samples), longest), dtype=torch.long)
         for row, sample in enumerate(samples):
-            n = len(sample.input_ids)
+            n = lengths[row]
             input_ids[row, :n] = torch.tensor(sample.input_ids)
             labels[row, :n] = torch.tensor(sample.labels)
             attention_mask[row, :n] = 1
+        # Counts and flags as Python values, worked out here on the CPU: read from the batch's
+        # tensors once they are on the GPU, each would make the host wait for the device.
         batch: dict[str, Any] = {
             "input_ids": input_ids,
             "labels": labels,
             "attention_mask": attention_mask,
+            "num_samples": len(samples),
+            "num_tokens": sum(lengths),
             "num_skipped": sum(s.skipped for s in samples),
             "ids": [s.id for s in samples],
         }
-        if self.blank_image is not None:
-            batch["image"], batch["has_image"] = self._stack_media([s.image for s in samples], self.blank_image)
-        if self.blank_audio is not None:
-            batch["audio"], batch["has_audio"] = self._stack_media([s.audio for s in samples], self.blank_audio)
+        padded = min(lengths) < longest
+        for modality, blank in (("image", self.blank_image), ("audio", self.blank_audio)):
+            if blank is None:
+                continue
+            items = [getattr(s, modality) for s in samples]
+            batch[modality], batch[f"has_{modality}"], batch[f"{modality}_rows"] = self._stack_media(items, blank)
+            padded = padded or any(item is None for item in items)  # an absent modality's prefix is masked
+        batch["padded"] = padded  # False: no position is masked, the LLM may attend without a mask
         return batch
 
 

@@ -78,9 +78,7 @@ class PreparedSplit(Dataset[Sample]):
     file opens whatever the set's size, and loader workers open their own maps.
     """
 
-    def __init__(
-        self, folder: Path, shards: list[dict[str, Any]], image: ImageDecoder | None, audio: AudioDecoder | None
-    ) -> None:
+    def __init__(self, folder: Path, shards: list[dict[str, Any]], image: ImageDecoder | None, audio: AudioDecoder | None) -> None:
         self.folder = folder
         self.files = [str(folder / f"{entry['name']}.arrow") for entry in shards]
         self.offsets = np.cumsum([0] + [int(entry["rows"]) for entry in shards]).tolist()

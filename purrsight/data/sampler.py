@@ -68,11 +68,11 @@ class GlobalPositionSampler(Sampler[int]):
         self.yielded = 0
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.size, generator=generator)
+        order = torch.randperm(self.size, generator=generator).tolist()  # Python ints: no tensor read per sample
         remaining = max(0, self.size - self.start) // self.num_replicas  # the tail short of one sample per rank waits
         for position in range(self.start + self.rank, self.start + remaining * self.num_replicas, self.num_replicas):
             self.yielded += 1
-            yield int(order[position])
+            yield order[position]
 
     def __len__(self) -> int:
         # A whole epoch, also the resumed one: the trainer counts the batches done before the

@@ -7,6 +7,12 @@ the sample, yet every projector parameter stays in the autograd graph every step
 matters under DDP: a projector left out of one rank's graph would hang or fail the
 gradient all-reduce ("parameters that were not used in producing loss"), and
 ``find_unused_parameters=True`` would cost a graph walk per step.
+
+No host synchronisation. On a GPU the host queues kernels ahead of the device unless it reads a
+device value or runs an op whose output size depends on the data. So the samples that hold a
+modality arrive as a row index sized by the collator on the CPU (``<modality>_rows``), not as
+a mask to select with, and the attention mask is built here in the form the attention kernel
+takes, so transformers need not read it to decide whether it can be skipped.
 """
 
 from __future__ import annotations
@@ -34,10 +40,13 @@ class PurrSightModel(nn.Module):
         prefix_tokens: int,
         projector_hidden: int,
         pixel_scaling: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention: str = "sdpa",
     ) -> None:
         """``pixel_scaling``: per-channel (scale, offset) that turn uint8 pictures into the image
-        tower's input (the image processor's rescale and normalisation)."""
+        tower's input (the image processor's rescale and normalisation). ``attention``: the LLM's
+        attention implementation (the form of mask it takes)."""
         super().__init__()
+        self.attention = attention
         scale, offset = pixel_scaling if pixel_scaling is not None else (torch.ones(3, 1, 1), torch.zeros(3, 1, 1))
         # Not persistent: fixed by the processor, so no part of a checkpoint or of the weights' fingerprint.
         self.register_buffer("pixel_scale", scale.clone(), persistent=False)
@@ -55,11 +64,17 @@ class PurrSightModel(nn.Module):
             }
         )
 
-    def _prefix(self, modality: str, inputs: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    def _prefix(self, modality: str, inputs: torch.Tensor, present: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The projected prefix of every sample; zeros where ``present`` is False.
+
+        ``rows``: the indices of the samples that hold this modality. Only they are encoded,
+        selected by index: its size is known on the host, so no step waits for the device.
+        """
         encoder = cast(FrozenEncoder, self.encoders[modality])
         features = torch.zeros(inputs.shape[0], encoder.width, device=inputs.device)
-        if present.any():  # encode only the samples that have this modality
-            features[present] = encoder(inputs[present]).to(features.dtype)
+        if rows.numel():  # shape metadata, not a device value
+            encoded = encoder(inputs.index_select(0, rows)).to(features.dtype)
+            features = features.index_copy(0, rows, encoded)
         if self.aligner is not None:
             features = self.aligner(modality, features)
         prefix = self.projectors[modality](features)
@@ -73,27 +88,45 @@ class PurrSightModel(nn.Module):
             return inputs
         return inputs.float().mul_(self.pixel_scale).add_(self.pixel_offset)
 
-    def build_inputs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def build_inputs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor | None]:
         """inputs_embeds, attention_mask and labels with the modality prefixes in front."""
         text = self.llm.get_input_embeddings()(batch["input_ids"])
         embeds, masks, labels = [], [], []
         for modality in self.encoders:
-            present = batch[f"has_{modality}"].bool()
-            prefix = self._prefix(modality, self.tower_input(batch, modality), present)
+            present = batch[f"has_{modality}"]
+            prefix = self._prefix(modality, self.tower_input(batch, modality), present, batch[f"{modality}_rows"])
             embeds.append(prefix.to(text.dtype))
             masks.append(present.long()[:, None].expand(-1, prefix.shape[1]))
             labels.append(torch.full(prefix.shape[:2], IGNORE_INDEX, device=text.device, dtype=torch.long))
+        keys = torch.cat([*masks, batch["attention_mask"]], dim=1)
         return {
             "inputs_embeds": torch.cat([*embeds, text], dim=1),
-            "attention_mask": torch.cat([*masks, batch["attention_mask"]], dim=1),
+            "attention_mask": self.attention_mask(keys, bool(batch.get("padded", True))),
             "labels": torch.cat([*labels, batch["labels"]], dim=1),
         }
+
+    def attention_mask(self, keys: torch.Tensor, padded: bool) -> torch.Tensor | None:
+        """The mask the LLM is given, from the (batch, length) mask of real positions.
+
+        ``padded`` (known to the collator, on the host) False: no mask at all, so SDPA runs
+        causal and may take its flash kernel. With padding under SDPA: the 4-D boolean mask
+        (causal and real keys) that transformers would build, built here because transformers
+        first reads the 2-D mask on the host to see whether it could skip it. Eager attention
+        builds its mask without reading it: it gets the 2-D one.
+        """
+        if not padded:
+            return None
+        if self.attention != "sdpa":
+            return keys
+        length = keys.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=keys.device).tril()
+        return causal[None, None] & keys.bool()[:, None, None, :]
 
     def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, logits, labels) with logits and labels aligned to the full sequence."""
         inputs = self.build_inputs(batch)
         out = self.llm(**inputs)
-        return out.loss, out.logits, inputs["labels"]
+        return out.loss, out.logits, cast(torch.Tensor, inputs["labels"])
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

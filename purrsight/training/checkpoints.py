@@ -107,11 +107,12 @@ class CheckpointSaver(pl.Callback):
         # Installed here, after Lightning registered its own SIGTERM handler (which
         # abandons the run without a checkpoint), so ours wins for the whole fit.
         self.stop.install()
+        self.vote.setup()
         self.last_saved_step = trainer.global_step  # a resumed run's start is already saved
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
-        stop = self.vote.exchange(self.stop.signum is not None, trainer.strategy.root_device)
+        stop = self.vote.exchange(self.stop.signum is not None)
         # The last step is saved here too, not in on_train_end: by then Lightning has closed the
         # epoch in its loop state, and a resume from that file (RESUME=auto with a larger
         # trainer.max_steps) started the next epoch, leaving the rest of this one out.

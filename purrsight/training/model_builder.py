@@ -41,7 +41,24 @@ def _tensor_sample_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def build_model(config: Config) -> BuiltModel:
+def frozen_dtype(precision: str) -> torch.dtype:
+    """The dtype frozen weights are held in under a Lightning precision: bf16 under bf16
+    ("bf16-mixed", "bf16-true"), where every matmul runs in bf16 anyway; float32 otherwise
+    (fp16's range is too narrow to hold weights a model was not trained in)."""
+    return torch.bfloat16 if precision.startswith("bf16") else torch.float32
+
+
+def hold_frozen_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Store the frozen parameters in ``dtype``; trainable ones (and so their gradients and
+    optimizer state) stay float32. Buffers keep theirs: rotary frequencies and the pixel
+    scaling lose precision in bf16 and are tiny."""
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def build_model(config: Config, frozen: torch.dtype = torch.float32) -> BuiltModel:
+    """The model of ``config``; its frozen weights held in ``frozen`` (see frozen_dtype)."""
     seed = config.run.seed
     tokenizer = load_tokenizer(config.tokenizer_dir())
     llm_cfg = config.model.llm
@@ -80,6 +97,16 @@ def build_model(config: Config) -> BuiltModel:
         torch.manual_seed(seed + 10)  # projector init: identical on every rank and restart
         image_decoder = build_decoders(config)[0] if "image" in encoders else None
         pixel_scaling = image_decoder.pixel_scaling if image_decoder is not None else None  # the model normalises uint8 pictures
-        model = PurrSightModel(llm, encoders, aligner, config.model.prefix_tokens, config.model.projector_hidden, pixel_scaling)
+        model = PurrSightModel(
+            llm,
+            encoders,
+            aligner,
+            config.model.prefix_tokens,
+            config.model.projector_hidden,
+            pixel_scaling,
+            attention=llm_cfg.attn_implementation,
+        )
+    # Before the cast: a bf16 run and a float32 run of the same weights may resume each other.
     fingerprint = hashlib.sha256(("|".join(sources) + _tensor_sample_digest(model)).encode()).hexdigest()
+    hold_frozen_in(model, frozen)
     return BuiltModel(model, tokenizer, fingerprint)

@@ -16,7 +16,7 @@ from purrsight.errors import UserError
 from purrsight.model.loading import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.training.datamodule import Phase2DataModule
-from purrsight.training.model_builder import build_model
+from purrsight.training.model_builder import build_model, frozen_dtype
 from purrsight.training.optim import build_optimizer
 
 CHECKPOINT_META_KEY = "purrsight"
@@ -49,7 +49,10 @@ class Phase2Module(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            built = build_model(self.config)
+            # Under bf16 precision the frozen weights are stored in bf16 (half the memory, no
+            # re-cast by autocast in every forward); used without a trainer, float32.
+            precision = str(self._trainer.precision) if self._trainer is not None else "32-true"
+            built = build_model(self.config, frozen_dtype(precision))
             self.model, self.fingerprint = built.model, built.fingerprint
 
     # ------------------------------------------------------------------ steps
@@ -78,9 +81,11 @@ class Phase2Module(pl.LightningModule):
         loss, _, _ = self.model(batch)
         size = batch["input_ids"].shape[0]
         # Only on the steps the loggers and the progress line write: every self.log call
-        # costs about a millisecond of Lightning bookkeeping (bench/README.md).
+        # costs about a millisecond of Lightning bookkeeping (bench/README.md). Not prog_bar:
+        # Lightning turns progress-bar metrics into numbers at every step's end, which on a
+        # GPU makes the host wait for the device each step (our bars read callback_metrics).
         if (self.trainer.global_step + 1) % self.config.logging.every_n_steps == 0:
-            self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=size)
+            self.log("train/loss", loss, on_step=True, batch_size=size)
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, batch_size=size)
         if batch["num_skipped"]:
             self.log("train/skipped_samples", float(self.skipped_samples), on_step=True, batch_size=size)
@@ -90,7 +95,7 @@ class Phase2Module(pl.LightningModule):
         assert self.model is not None
         loss, logits, labels = self.model(batch)
         size = batch["input_ids"].shape[0]
-        self.log("val/loss", loss, sync_dist=True, batch_size=size, prog_bar=True)
+        self.log("val/loss", loss, sync_dist=True, batch_size=size)
         self.log("val/accuracy", response_accuracy(logits, labels).mean(), sync_dist=True, batch_size=size)
 
     # ------------------------------------------------------------------ optimiser

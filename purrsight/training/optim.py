@@ -22,7 +22,12 @@ def build_optimizer(
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """The optimizer and its per-step schedule (step the scheduler after every optimizer step)."""
     beta1, beta2 = optim.betas
-    optimizer = torch.optim.AdamW(parameters, lr=optim.lr, betas=(beta1, beta2), weight_decay=optim.weight_decay)
+    # On GPUs the fused kernel: one launch for all parameters, and its step counters stay on
+    # the device (the default keeps them on the host and reads each one per step).
+    fused = bool(parameters) and all(p.is_cuda for p in parameters)
+    optimizer = torch.optim.AdamW(
+        parameters, lr=optim.lr, betas=(beta1, beta2), weight_decay=optim.weight_decay, fused=fused or None
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, optim.warmup_steps, total_steps, optim.min_lr_ratio)
     )

@@ -102,10 +102,15 @@ def _logs_above_bar() -> Iterator[None]:
 
 
 class StepBar(ProgressBar):
-    """For terminals: one bar over optimizer steps, with the newest loss and validation result."""
+    """For terminals: one bar over optimizer steps, with the newest loss and validation result.
 
-    def __init__(self) -> None:
+    The numbers beside the bar change on logging steps only: reading a metric on the others
+    would make the host wait for the GPU each step, for a loss logged steps ago.
+    """
+
+    def __init__(self, every_n_steps: int = 1) -> None:
         super().__init__()
+        self.every_n_steps = every_n_steps
         self._enabled = True
         self._bar: tqdm[Any] | None = None
         self._redirect = ExitStack()
@@ -134,7 +139,8 @@ class StepBar(ProgressBar):
         if self._bar is None or trainer.global_step == self._bar.n:
             return  # a micro-batch of an accumulated step: nothing moved
         self._bar.update(trainer.global_step - self._bar.n)
-        self._show_metrics(trainer)
+        if trainer.global_step % self.every_n_steps == 0:
+            self._show_metrics(trainer)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._bar is not None and not trainer.sanity_checking:

@@ -55,26 +55,46 @@ class StopVote:
     collectives in the same order and reaches the same decision at the same step. A
     blocking vote each step cost about 3% of a small model's step time (a second
     synchronisation point besides DDP's gradient all-reduce, bench/README.md).
+
+    The flag lives in host memory and travels over gloo (the default group when it is gloo, a
+    gloo side group beside NCCL): reading a flag reduced on the GPU would make the host wait
+    for every kernel queued before it, each step, and the host could never run ahead.
     """
 
     def __init__(self) -> None:
-        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._group: Any = None
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._outcome = self._flag.numpy()  # a view of the same host memory, read without torch
+        self._pending: Any = None
 
-    def exchange(self, local_stop: bool, device: torch.device) -> bool:
+    def setup(self) -> None:
+        """Create the gloo group; every rank calls this at the same point (train start)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or self._group is not None:
+            return
+        self._group = vote_group(torch.distributed.get_backend())
+
+    def exchange(self, local_stop: bool) -> bool:
         """Start this step's vote; return the previous step's outcome (False at the first)."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if self._group is None:
             return local_stop
         previous = self.finish()
-        flag = torch.tensor([int(local_stop)], device=device)
-        work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self._pending = (work, flag)
+        self._outcome[0] = int(local_stop)  # the previous vote is done with the buffer
+        self._pending = torch.distributed.all_reduce(
+            self._flag, op=torch.distributed.ReduceOp.MAX, group=self._group, async_op=True
+        )
         return previous
 
     def finish(self) -> bool:
         """Wait for the vote in flight, if any; its outcome."""
         if self._pending is None:
             return False
-        work, flag = self._pending
+        self._pending.wait()
         self._pending = None
-        work.wait()
-        return bool(flag.item())
+        return bool(self._outcome[0])
+
+
+def vote_group(default_backend: str) -> Any:
+    """The group the stop vote runs in: the default one when it is gloo, else a new gloo group."""
+    if default_backend == "gloo":
+        return torch.distributed.group.WORLD
+    return torch.distributed.new_group(backend="gloo")

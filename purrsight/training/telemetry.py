@@ -165,8 +165,8 @@ class Telemetry(pl.Callback):
     ) -> None:
         self._batch_end = time.perf_counter()
         self._compute += self._batch_end - self._batch_start
-        self._samples += int(batch["input_ids"].shape[0])
-        self._tokens += int(batch["attention_mask"].sum())
+        self._samples += batch["num_samples"]  # counted by the collator: no read of a device tensor
+        self._tokens += batch["num_tokens"]
         step = trainer.global_step
         if self.barrier_every and step and step % self.barrier_every == 0 and trainer.world_size > 1:
             trainer.strategy.barrier("telemetry")  # aligned steps on every GPU: clean power traces

@@ -139,7 +139,7 @@ def build_trainer(
         )
     if config.distributed.progress_timeout_s is not None:
         callbacks.append(ProgressWatchdog(config.distributed.progress_timeout_s))
-    callbacks.append(StepBar() if bar else LineProgress(config.logging.every_n_steps))
+    callbacks.append(StepBar(config.logging.every_n_steps) if bar else LineProgress(config.logging.every_n_steps))
     trainer_cfg = config.trainer
     return pl.Trainer(
         accelerator=accelerator,

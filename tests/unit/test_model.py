@@ -58,6 +58,7 @@ def test_missing_modality_keeps_every_projector_in_the_graph(synthetic_dir: Path
     built = build_model(config)
     batch = first_batch(config)
     batch["has_image"] = torch.zeros_like(batch["has_image"])
+    batch["image_rows"] = torch.zeros(0, dtype=torch.long)
     loss, _, _ = built.model(batch)
     loss.backward()
     grads = [p.grad for p in built.model.projectors["image"].parameters()]
@@ -73,6 +74,7 @@ def test_absent_image_does_not_change_the_loss(synthetic_dir: Path, tmp_path: Pa
     built.model.eval()
     batch = first_batch(config)
     batch["has_image"] = torch.zeros_like(batch["has_image"])
+    batch["image_rows"] = torch.zeros(0, dtype=torch.long)
     loss_a = built.model(batch)[0]
     assert batch["image"].dtype == torch.uint8  # pictures travel as uint8 and are normalised in the model
     batch["image"] = torch.randint_like(batch["image"], 0, 256)
@@ -173,3 +175,68 @@ def test_uint8_pictures_are_normalised_in_the_model_as_the_decoder_would(synthet
     assert torch.equal(built.model.tower_input(batch, "image"), expected)
     assert float(expected.min()) >= -1.0 and float(expected.max()) <= 1.0 and float(expected.std()) > 0.1
     assert not any("pixel" in key for key in built.model.state_dict())  # fixed by the processor: not checkpointed
+
+
+def test_the_attention_mask_built_on_the_device_gives_transformers_own_loss(synthetic_dir: Path, tmp_path: Path) -> None:
+    """The 4-D SDPA mask (built so transformers need not read the 2-D one on the host) and the
+    no-mask path of an unpadded batch give the loss transformers computes from the 2-D mask."""
+    config = tiny_config(synthetic_dir, tmp_path)
+    model = build_model(config).model.eval()
+    batch = first_batch(config)
+    batch["has_image"][0] = False
+    batch["image_rows"] = batch["image_rows"][batch["image_rows"] != 0]
+    assert batch["padded"] and int(batch["attention_mask"].sum()) < batch["attention_mask"].numel()
+    with torch.no_grad():
+        inputs = model.build_inputs(batch)
+        assert inputs["attention_mask"] is not None and inputs["attention_mask"].dim() == 4
+        ours = model.llm(**inputs).loss
+        two_d = inputs["attention_mask"][:, 0, -1, :].long()  # the last query row sees every real key
+        theirs = model.llm(inputs_embeds=inputs["inputs_embeds"], attention_mask=two_d, labels=inputs["labels"]).loss
+        assert torch.isfinite(ours) and torch.allclose(ours, theirs, atol=1e-5)
+        # A batch with no masked position: no mask at all, the same loss as an all-ones 2-D mask.
+        full = {k: v[:1] if isinstance(v, torch.Tensor) and k not in ("image_rows", "audio_rows") else v for k, v in batch.items()}
+        length = int(full["attention_mask"].sum())
+        for key in ("input_ids", "labels", "attention_mask"):
+            full[key] = full[key][:, :length]
+        full.update(has_image=torch.ones(1, dtype=torch.bool), has_audio=torch.ones(1, dtype=torch.bool))
+        full.update(image_rows=torch.zeros(1, dtype=torch.long), audio_rows=torch.zeros(1, dtype=torch.long), padded=False)
+        unmasked = model.build_inputs(full)
+        assert unmasked["attention_mask"] is None
+        ones = torch.ones(unmasked["inputs_embeds"].shape[:2], dtype=torch.long)
+        expected = model.llm(inputs_embeds=unmasked["inputs_embeds"], attention_mask=ones, labels=unmasked["labels"]).loss
+        assert torch.allclose(model.llm(**unmasked).loss, expected, atol=1e-5)
+
+
+def test_under_bf16_frozen_weights_are_held_in_bf16_and_trainable_ones_in_float32(synthetic_dir: Path, tmp_path: Path) -> None:
+    from purrsight.training.model_builder import frozen_dtype
+
+    assert frozen_dtype("bf16-mixed") == frozen_dtype("bf16-true") == torch.bfloat16
+    assert frozen_dtype("32-true") == frozen_dtype("16-mixed") == torch.float32  # fp16's range is too narrow for weights
+    config = tiny_config(synthetic_dir, tmp_path)
+    full = build_model(config)
+    half = build_model(config, torch.bfloat16)
+    assert half.fingerprint == full.fingerprint  # a bf16 run and a float32 run resume each other
+    params = dict(half.model.named_parameters())
+    assert {p.dtype for p in params.values() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+    assert half.model.pixel_scale.dtype == torch.float32  # buffers keep their precision
+    rotary = [b for n, b in half.model.named_buffers() if n.endswith("inv_freq")]
+    assert rotary and all(b.dtype == torch.float32 for b in rotary)
+    # The loss under bf16 autocast stays close to float32's (bf16 keeps 8 bits of mantissa).
+    batch = first_batch(config)
+    full.model.eval(), half.model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_half = half.model(batch)[0].float()
+    with torch.no_grad():
+        loss_full = full.model(batch)[0]
+    assert abs(loss_half - loss_full) / loss_full < 0.02
+
+
+def test_the_trainer_under_bf16_builds_the_model_with_bf16_frozen_weights(synthetic_dir: Path, tmp_path: Path) -> None:
+    import pytorch_lightning as pl
+
+    module = Phase2Module(tiny_config(synthetic_dir, tmp_path))
+    module.trainer = pl.Trainer(precision="bf16-mixed", accelerator="cpu", logger=False, enable_progress_bar=False)
+    module.configure_model()
+    assert module.model is not None
+    assert next(p for p in module.model.parameters() if not p.requires_grad).dtype == torch.bfloat16

@@ -8,6 +8,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytorch_lightning as pl
@@ -119,18 +120,23 @@ class FakeNVML(types.ModuleType):
 
 
 class TokenBatches(pl.LightningModule):
-    """A one-weight model fed batches shaped like the trainer's (input_ids, attention_mask)."""
+    """A one-weight model fed batches shaped like the trainer's (tensors and the collator's counts)."""
 
     def __init__(self, batch_size: int) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(1))
         self.batch_size = batch_size
 
-    def train_dataloader(self) -> torch.utils.data.DataLoader[dict[str, torch.Tensor]]:
+    def train_dataloader(self) -> torch.utils.data.DataLoader[dict[str, Any]]:
         items = [{"input_ids": torch.ones(6, dtype=torch.long), "attention_mask": torch.ones(6)} for _ in range(64)]
-        return torch.utils.data.DataLoader(items, batch_size=self.batch_size)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+            batch: dict[str, Any] = torch.utils.data.default_collate(rows)
+            return {**batch, "num_samples": len(rows), "num_tokens": 6 * len(rows)}
+
+        return torch.utils.data.DataLoader(items, batch_size=self.batch_size, collate_fn=collate)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         return (self.weight * batch["attention_mask"]).pow(2).mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -58,7 +58,18 @@ def test_collate_pads_and_masks_missing_media() -> None:
     assert batch["labels"].tolist() == [[IGNORE_INDEX, 6, 7], [IGNORE_INDEX, 6, IGNORE_INDEX]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["has_image"].tolist() == [True, False] and batch["has_audio"].tolist() == [False, True]
+    assert batch["image_rows"].tolist() == [0] and batch["audio_rows"].tolist() == [1]
     assert batch["image"][1].abs().sum() == 0 and batch["num_skipped"] == 2 and batch["ids"] == ["a", "b"]
+    # Counted on the CPU, carried as Python values: the training step never reads them off the GPU.
+    assert (batch["num_samples"], batch["num_tokens"], batch["padded"]) == (2, 5, True)
+
+
+def test_collate_knows_when_nothing_is_masked() -> None:
+    samples = [Sample(x, [5, 6], [IGNORE_INDEX, 6], torch.ones(3, 4, 4), torch.ones(10), skipped=0) for x in "ab"]
+    batch = Collator(0, torch.zeros(3, 4, 4), torch.zeros(10))(samples)
+    assert batch["padded"] is False and batch["num_tokens"] == 4
+    samples[1] = Sample("b", [5, 6], [IGNORE_INDEX, 6], torch.ones(3, 4, 4), None, skipped=0)
+    assert Collator(0, torch.zeros(3, 4, 4), torch.zeros(10))(samples)["padded"] is True  # an absent prefix is masked
 
 
 def test_bad_sample_error_or_skip(tmp_path: Path, synthetic_dir: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
