@@ -36,7 +36,9 @@ Options:
 
 Environment variables (default in brackets; a variable you export yourself is never overridden):
   NPROC_PER_NODE  processes on this node [auto: visible GPUs, honouring CUDA_VISIBLE_DEVICES; 1 without]
-  BACKEND         nccl | gloo [auto: nccl with GPUs, gloo without]
+  BACKEND         nccl | gloo [auto: the config's distributed.backend; auto there: nccl with GPUs, gloo
+                  without]. gloo runs on CPU, also on a GPU node (add -- trainer.accelerator=gpu for
+                  gloo on GPUs). The workers get this decision as PURRSIGHT_ACCELERATOR/PURRSIGHT_BACKEND.
   LOG_LEVEL       INFO | DEBUG [INFO]; DEBUG adds NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL,
                   shell tracing and tracebacks into the log
   VENV            virtualenv folder to activate [unset]
@@ -236,25 +238,32 @@ probe_node() {
       python | torch | cuda | nccl | gpus | gpu_names) printf -v "NODE_${key^^}" '%s' "${value}" ;;
     esac
   done <<<"${report}"
-  if [[ "${BACKEND}" == auto ]]; then
-    if ((NODE_GPUS > 0)); then BACKEND=nccl; else BACKEND=gloo; fi
+}
+
+# The config is validated and the placement decided in one Python step, by the function the
+# trainer and the Ray driver use (purrsight/placement.py): the workers take it as it is.
+decide_placement() {
+  local problems key value
+  if ! problems="$("${PYTHON}" -m purrsight.placement "${CONFIG}" --gpus "${NODE_GPUS}" --backend "${BACKEND}" \
+    "${OVERRIDES[@]}" 2>&1 >"${TMPDIR:-/tmp}/purrsight-placement-$$")"; then
+    rm -f "${TMPDIR:-/tmp}/purrsight-placement-$$"
+    printf '%s\n' "${problems}" >&2
+    die_usage "config ${CONFIG} is invalid or asks for what this node lacks (see above)"
   fi
+  while IFS='=' read -r key value; do
+    case "${key}" in accelerator) ACCELERATOR="${value}" ;; backend) BACKEND="${value}" ;; esac
+  done <"${TMPDIR:-/tmp}/purrsight-placement-$$"
+  rm -f "${TMPDIR:-/tmp}/purrsight-placement-$$"
   if [[ "${NPROC_PER_NODE}" == auto ]]; then
-    NPROC=$((NODE_GPUS > 0 ? NODE_GPUS : 1))
+    NPROC=$([[ "${ACCELERATOR}" == gpu ]] && echo "${NODE_GPUS}" || echo 1)
   else
     NPROC="${NPROC_PER_NODE}"
   fi
-  if [[ "${BACKEND}" == nccl ]] && ((NPROC > NODE_GPUS)); then
-    die_usage "NPROC_PER_NODE=${NPROC} but only ${NODE_GPUS} GPU(s) are visible with BACKEND=nccl (use BACKEND=gloo for CPU)"
+  if [[ "${ACCELERATOR}" == gpu ]] && ((NPROC > NODE_GPUS)); then
+    die_usage "NPROC_PER_NODE=${NPROC} but only ${NODE_GPUS} GPU(s) are visible (one process per GPU; BACKEND=gloo runs on CPU)"
   fi
-}
-
-check_config() {
-  local problems
-  if ! problems="$("${PYTHON}" -m purrsight.config check "${CONFIG}" "${OVERRIDES[@]}" 2>&1 >/dev/null)"; then
-    printf '%s\n' "${problems}" >&2
-    die_usage "config ${CONFIG} is invalid (see above)"
-  fi
+  export PURRSIGHT_ACCELERATOR="${ACCELERATOR}" PURRSIGHT_BACKEND="${BACKEND}"
+  DRY_LINES+=("export PURRSIGHT_ACCELERATOR=${ACCELERATOR} PURRSIGHT_BACKEND=${BACKEND}  # the workers take this placement as it is")
 }
 
 # A start without RESUME into a run folder that holds another run would mix the two; it is
@@ -337,7 +346,7 @@ build_torchrun_args() {
 }
 
 print_banner() {
-  log "node ${NODE_RANK}/${NUM_NODES}: master ${MASTER_HOST} (${MASTER_IP}):${PORT}, ${NPROC} process(es), backend ${BACKEND}"
+  log "node ${NODE_RANK}/${NUM_NODES}: master ${MASTER_HOST} (${MASTER_IP}):${PORT}, ${NPROC} process(es) on ${ACCELERATOR^^}, backend ${BACKEND}"
   log "python ${NODE_PYTHON} (${PYTHON}, ${PYTHON_SOURCE}); torch ${NODE_TORCH}; CUDA ${NODE_CUDA}; NCCL ${NODE_NCCL}; GPUs ${NODE_GPUS} ${NODE_GPU_NAMES}"
   log "environment (a variable you exported yourself is kept):"
   local line
@@ -402,7 +411,7 @@ main() {
   LOG_DIR="${LOG_DIR:-logs/distributed_training}"
   activate_python
   probe_node
-  check_config
+  decide_placement
   apply_env_plan
   if [[ -n "${RESUME:-}" ]]; then export PURRSIGHT_RESUME="${RESUME}"; fi
   export PURRSIGHT_NODE_ADDR="${LOCAL_ADDR:-${MASTER_IP}}" # the watchdog names unreachable nodes by it

@@ -63,8 +63,26 @@ def nccl_settings(preset: str, ports: list[IBPort], route: Route | None, debug: 
     return settings
 
 
-def threads_per_process(cpu_count: int, nproc: int, num_nodes: int, master_addr: str) -> tuple[str, str, str]:
-    """OMP_NUM_THREADS: this machine's cores shared by the processes that will run on it.
+def usable_cpus(environ: Mapping[str, str], affinity: set[int] | None = None) -> tuple[int, str]:
+    """(CPUs this job may use on this node, where that number comes from).
+
+    The affinity mask (taskset, cgroups, a scheduler's binding), not os.cpu_count(): on a shared
+    128-core node a job given 32 cores that sizes its threads by 128 oversubscribes its cores 4x.
+    SLURM_CPUS_PER_TASK caps it where SLURM counts CPUs without binding them (the launcher is
+    one task per node, so its CPUs are the node's share of the job).
+    """
+    mask = affinity if affinity is not None else os.sched_getaffinity(0)
+    cpus, source = len(mask), "CPUs in this process's affinity mask"
+    slurm = environ.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit() and 0 < int(slurm) < cpus:
+        cpus, source = int(slurm), "SLURM_CPUS_PER_TASK"
+    return max(1, cpus), source
+
+
+def threads_per_process(
+    cpu_count: int, nproc: int, num_nodes: int, master_addr: str, source: str = "cores"
+) -> tuple[str, str, str]:
+    """OMP_NUM_THREADS: the CPUs this node's share of the job may use, shared by its processes.
 
     A master on a loopback address is reachable from this machine only, so every node of
     the job runs here (nodes tried out on one laptop, or tests): their processes share the
@@ -75,7 +93,7 @@ def threads_per_process(cpu_count: int, nproc: int, num_nodes: int, master_addr:
     except ValueError:
         local_nodes = 1
     processes = max(1, nproc) * max(1, local_nodes)
-    reason = f"{cpu_count} cores / {nproc} processes"
+    reason = f"{cpu_count} {source} / {nproc} processes"
     if local_nodes > 1:
         reason += f" x {local_nodes} nodes, all on this machine (loopback master)"
     return ("OMP_NUM_THREADS", str(max(1, cpu_count // processes)), reason)
@@ -93,12 +111,13 @@ def plan(
     route: Route | None,
     cpu_count: int,
     num_nodes: int = 1,
+    cpu_source: str = "cores",
 ) -> list[EnvVar]:
     debug = log_level.upper() == "DEBUG"
     wanted: list[tuple[str, str, str]] = [
         ("MASTER_ADDR", master_addr, "rendezvous host"),
         ("MASTER_PORT", str(master_port), "rendezvous port"),
-        threads_per_process(cpu_count, nproc, num_nodes, master_addr),
+        threads_per_process(cpu_count, nproc, num_nodes, master_addr, cpu_source),
         # 3 = tear down on a collective error and keep the flight recorder's dump;
         # torchrun itself would set 1 when unset.
         ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3", "fail fast on a broken collective"),
@@ -144,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if None in (args.master_addr, args.master_port, args.nproc, args.backend):
         parser.error("--master-addr, --master-port, --nproc and --backend are required")
     route = route_to(args.master_addr)
+    cpus, cpu_source = usable_cpus(os.environ)
     entries = plan(
         os.environ,
         args.master_addr,
@@ -154,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         args.nccl_preset,
         active_ib_ports(args.sys_infiniband),
         route,
-        os.cpu_count() or 1,
+        cpus,
         args.nnodes,
+        cpu_source,
     )
     for entry in entries:
         # One line per variable, tab-separated: values may hold spaces, never tabs/newlines.

@@ -25,6 +25,7 @@ from purrsight.data.index import read_index
 from purrsight.data.prepared_manifest import read_manifest
 from purrsight.data.synthetic import prepare_synthetic
 from purrsight.errors import SIGNAL_BASE, ClusterError, ExitCode
+from purrsight.placement import decide
 from purrsight.training.run_folder import utc_stamp
 from purrsight.training.start import choose_start
 
@@ -155,6 +156,11 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
         config.run.run_dir,
         f"resuming from {plan.checkpoint} (step {plan.step})" if plan.checkpoint else "a new run",
     )
+    # The launcher's decision, made by the same function over the GPUs each worker is given,
+    # before any cluster is touched.
+    gpus = int(config.ray.resources_per_worker.get("GPU", 0) > 0)
+    placement = decide(config.trainer.accelerator, config.distributed.backend, gpus)
+    backend = placement.backend
 
     connect()
     import ray
@@ -174,8 +180,6 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
     coordinator = coordinator_actor.remote()
     relay = StopRelay(coordinator)
     relay.install()
-    wants_gpu = config.ray.resources_per_worker.get("GPU", 0) > 0
-    backend = config.distributed.backend if config.distributed.backend != "auto" else ("nccl" if wants_gpu else "gloo")
     trainer = TorchTrainer(
         train_on_worker,  # type: ignore[arg-type]  # Train V2 hands rank 0's return value to the driver
         train_loop_config={
@@ -183,11 +187,12 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
             "resume": str(plan.checkpoint) if plan.checkpoint else None,
             "coordinator": coordinator,
             "launch": launch,
+            "placement": placement.environment(),
         },
         torch_config=TorchConfig(backend=backend, timeout_s=config.distributed.timeout_s),
         scaling_config=ScalingConfig(
             num_workers=config.ray.num_workers,
-            use_gpu=wants_gpu,
+            use_gpu=placement.accelerator == "gpu",
             resources_per_worker=dict(config.ray.resources_per_worker),
             placement_strategy=config.ray.placement_strategy,
         ),

@@ -52,6 +52,7 @@ def train_on_worker(settings: dict[str, Any]) -> dict[str, Any]:
     os.environ["GROUP_RANK"] = str(context.get_node_rank())  # our node index (telemetry, watchdog)
     os.environ["PURRSIGHT_LAUNCH_ID"] = settings["launch"]
     os.environ["PURRSIGHT_NODE_ADDR"] = ray.util.get_node_ip_address()
+    os.environ.update(settings["placement"])  # the driver's decision, taken as the launcher's is
     setup_logging(force=True)  # rank-prefixed lines like under torchrun, not Ray's format
     rank = context.get_world_rank()
     coordinator = settings["coordinator"]
@@ -72,14 +73,14 @@ def train_on_worker(settings: dict[str, Any]) -> dict[str, Any]:
     # Lightning, transformers and peft load here, after the line above (timed as ours).
     from purrsight.ray_engine.callbacks import RayTrainEnvironment, RelayedStop, ReportCheckpointsToRay
     from purrsight.training.run import train
-    from purrsight.training.trainer_builder import build_strategy, resolve_accelerator
+    from purrsight.training.trainer_builder import build_strategy, resolve_placement
 
     config = Config.model_validate(settings["config"])
     resume = restored_checkpoint() or (settings["resume"] if earlier_starts == 0 else None)
     device = ray.train.torch.get_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    strategy = build_strategy(config, resolve_accelerator(config), RayTrainEnvironment(), device)
+    strategy = build_strategy(config, resolve_placement(config), RayTrainEnvironment(), device)
     callbacks = [RelayedStop(coordinator), ReportCheckpointsToRay()]
     try:
         outcome = train(config, resume, callbacks, generation=earlier_starts, strategy=strategy)

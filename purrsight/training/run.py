@@ -22,7 +22,7 @@ from purrsight.training.preflight_callback import Preflight
 from purrsight.training.report import write_report
 from purrsight.training.run_folder import checkpoint_dir
 from purrsight.training.start import agreed_start
-from purrsight.training.trainer_builder import build_trainer, resolve_backend
+from purrsight.training.trainer_builder import build_trainer, resolve_placement
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def train(
     an engine that tracks them itself (Ray); by default torchrun's restart count and a
     strategy built for torchrun or a single process.
     """
-    backend = resolve_backend(config)
+    backend = resolve_placement(config).backend
     # Our own process group (Lightning skips its init when one exists): node-ordered ranks,
     # and a collective decision about resuming, so no rank starts over while others resume.
     distributed = init_process_group(backend, timedelta(seconds=config.distributed.timeout_s))

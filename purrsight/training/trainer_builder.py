@@ -13,6 +13,7 @@ from pytorch_lightning.plugins.environments import ClusterEnvironment, TorchElas
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
 from purrsight.config import Config
+from purrsight.placement import Placement, decide, from_launcher
 from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
 from purrsight.training.loggers import FitStepNumbering, build_loggers
 from purrsight.training.preflight_callback import Preflight
@@ -22,11 +23,13 @@ from purrsight.training.telemetry import Telemetry
 from purrsight.training.watchdog import ProgressWatchdog
 
 
-def resolve_accelerator(config: Config) -> str:
-    wanted = config.trainer.accelerator
-    if wanted == "auto":
-        return "gpu" if torch.cuda.is_available() else "cpu"
-    return wanted
+def resolve_placement(config: Config) -> Placement:
+    """The launcher's (or the Ray driver's) decision when one was made, else this process's own."""
+    launched = from_launcher(os.environ)
+    if launched is not None:
+        return launched
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return decide(config.trainer.accelerator, config.distributed.backend, gpus)
 
 
 def resolve_precision(config: Config, accelerator: str) -> str:
@@ -35,13 +38,6 @@ def resolve_precision(config: Config, accelerator: str) -> str:
     if accelerator == "gpu" and torch.cuda.is_bf16_supported():
         return "bf16-mixed"
     return "32-true"
-
-
-def resolve_backend(config: Config) -> str:
-    wanted = config.distributed.backend
-    if wanted != "auto":
-        return wanted
-    return "nccl" if resolve_accelerator(config) == "gpu" else "gloo"
 
 
 def launch_world() -> tuple[int, int]:
@@ -75,7 +71,7 @@ def buffer_sync(every_forward: bool) -> dict[str, bool]:
 
 
 def build_strategy(
-    config: Config, accelerator: str, environment: ClusterEnvironment | None = None, device: torch.device | None = None
+    config: Config, placement: Placement, environment: ClusterEnvironment | None = None, device: torch.device | None = None
 ) -> Strategy:
     """Single device or DDP with our settings.
 
@@ -86,15 +82,14 @@ def build_strategy(
     io = AtomicCheckpointIO()
     if local * nodes == 1:
         if device is None:
-            device = torch.device("cuda", 0) if accelerator == "gpu" else torch.device("cpu")
+            device = torch.device("cuda", 0) if placement.accelerator == "gpu" else torch.device("cpu")
         return SingleDeviceStrategy(device=device, checkpoint_io=io)
     dist = config.distributed
-    backend = resolve_backend(config)
     # torchrun started us: Lightning must take torchrun's ranks, even inside a SLURM
     # allocation where it would otherwise read SLURM's (one task per node, not per GPU).
     settings: dict[str, Any] = dict(
         cluster_environment=environment or TorchElasticEnvironment(),
-        process_group_backend=backend,
+        process_group_backend=placement.backend,
         timeout=timedelta(seconds=dist.timeout_s),
         bucket_cap_mb=dist.bucket_cap_mb,
         gradient_as_bucket_view=dist.gradient_as_bucket_view,
@@ -117,7 +112,7 @@ def build_trainer(
 
     ``strategy``: an engine's own (Ray); by default built for torchrun or a single process.
     """
-    accelerator = resolve_accelerator(config)
+    placement = resolve_placement(config)
     local, nodes = launch_world()
     run_dir = config.run.run_dir
     bar = use_progress_bar(config.logging.progress)
@@ -142,11 +137,11 @@ def build_trainer(
     callbacks.append(StepBar(config.logging.every_n_steps) if bar else LineProgress(config.logging.every_n_steps))
     trainer_cfg = config.trainer
     return pl.Trainer(
-        accelerator=accelerator,
+        accelerator=placement.accelerator,
         devices=local,
         num_nodes=nodes,
-        strategy=strategy or build_strategy(config, accelerator),
-        precision=resolve_precision(config, accelerator),  # type: ignore[arg-type]
+        strategy=strategy or build_strategy(config, placement),
+        precision=resolve_precision(config, placement.accelerator),  # type: ignore[arg-type]
         max_steps=trainer_cfg.max_steps,
         max_epochs=-1,  # max_steps decides; epochs just repeat the (re-shuffled) data
         accumulate_grad_batches=trainer_cfg.accumulate_grad_batches,

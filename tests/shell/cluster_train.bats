@@ -89,7 +89,29 @@ assert_usage_error() {
   # as many GPUs as the probe sees here (0 on CPU machines), plus one
   gpus="$(python -m purrsight.cluster.probe | sed -n 's/^gpus=//p')"
   BACKEND=nccl NPROC_PER_NODE=$((gpus + 1)) run ./cluster_train.sh
-  assert_usage_error "NPROC_PER_NODE=$((gpus + 1)) but only ${gpus} GPU(s) are visible with BACKEND=nccl"
+  [ "${status}" -eq 2 ]
+  if ((gpus == 0)); then
+    grep -q "backend nccl needs GPUs but no GPU is visible here; use BACKEND=gloo" <<<"${output}"
+  else
+    grep -q "NPROC_PER_NODE=$((gpus + 1)) but only ${gpus} GPU(s) are visible" <<<"${output}"
+  fi
+}
+
+@test "the placement the launcher decides is the one its workers get" {
+  BACKEND=gloo run ./cluster_train.sh --dry-run
+  [ "${status}" -eq 0 ]
+  grep -q '^export PURRSIGHT_ACCELERATOR=cpu PURRSIGHT_BACKEND=gloo' <<<"${output}"
+  # the config's own choice counts when BACKEND is left to auto
+  run ./cluster_train.sh --dry-run config/train_config.yaml -- distributed.backend=gloo trainer.accelerator=cpu
+  grep -q '^export PURRSIGHT_ACCELERATOR=cpu PURRSIGHT_BACKEND=gloo' <<<"${output}"
+}
+
+@test "threads per process come from the CPUs the launcher may use" {
+  NPROC_PER_NODE=1 run taskset -c 0 ./cluster_train.sh --dry-run
+  [ "${status}" -eq 0 ]
+  grep -q "^export OMP_NUM_THREADS=1  # 1 CPUs in this process's affinity mask / 1 processes" <<<"${output}"
+  NPROC_PER_NODE=1 SLURM_CPUS_PER_TASK=1 run ./cluster_train.sh --dry-run
+  grep -q "^export OMP_NUM_THREADS=1  # 1 SLURM_CPUS_PER_TASK / 1 processes" <<<"${output}"
 }
 
 # The python that --dry-run would exec (its first word after "exec").
