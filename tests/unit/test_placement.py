@@ -30,9 +30,9 @@ def test_decide(accelerator: str, backend: str, gpus: int, expected: Placement) 
 def test_impossible_placements_name_the_fix() -> None:
     with pytest.raises(PlacementError, match="backend nccl needs GPUs but no GPU is visible here; use BACKEND=gloo"):
         decide("auto", "nccl", 0)
-    with pytest.raises(PlacementError, match="backend nccl needs GPUs but trainer.accelerator=cpu"):
+    with pytest.raises(PlacementError, match=r"backend nccl needs GPUs but trainer\.accelerator=cpu"):
         decide("cpu", "nccl", 8)
-    with pytest.raises(PlacementError, match="trainer.accelerator=gpu but no GPU is visible"):
+    with pytest.raises(PlacementError, match=r"trainer\.accelerator=gpu but no GPU is visible"):
         decide("gpu", "auto", 0)
 
 
