@@ -20,6 +20,7 @@ every format libsndfile reads: an hour-long recording costs what a clip costs.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -68,9 +69,10 @@ class ImageDecoder:
         self.draft_box = self._draft_box()
         self.pixel_scaling = self._pixel_scaling()
         if max_pixels is not None:
-            # Our limit, checked from the header with a message naming the file and the
-            # setting, replaces Pillow's (DecompressionBombError at 2x its own default).
-            Image.MAX_IMAGE_PIXELS = None
+            # Pillow's bomb guard, set to our limit, not switched off: it protects every
+            # Image.open in the process, processors' and plotting code's too (a warning above
+            # the limit, an error above twice it). load() names the file and the setting.
+            Image.MAX_IMAGE_PIXELS = max_pixels
 
     def _draft_box(self) -> tuple[int, int] | None:
         """The smallest (width, height) a JPEG is decoded at: twice what the tower's resize keeps.
@@ -128,7 +130,11 @@ class ImageDecoder:
     def load(self, path: Path) -> Image.Image:
         """The picture in ``path`` as displayed, 8-bit RGB; SampleError when it cannot be used."""
         try:
-            with Image.open(path) as image:
+            with warnings.catch_warnings():
+                # Above the limit Pillow warns; the SampleError below says it better.
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                opened = Image.open(path)
+            with opened as image:
                 width, height = image.size
                 if self.max_pixels is not None and width * height > self.max_pixels:
                     raise SampleError(
@@ -140,7 +146,11 @@ class ImageDecoder:
                 image.load()  # decode now: a truncated file must fail here, not later
                 ImageOps.exif_transpose(image, in_place=True)
                 return as_displayed_rgb(image, self.background)
-        except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as err:
+        except Image.DecompressionBombError as err:  # above twice the limit: Pillow refuses it at open
+            raise SampleError(
+                f"{path}: image above data.max_image_pixels={self.max_pixels} ({err}); downscale the file or raise the limit"
+            ) from None
+        except (UnidentifiedImageError, OSError, SyntaxError) as err:
             raise SampleError(f"{path}: cannot decode image ({err})") from None
 
     def __call__(self, path: Path) -> torch.Tensor:

@@ -370,3 +370,16 @@ def test_a_phone_sized_jpeg_is_decoded_at_reduced_scale_to_the_same_tensor(
     assert decoder.load(path).size == (750, 1000)  # the reduced decode happened
     difference = (decoder(path) - processor_output(processor, path).float()).abs()
     assert float(difference.mean()) <= 0.01 and float(difference.max()) <= 0.06
+
+
+def test_pillows_bomb_guard_stays_on_at_our_limit(tmp_path: Path) -> None:
+    """Our limit becomes Pillow's, not None: a processor (or any code) opening a picture after
+    ours is still protected; above twice the limit Pillow refuses it at open, and our loader
+    turns that into the one-line sample error."""
+    Image.new("L", (3000, 1000)).save(tmp_path / "three_mp.png")
+    decoder = ImageDecoder(None, 224, max_pixels=1_000_000)
+    assert Image.MAX_IMAGE_PIXELS == 1_000_000
+    with pytest.raises(Image.DecompressionBombError):  # what a processor's own Image.open meets
+        Image.open(tmp_path / "three_mp.png")
+    with pytest.raises(SampleError, match=r"three_mp\.png: image above data\.max_image_pixels=1000000 \(Image size"):
+        decoder(tmp_path / "three_mp.png")
