@@ -3,16 +3,20 @@
 Builds config/qwen2.5-0.5b.yaml's model, randomly initialised from bench/real_size.py's
 config dicts, through build_model as training does (frozen SigLIP and wav2vec2 towers,
 projectors, LoRA r=16 on every linear layer, gradient checkpointing as configured), and
-trains it on random batches already on the GPU: bf16 autocast over fp32 weights (the
-trainer's bf16-mixed), the trainer's AdamW and gradient clipping, batch 8 per GPU, 5 s of
-audio and a 224-px image per sample. Loading data is left out (bench/data_pipeline.py).
+trains it on random batches already on the GPU as the trainer's bf16-mixed does: frozen
+weights held in bf16, LoRA and projectors in fp32 under bf16 autocast; the trainer's AdamW
+(fused on GPUs) and gradient clipping, batch 8 per GPU, 5 s of audio and a 224-px image per
+sample. Loading data is left out (bench/data_pipeline.py). --compile compiles the LLM's decoder
+layers as trainer.compile=true does; the first step's time (compilation included) is reported.
 
 MFU = text tokens/s x FLOPs per token / peak, with telemetry's FLOPs count (LLM only; the
 frozen towers' forward adds about 2% at 1024 tokens) and its peak table.
 
     .venv/bin/python -m bench.gpu_throughput            # on a GPU machine, from the repository root
     .venv/bin/python -m bench.gpu_throughput model.llm.gradient_checkpointing=false data.batch_size=16
+    .venv/bin/python -m bench.gpu_throughput --compile  # trainer.compile=true
     .venv/bin/python -m bench.gpu_throughput --smoke    # the tiny default on CPU: checks the script runs
+    .venv/bin/python -m bench.gpu_throughput --cpu --seq-lens 64 [--compile]  # the tiny default on CPU, timed
 
 Target: MFU >= 40% on an H100.
 """
@@ -32,7 +36,7 @@ from bench.common import TINY_CONFIG
 from bench.real_size import REAL_CONFIG, SIGLIP_BASE_224, random_init_overrides, synthetic_tokenizer
 from purrsight.config import Config, load_config
 from purrsight.model.multimodal import PurrSightModel
-from purrsight.training.model_builder import build_model
+from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
 from purrsight.training.optim import build_optimizer
 from purrsight.training.telemetry import gpu_peak_tflops, model_flops_per_token
 
@@ -53,6 +57,8 @@ def random_batch(config: Config, model: PurrSightModel, batch: int, seq_len: int
         "audio_rows": torch.arange(batch, device=device),
         "padded": False,  # full-length rows, every modality: SDPA runs causal without a mask
         "num_skipped": 0,
+        "num_samples": batch,
+        "num_tokens": batch * seq_len,
         "ids": [str(i) for i in range(batch)],
     }
 
@@ -75,7 +81,15 @@ def measure(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    first = time.perf_counter()
+    step()
+    synchronize()
+    first_step_s = time.perf_counter() - first
+    for _ in range(warmup - 1):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -93,6 +107,7 @@ def measure(
     return {
         "seq_len": seq_len,
         "step_s": elapsed / steps,
+        "first_step_s": first_step_s,
         "tokens_per_s": tokens_per_s,
         "mfu": per_token * tokens_per_s / (peak * 1e12) if peak else float("nan"),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
@@ -105,31 +120,46 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. data.batch_size=16")
+    parser.add_argument("--compile", action="store_true", help="compile the decoder layers (trainer.compile=true)")
     parser.add_argument("--smoke", action="store_true", help="tiny default on CPU, 2 steps: checks the script, measures nothing")
+    parser.add_argument("--cpu", action="store_true", help="tiny default on CPU, timed (compile's gain where no GPU is)")
     args = parser.parse_args()
     if args.smoke:
-        args.seq_lens, args.steps, args.warmup = [16, 32], 2, 1
-    elif not torch.cuda.is_available():
-        raise SystemExit("bench.gpu_throughput: no CUDA device; run it on a GPU machine (or --smoke to check it on CPU)")
-    device = torch.device("cpu" if args.smoke else "cuda")
+        args.cpu, args.seq_lens, args.steps, args.warmup = True, [16, 32], 2, 1
+    elif not args.cpu and not torch.cuda.is_available():
+        raise SystemExit("bench.gpu_throughput: no CUDA device; run it on a GPU machine (or --cpu / --smoke on CPU)")
+    device = torch.device("cpu" if args.cpu else "cuda")
 
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         tokenizer = synthetic_tokenizer(Path(tmp) / "synthetic")
-        overrides = [f"model.llm.tokenizer={tokenizer}"] if args.smoke else random_init_overrides(tokenizer)
+        overrides = [f"model.llm.tokenizer={tokenizer}"] if args.cpu else random_init_overrides(tokenizer)
         overrides += args.overrides
-        config = load_config(TINY_CONFIG if args.smoke else REAL_CONFIG, overrides, check_paths=False)
-        model = build_model(config).model.to(device)
+        config = load_config(TINY_CONFIG if args.cpu else REAL_CONFIG, overrides, check_paths=False)
+        frozen = frozen_dtype("bf16-mixed" if device.type == "cuda" else "32-true")
+        model = build_model(config, frozen).model.to(device)
+    if args.compile:
+        compile_decoder_layers(model)
     model.train()
     results = [measure(config, model, seq, config.data.batch_size, args.steps, args.warmup, device) for seq in args.seq_lens]
 
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU (smoke run: figures mean nothing)"
+    name = (
+        torch.cuda.get_device_name(0)
+        if device.type == "cuda"
+        else "CPU, tiny default" + (" (smoke run: figures mean nothing)" if args.smoke else "")
+    )
     llm = sum(p.numel() for p in model.llm.parameters()) / 1e6
     print(f"device: {name}; torch {torch.__version__}; {datetime.date.today()}")
-    print(f"LLM {llm:.0f}M parameters; batch {config.data.batch_size}; {args.steps} timed steps after {args.warmup} warm-up\n")
-    print("| seq len | step (s) | tokens/s | MFU | peak memory (GiB) |")
-    print("|---|---|---|---|---|")
+    print(
+        f"LLM {llm:.0f}M parameters; batch {config.data.batch_size}; compile {args.compile}; "
+        f"{args.steps} timed steps after {args.warmup} warm-up\n"
+    )
+    print("| seq len | first step (s) | step (s) | tokens/s | MFU | peak memory (GiB) |")
+    print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['seq_len']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['peak_mem_gib']:.1f} |")
+        print(
+            f"| {r['seq_len']} | {r['first_step_s']:.2f} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} "
+            f"| {r['peak_mem_gib']:.1f} |"
+        )
     return 0
 
 

@@ -13,6 +13,7 @@ from purrsight.config import Config
 from purrsight.model.aligner import load_aligner
 from purrsight.model.encoders import FrozenEncoder, load_encoder
 from purrsight.model.llm import load_llm, load_tokenizer
+from purrsight.model.loading import ModelLoadError
 from purrsight.model.multimodal import MODALITIES, PurrSightModel
 from purrsight.training.data_builder import build_decoders
 
@@ -55,6 +56,23 @@ def hold_frozen_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
     for param in model.parameters():
         if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
+
+
+def compile_decoder_layers(model: PurrSightModel) -> int:
+    """torch.compile each decoder layer of the LLM in place; the number compiled.
+
+    Per layer, as torchtitan does: the layers share their code, so one compilation serves them
+    all, and a graph break in one costs little. ``nn.Module.compile`` keeps parameter names, so
+    checkpoints are the same with and without. The frozen towers stay eager: they run once per
+    sample, on a batch whose size varies with the samples that hold their modality.
+    """
+    base = model.llm.get_base_model()
+    layers = getattr(getattr(base, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ModelLoadError(f"trainer.compile: {type(base).__name__} has no model.layers to compile; set trainer.compile=false")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def build_model(config: Config, frozen: torch.dtype = torch.float32) -> BuiltModel:

@@ -16,7 +16,7 @@ from purrsight.errors import UserError
 from purrsight.model.loading import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.training.datamodule import Phase2DataModule
-from purrsight.training.model_builder import build_model, frozen_dtype
+from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
 from purrsight.training.optim import build_optimizer
 
 CHECKPOINT_META_KEY = "purrsight"
@@ -53,6 +53,9 @@ class Phase2Module(pl.LightningModule):
             # re-cast by autocast in every forward); used without a trainer, float32.
             precision = str(self._trainer.precision) if self._trainer is not None else "32-true"
             built = build_model(self.config, frozen_dtype(precision))
+            if self.config.trainer.compile:
+                layers = compile_decoder_layers(built.model)
+                log.info("trainer.compile: %d LLM decoder layers compiled (the first steps include compilation)", layers)
             self.model, self.fingerprint = built.model, built.fingerprint
 
     # ------------------------------------------------------------------ steps
