@@ -89,6 +89,7 @@ def train_losses(work: Path, tokenizer: Path, data: Path, precision: str, steps:
         "data.val_index=null",
         "data.max_length=48",
         "data.audio_seconds=1.0",
+        "data.image_size=224",  # SigLIP-base's input (no processor folder to say so)
         "data.batch_size=2",
         "data.num_workers=0",
         "model.llm.gradient_checkpointing=false",
@@ -102,7 +103,9 @@ def train_losses(work: Path, tokenizer: Path, data: Path, precision: str, steps:
         "telemetry.enabled=false",
     ]
     command = [sys.executable, str(REPO / "train_phase2.py"), "--config", str(REAL_CONFIG), *overrides]
-    subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"bench.frozen_bf16: the {precision} run failed:\n{done.stderr[-3000:]}")
     with (out / "phase2-qwen2.5-0.5b" / "metrics" / "metrics.csv").open() as handle:
         return [float(row["train/loss"]) for row in csv.DictReader(handle) if row.get("train/loss")]
 

@@ -110,6 +110,20 @@ class CountStep(pl.Callback):
         self.counter.active = False
 
 
+class CudaSyncsFail(pl.Callback):
+    """On a GPU, the real thing: CUDA's sync debug mode raises on any synchronising call made
+    from the start of batch ``batch_idx`` to the start of the next."""
+
+    def __init__(self, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        torch.cuda.set_sync_debug_mode("error" if batch_idx == self.batch_idx else "default")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @contextmanager
 def counting() -> Iterator[HostSyncCounter]:
     counter = HostSyncCounter()
@@ -117,7 +131,9 @@ def counting() -> Iterator[HostSyncCounter]:
         yield counter
 
 
-def count_step(work: Path, steps: int, step: int, overrides: list[str]) -> HostSyncCounter:
+def count_step(
+    work: Path, steps: int, step: int, overrides: list[str], callbacks: list[pl.Callback] | None = None
+) -> HostSyncCounter:
     """Train the tiny default config for ``steps`` steps in this process and count step ``step``
     (1-based), inside a one-rank gloo process group so the collectives of a multi-rank run (the
     stop vote) run too. ``step`` should be no logging, telemetry, checkpoint or validation step."""
@@ -142,7 +158,7 @@ def count_step(work: Path, steps: int, step: int, overrides: list[str]) -> HostS
         torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
         try:
             with counting() as counter:
-                train(config, callbacks=[CountStep(counter, step - 1)])  # batch_idx counts from 0
+                train(config, callbacks=[CountStep(counter, step - 1), *(callbacks or [])])  # batch_idx counts from 0
         finally:
             torch.distributed.destroy_process_group()
     return counter

@@ -68,3 +68,24 @@ def test_two_ranks_with_nccl(synthetic_dir: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "process group ready: global rank 1 of 2 (nccl" in done.stderr
     assert (tmp_path / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt").is_file()
+
+
+@pytest.mark.gpu
+def test_a_training_step_on_a_gpu_never_synchronises(tmp_path: Path) -> None:
+    """CUDA's sync debug mode set to error for step 12 of a bf16 run on one GPU (the stop vote in
+    a one-rank gloo group): any call that makes the host wait for the device fails the run.
+    On CUDA the optimizer is the fused AdamW, whose step counters stay on the device."""
+    code = (
+        "import sys, torch; from pathlib import Path; "
+        "from tests.host_syncs import CudaSyncsFail, count_step; "
+        "from purrsight.training.optim import build_optimizer; from purrsight.config import OptimConfig; "
+        "opt, _ = build_optimizer([torch.nn.Parameter(torch.ones(2, device='cuda'))], OptimConfig(), 10); "
+        "assert opt.defaults['fused'], 'AdamW is not fused on CUDA'; "
+        "counter = count_step(Path(sys.argv[1]), 14, 12, ['trainer.precision=bf16-mixed'], [CudaSyncsFail(11)]); "
+        "print(counter.report())"
+    )
+    env = {**with_repo(gpu_env()), "CUDA_VISIBLE_DEVICES": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
