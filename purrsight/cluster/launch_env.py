@@ -71,8 +71,10 @@ def usable_cpus(environ: Mapping[str, str], affinity: set[int] | None = None) ->
     SLURM_CPUS_PER_TASK caps it where SLURM counts CPUs without binding them (the launcher is
     one task per node, so its CPUs are the node's share of the job).
     """
-    mask = affinity if affinity is not None else os.sched_getaffinity(0)
-    cpus, source = len(mask), "CPUs in this process's affinity mask"
+    if affinity is None and not hasattr(os, "sched_getaffinity"):  # macOS: no affinity masks
+        cpus, source = os.cpu_count() or 1, "cores"
+    else:
+        cpus, source = len(affinity if affinity is not None else os.sched_getaffinity(0)), "CPUs in this process's affinity mask"
     slurm = environ.get("SLURM_CPUS_PER_TASK", "")
     if slurm.isdigit() and 0 < int(slurm) < cpus:
         cpus, source = int(slurm), "SLURM_CPUS_PER_TASK"
