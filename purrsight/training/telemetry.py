@@ -114,6 +114,10 @@ def gpu_peak_tflops() -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
+def runs_on_gpu(module: pl.LightningModule) -> bool:
+    return module.device.type == "cuda"
+
+
 class Telemetry(pl.Callback):
     def __init__(
         self, run_dir: Path, every_n_steps: int, barrier_every: int | None, peak_tflops: float | None, seq_len: int
@@ -134,17 +138,21 @@ class Telemetry(pl.Callback):
         self._window_start = 0.0
         self._last_energy: float | None = None
         self._last_step = 0
+        self._on_gpu = False
 
     def _is_node_leader(self, trainer: pl.Trainer) -> bool:
         return trainer.local_rank == 0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.flops_per_token = model_flops_per_token(getattr(pl_module, "model", None), self.seq_len)
-        self.peak_tflops = self.peak_tflops or gpu_peak_tflops()
+        # The placement, not what the node has: a CPU run on a GPU node (BACKEND=gloo) gets no
+        # MFU against a GPU's peak and no power of GPUs it does not use.
+        self._on_gpu = runs_on_gpu(pl_module)
+        self.peak_tflops = self.peak_tflops or (gpu_peak_tflops() if self._on_gpu else None)
         # The node's leader alone reads NVML: it writes the node's CSV, and the logged
         # numbers come from global rank 0, a leader too.
         leader = self._is_node_leader(trainer)
-        self._nvml = _NVML(cuda_uuids_of_this_node(trainer.num_devices) if leader else [])
+        self._nvml = _NVML(cuda_uuids_of_this_node(trainer.num_devices) if leader and self._on_gpu else [])
         self._process.cpu_percent()  # the first call only starts psutil's measuring interval
         self._window_start = self._batch_end = time.perf_counter()
         if leader:
@@ -201,7 +209,7 @@ class Telemetry(pl.Callback):
                 # samples as this rank did (DDP: one rank per GPU, the same batch size).
                 row["energy_per_sample_j"] = spent / (self._samples * len(gpus))
             self._last_energy = row["gpu_energy_j"]
-        if self.flops_per_token and self.peak_tflops and torch.cuda.is_available():
+        if self.flops_per_token and self.peak_tflops and self._on_gpu:
             row["mfu"] = self.flops_per_token * row["tokens_per_s"] / (self.peak_tflops * 1e12)
         for key in (
             "samples_per_s",

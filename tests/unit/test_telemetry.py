@@ -150,6 +150,7 @@ def test_energy_is_measured_on_the_jobs_gpus_only(monkeypatch: pytest.MonkeyPatc
     job_gpus = ["00000001-aaaa-bbbb-cccc-dddddddddddd", "00000002-aaaa-bbbb-cccc-dddddddddddd"]
     # stands in for torch.cuda's device properties (no CUDA here): the UUIDs of cuda:0 and cuda:1
     monkeypatch.setattr(telemetry, "cuda_uuids_of_this_node", lambda local_ranks: job_gpus)
+    monkeypatch.setattr(telemetry, "runs_on_gpu", lambda module: True)  # a module on cuda, as far as telemetry asks
     batch = 4
     callback = telemetry.Telemetry(tmp_path, every_n_steps=2, barrier_every=None, peak_tflops=None, seq_len=6)
     trainer = pl.Trainer(
