@@ -7,8 +7,9 @@ depends on the data (``nonzero``, indexing with a boolean mask). On a CPU none o
 anything, so a CPU run cannot show them in a profile; counting the calls can. A
 ``TorchFunctionMode`` sees every tensor method call and torch function in this thread.
 
-Each counted call is attributed to the innermost frame of our package (``purrsight/``), or
-to "elsewhere" (Lightning's loop, the optimizer) when none of ours is on the stack.
+Each counted call is attributed to the code that made it: the innermost frame outside torch's
+tensor plumbing (ours, Lightning's, transformers'), and for torch's own code (the optimizer)
+also the first frame outside torch.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from purrsight.config import load_config
 from purrsight.data.synthetic import generate
 from purrsight.training.run import train
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "train_config.yaml"
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "config" / "train_config.yaml"
 # On a CPU the optimizer keeps each parameter's step counter in a host tensor and reads it
 # every step; on CUDA build_optimizer takes the fused kernel, whose counters stay on the GPU.
 OPTIMIZER = "torch/optim/"
@@ -52,7 +54,8 @@ def _has_mask(index: Any) -> bool:
 
 
 def _short(frame: traceback.FrameSummary) -> str:
-    return f"{frame.filename.split('/site-packages/')[-1].split('/work/main/')[-1]}:{frame.lineno} ({frame.name})"
+    path = frame.filename.split("/site-packages/")[-1].removeprefix(f"{REPO}/")
+    return f"{path}:{frame.lineno} ({frame.name})"
 
 
 def _caller() -> str:
