@@ -247,8 +247,10 @@ decide_placement() {
   if ! problems="$("${PYTHON}" -m purrsight.placement "${CONFIG}" --gpus "${NODE_GPUS}" --backend "${BACKEND}" \
     "${OVERRIDES[@]}" 2>&1 >"${TMPDIR:-/tmp}/purrsight-placement-$$")"; then
     rm -f "${TMPDIR:-/tmp}/purrsight-placement-$$"
+    # Config problems: one line each, then ours. A placement that cannot work here: its one line.
+    [[ "${problems}" == "config error:"* ]] || die_usage "${problems}"
     printf '%s\n' "${problems}" >&2
-    die_usage "config ${CONFIG} is invalid or asks for what this node lacks (see above)"
+    die_usage "config ${CONFIG} is invalid (see above)"
   fi
   while IFS='=' read -r key value; do
     case "${key}" in accelerator) ACCELERATOR="${value}" ;; backend) BACKEND="${value}" ;; esac

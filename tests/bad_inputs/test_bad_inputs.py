@@ -233,7 +233,12 @@ CASES = [
     Case("too-many-args", "launcher", "too many arguments", args=["1", "0", "localhost", "29500", "extra"]),
     # --- environment
     Case("conda-env-missing", "launcher", "CONDA_ENV=no-such-env", env={"CONDA_ENV": "no-such-env"}),
-    Case("more-procs-than-gpus", "launcher", "NPROC_PER_NODE=999 but only", env={"BACKEND": "nccl", "NPROC_PER_NODE": "999"}),
+    Case(
+        "nccl-without-gpus",
+        "launcher",
+        "backend nccl needs GPUs but no GPU is visible here",
+        env={"BACKEND": "nccl", "NPROC_PER_NODE": "999"},
+    ),
     Case("unknown-backend", "launcher", "BACKEND 'mpi' must be auto, nccl or gloo", env={"BACKEND": "mpi"}),
     Case("unknown-nccl-preset", "launcher", "NCCL_PRESET 'fast'", env={"NCCL_PRESET": "fast"}),
     Case("venv-missing", "launcher", "VENV=/nonexistent is not a virtualenv", env={"VENV": "/nonexistent"}),
