@@ -55,6 +55,10 @@ class ConfigError(UserError):
     def __reduce__(self) -> tuple[type[ConfigError], tuple[list[str]]]:
         return type(self), (self.problems,)  # pickled across processes with its lines intact
 
+    def print_problems(self) -> None:
+        """One ``config error: …`` line per problem on stderr, as the command-line checks print them."""
+        print("\n".join(f"config error: {line}" for line in self.problems), file=sys.stderr)
+
 
 class _Section(BaseModel):
     # Unknown keys are errors (a typo must not silently fall back to a default), and
@@ -524,8 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         load_config(argv[1], argv[2:])
     except ConfigError as err:
-        for line in err.problems:
-            print(f"config error: {line}", file=sys.stderr)
+        err.print_problems()
         return ExitCode.USAGE
     print(f"config OK: {argv[1]}")
     return 0

@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as err:
-        for line in err.problems:
-            print(f"config error: {line}", file=sys.stderr)
+        err.print_problems()
         return ExitCode.USAGE
     backend = args.backend if args.backend != "auto" else config.distributed.backend
     try:

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides, check_paths=False)
     except ConfigError as err:
-        print("\n".join(f"config error: {line}" for line in err.problems), file=sys.stderr)
+        err.print_problems()
         return 2
     run_dir = config.run.run_dir
     found = existing_run(run_dir)
