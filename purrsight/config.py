@@ -269,6 +269,14 @@ class LoggingConfig(_Section):
     tensorboard: bool = Field(False, description="TensorBoard event files too (needs the tensorboard package).")
     every_n_steps: int = Field(10, gt=0, description="Metrics and progress lines every N optimizer steps.")
     progress: Literal["auto", "bar", "lines"] = Field("auto", description="auto: a bar on a terminal, lines in a log file.")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking server (http://host:5000) or store URI; one MLflow run per run folder (needs .[mlflow])."
+    )
+    mlflow_experiment: str = Field("purrsight", min_length=1, description="MLflow experiment the run is logged under.")
+    wandb_project: str | None = Field(None, description="Weights & Biases project; one W&B run per run folder (needs .[wandb]).")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: files in the run folder, uploaded later with `wandb sync`; online: sent as it trains."
+    )
 
 
 class RayConfig(_Section):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +34,6 @@ BAD_SAMPLES_NAME = "bad_samples.jsonl"
 
 class PreparedSetError(UserError):
     """A prepared set that cannot be used as it is; the message says what differs and what to run."""
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """``data`` at ``path``, or nothing there: a reader (or a second prepare) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, value: Any) -> None:
-    write_atomically(path, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode())
 
 
 def read_json(path: Path) -> Any:

@@ -1,9 +1,6 @@
 """Metrics loggers that number steps as the rest of the run does and continue a resumed history.
 
-Step numbers. Lightning hands a logger the count of optimizer steps finished *before* the
-step being logged, so the 10th step's loss landed at step 9 while the progress lines,
-telemetry and checkpoint names say 10. During fit these loggers add one; a validation
-after fit is logged at the step count as it stands.
+Step numbers: purrsight/training/step_numbering.py. Trackers (MLflow, W&B): trackers.py.
 
 History. Lightning's CSV writer deletes ``metrics.csv`` when it starts, so a resumed run
 (by hand, RESUME=auto, a torchrun restart, a SLURM requeue) lost every row before the
@@ -17,26 +14,15 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 from lightning_fabric.loggers.csv_logs import _ExperimentWriter as _FabricExperimentWriter
 from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import rank_zero_experiment
-from pytorch_lightning.utilities import rank_zero_only
 
 from purrsight.config import Config, ConfigError
 from purrsight.training.run_folder import truncate_history
-
-
-class _RunStepNumbering:
-    """Mixin for a Lightning logger: steps counted as finished steps, one numbering everywhere."""
-
-    step_offset = 0  # set to 1 for the fit by FitStepNumbering
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Any, step: int | None = None) -> None:  # Any: CSV and TensorBoard annotate it apart
-        shifted = None if step is None else step + self.step_offset
-        super().log_metrics(metrics, shifted)  # type: ignore[misc]  # the Lightning logger this is mixed into
+from purrsight.training.step_numbering import RunStepNumbering
+from purrsight.training.trackers import build_trackers
 
 
 class _ContinuingWriter(ExperimentWriter):
@@ -51,7 +37,7 @@ class _ContinuingWriter(ExperimentWriter):
         self.metrics_keys = truncate_history(Path(self.metrics_file_path), self._through_step)
 
 
-class RunCSVLogger(_RunStepNumbering, CSVLogger):
+class RunCSVLogger(RunStepNumbering, CSVLogger):
     def __init__(self, run_dir: Path, resumed_step: int) -> None:
         super().__init__(save_dir=str(run_dir), name="metrics", version="")
         self._resumed_step = resumed_step
@@ -65,26 +51,10 @@ class RunCSVLogger(_RunStepNumbering, CSVLogger):
         return self._experiment
 
 
-class RunTensorBoardLogger(_RunStepNumbering, TensorBoardLogger):
+class RunTensorBoardLogger(RunStepNumbering, TensorBoardLogger):
     def __init__(self, run_dir: Path, resumed_step: int) -> None:
         # purge_step: TensorBoard hides the earlier files' events from this step on (redone now).
         super().__init__(save_dir=str(run_dir), name="tensorboard", version="", purge_step=resumed_step + 1)
-
-
-class FitStepNumbering(pl.Callback):
-    """Turns the loggers' +1 on for the fit and off after it (a later validate logs as it stands)."""
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._set(trainer, 1)
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._set(trainer, 0)
-
-    @staticmethod
-    def _set(trainer: pl.Trainer, offset: int) -> None:
-        for logger in trainer.loggers:
-            if isinstance(logger, _RunStepNumbering):
-                logger.step_offset = offset
 
 
 def build_loggers(config: Config, run_dir: Path, resumed_step: int) -> list[Logger]:
@@ -101,4 +71,4 @@ def build_loggers(config: Config, run_dir: Path, resumed_step: int) -> list[Logg
                 ]
             )
         loggers.append(RunTensorBoardLogger(run_dir, resumed_step))
-    return loggers
+    return loggers + build_trackers(config, run_dir)

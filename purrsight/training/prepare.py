@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from purrsight.atomic_file import write_atomically
+from purrsight.atomic_file import write_json_atomically as write_json
 from purrsight.config import Config, load_config
 from purrsight.data.index import read_index
 from purrsight.data.media import SampleError
@@ -33,8 +35,6 @@ from purrsight.data.prepared_manifest import (
     differences,
     read_json,
     shard_name,
-    write_atomically,
-    write_json,
 )
 from purrsight.data.synthetic import prepare_synthetic
 from purrsight.data.text import PromptTooLongError, TextEncoder

@@ -15,10 +15,11 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from purrsight.config import Config
 from purrsight.placement import Placement, decide, from_launcher
 from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
-from purrsight.training.loggers import FitStepNumbering, build_loggers
+from purrsight.training.loggers import build_loggers
 from purrsight.training.preflight_callback import Preflight
 from purrsight.training.profiling import StepProfiler
 from purrsight.training.progress import LineProgress, StepBar, use_progress_bar
+from purrsight.training.step_numbering import FitStepNumbering
 from purrsight.training.telemetry import Telemetry
 from purrsight.training.watchdog import ProgressWatchdog
 

@@ -1,0 +1,258 @@
+"""MLflow and Weights & Biases loggers that keep one tracker run per run folder, through every restart.
+
+One run. Lightning's MLflow and W&B loggers open a new tracker run in every process unless
+they are handed the old run's id (Lightning #13524, #4935). A resume, a torchrun restart, a
+SLURM requeue and a Ray restart all start new processes on the same run folder, so the id
+lives there: ``trackers.json`` holds, per tracker, the run's id and where it lives. It is
+written by rank 0 as soon as the tracker run exists, before any step is sent; a run folder
+set aside (``run.if_exists=archive``) takes its file along, and the next run gets a new one.
+
+Each step once. After a restart the steps after the checkpoint are trained again; the
+choice here is to **skip what a restart does again**, so the tracker shows the first
+attempt's values for the redone steps (the CSV history in the run folder holds the redone
+ones). Buffering until the checkpoint that makes steps final was the other way; it would
+leave a week-long run's dashboard one checkpoint interval behind, which is the tracker's
+whole point.
+
+- MLflow keeps every point it is sent (a second point at the same step). The ledger keeps
+  the highest step sent, and which metrics were sent at it; a point below it, or a metric
+  already sent at it, is not sent again. Points are sent synchronously, so the ledger is
+  true: it is written before a point is sent, and a kill between the two loses that one
+  point from the tracker instead of sending it twice.
+- W&B skips by itself: its step is the training step here, and it drops a step lower than
+  one the run has. A killed W&B process loses what it had not yet written to its file, so
+  a ledger could claim points W&B never kept; W&B's own rule keeps exactly what arrived.
+  It writes its file every second here (W&B's default is 15 s).
+
+A tracker that cannot be reached while
+training is warned about and skipped; training goes on (the CSV keeps every point).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pytorch_lightning.loggers import Logger, MLFlowLogger, WandbLogger
+from pytorch_lightning.utilities import rank_zero_only
+
+from purrsight.atomic_file import write_json_atomically
+from purrsight.config import Config, ConfigError
+from purrsight.training.step_numbering import RunStepNumbering
+
+log = logging.getLogger(__name__)
+
+LEDGER_NAME = "trackers.json"
+WARN_EVERY_N_FAILURES = 100  # a tracker down for hours must not flood the log
+
+
+class TrackerLedger:
+    """One tracker's entry in ``trackers.json``: its run id and the steps it has been sent."""
+
+    def __init__(self, run_dir: Path, tracker: str, target: str) -> None:
+        self.path = run_dir / LEDGER_NAME
+        self.tracker = tracker
+        self.target = target  # where the run lives (URI, project): another target is another run
+        entry = self._read().get(tracker, {})
+        if entry.get("target") != target:
+            if entry:
+                log.warning(
+                    "%s: the run folder's tracker run lives at %s, not %s: starting a new one", tracker, entry["target"], target
+                )
+            entry = {}
+        self.run_id: str | None = entry.get("run_id")
+        self.through_step: int = entry.get("through_step", -1)
+        self.keys_at_step: set[str] = set(entry.get("keys_at_step", []))
+
+    def _read(self) -> dict[str, Any]:
+        if not self.path.is_file():
+            return {}
+        return dict(json.loads(self.path.read_text()))
+
+    def _write(self) -> None:
+        ledger = self._read()  # the other tracker's entry is kept as it is
+        ledger[self.tracker] = {
+            "target": self.target,
+            "run_id": self.run_id,
+            "through_step": self.through_step,
+            "keys_at_step": sorted(self.keys_at_step),
+        }
+        write_json_atomically(self.path, ledger)
+
+    def remember_run(self, run_id: str) -> None:
+        self.run_id = run_id
+        self._write()
+
+    def unsent(self, metrics: Mapping[str, Any], step: int) -> dict[str, Any]:
+        """The points of ``metrics`` at ``step`` that were never sent, recorded as sent."""
+        if step < self.through_step:
+            return {}
+        if step > self.through_step:
+            self.through_step, self.keys_at_step = step, set()
+        fresh = {key: value for key, value in metrics.items() if key not in self.keys_at_step}
+        if fresh:
+            self.keys_at_step.update(fresh)
+            self._write()
+        return fresh
+
+
+class _SendEachStepOnce:
+    """Mixin for a tracker logger: skips what a restart logs again; a tracker error is a warning, not a crash."""
+
+    def _unsent(self, metrics: Mapping[str, float], step: int) -> dict[str, float]:
+        return self.ledger.unsent(metrics, step)
+
+    ledger: TrackerLedger
+    _failures = 0
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        fresh = dict(metrics) if step is None else self._unsent(metrics, step)
+        if not fresh:
+            return
+        try:
+            self._send(fresh, step)
+        except Exception as error:  # an unreachable tracker must not end a week-long run
+            if self._failures % WARN_EVERY_N_FAILURES == 0:
+                log.warning(
+                    "%s: could not send step %s (%s: %s); training goes on, metrics/metrics.csv keeps it",
+                    self.ledger.tracker,
+                    step,
+                    type(error).__name__,
+                    error,
+                )
+            self._failures += 1
+
+    def _send(self, metrics: Mapping[str, float], step: int | None) -> None:
+        super().log_metrics(metrics, step)  # type: ignore[misc]  # the Lightning logger this is mixed into
+
+
+def flat_params(value: Any, prefix: str = "") -> dict[str, str]:
+    """The resolved config as ``section.key -> text``, the form trackers list as parameters."""
+    if isinstance(value, dict):
+        flat: dict[str, str] = {}
+        for key, item in value.items():
+            flat.update(flat_params(item, f"{prefix}{key}."))
+        return flat
+    return {prefix.rstrip("."): str(value)}
+
+
+@contextmanager
+def _fail_fast_http() -> Iterator[None]:
+    """MLflow retries an unreachable server for minutes by default: at start a few seconds must do."""
+    saved = {name: os.environ.get(name) for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="1", MLFLOW_HTTP_REQUEST_TIMEOUT="10")
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+class RunMLflowLogger(RunStepNumbering, _SendEachStepOnce, MLFlowLogger):
+    def __init__(self, config: Config, run_dir: Path) -> None:
+        uri = str(config.logging.mlflow_tracking_uri)
+        self.ledger = TrackerLedger(run_dir, "mlflow", f"{uri} experiment {config.logging.mlflow_experiment}")
+        super().__init__(
+            experiment_name=config.logging.mlflow_experiment,
+            run_name=run_dir.name,
+            tracking_uri=uri,
+            run_id=self.ledger.run_id,
+            synchronous=True,  # a point is on the server when log_metrics returns: the ledger stays true
+        )
+        self._params = flat_params(config.model_dump(mode="json"))
+
+    def attach(self) -> str:
+        """Create or reopen the tracker run now, at start, so a wrong URI fails before any step trains."""
+        continuing = self.ledger.run_id is not None
+        try:
+            with _fail_fast_http():
+                run_id = str(self.run_id)
+                if continuing:
+                    self.experiment.update_run(run_id, status="RUNNING")  # the last attempt may have marked it ended
+        except Exception as error:
+            raise ConfigError(
+                [f"logging.mlflow_tracking_uri: cannot use {self._tracking_uri}: {type(error).__name__}: {error}"]
+            ) from None
+        if not continuing:
+            self.ledger.remember_run(run_id)
+            self.log_hyperparams(self._params)
+        state = "continued" if continuing else "new"
+        return f"MLflow run {run_id} ({state}) in experiment {self._experiment_name} at {self._tracking_uri}"
+
+
+def wandb_settings() -> Any:
+    import wandb
+
+    # W&B's file is written every 15 s by default: a killed node would lose that much history.
+    return wandb.Settings(x_transaction_log_flush_interval=1.0)
+
+
+class RunWandbLogger(RunStepNumbering, _SendEachStepOnce, WandbLogger):
+    def __init__(self, config: Config, run_dir: Path) -> None:
+        project = str(config.logging.wandb_project)
+        self.ledger = TrackerLedger(run_dir, "wandb", f"project {project}")
+        self._continuing = self.ledger.run_id is not None
+        self._run_id = self.ledger.run_id or secrets.token_hex(4)  # W&B's own ids are 8 characters
+        super().__init__(
+            project=project,
+            name=run_dir.name,
+            id=self._run_id,
+            save_dir=str(run_dir),
+            offline=config.logging.wandb_mode == "offline",
+            resume="allow",
+            # The config goes with a new run only: W&B refuses a changed value on resume (max_steps raised, say).
+            config=None if self._continuing else config.model_dump(mode="json"),
+            settings=wandb_settings(),
+        )
+
+    def _unsent(self, metrics: Mapping[str, float], step: int) -> dict[str, float]:
+        return dict(metrics)  # W&B drops the steps it has (see the module's docstring)
+
+    def _send(self, metrics: Mapping[str, float], step: int | None) -> None:
+        if step is None:
+            self.experiment.log(dict(metrics))
+        else:
+            # W&B's own step is the training step, so an offline attempt synced after an earlier one
+            # continues its history instead of being dropped as "steps going back".
+            self.experiment.log(dict(metrics, **{"trainer/global_step": step}), step=step)
+
+    def attach(self) -> str:
+        if not self._continuing:
+            self.ledger.remember_run(self._run_id)  # before wandb.init: a kill during it keeps the id
+        _ = self.experiment
+        where = f"offline files in {self.save_dir}/wandb (upload: wandb sync)" if self._offline else "online"
+        return f"W&B run {self._run_id} ({'continued' if self._continuing else 'new'}) in project {self._project}, {where}"
+
+
+def require(package: str, setting: str, extra: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(
+            [f"{setting} is set but the {package} package is not installed: pip install -e '.[{extra}]', or unset {setting}"]
+        )
+
+
+def build_trackers(config: Config, run_dir: Path) -> list[Logger]:
+    """The configured trackers, attached on rank 0 (other ranks never log, so they never connect)."""
+    trackers: list[Any] = []
+    if config.logging.mlflow_tracking_uri:
+        require("mlflow", "logging.mlflow_tracking_uri", "mlflow")
+        trackers.append(RunMLflowLogger(config, run_dir))
+    if config.logging.wandb_project:
+        require("wandb", "logging.wandb_project", "wandb")
+        trackers.append(RunWandbLogger(config, run_dir))
+    if int(os.environ.get("RANK", "0")) == 0:
+        for tracker in trackers:
+            log.info("tracker: %s", tracker.attach())
+    return trackers

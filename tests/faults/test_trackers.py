@@ -1,0 +1,142 @@
+"""One experiment-tracker run per run folder, through a torchrun restart and a resume (real parts).
+
+MLflow: a real ``mlflow server`` (sqlite backend) on loopback, read back through MLflow's
+client. W&B: offline mode (no network here), its ``.wandb`` files read back record by record.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import struct
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow.tracking import MlflowClient
+from wandb.proto import wandb_internal_pb2
+
+from tests.helpers import free_port, train_tiny
+from tests.launcher.conftest import Cluster, wait_for
+from tests.launcher.test_launcher import workers
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    folder = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    command += ["--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--default-artifact-root", str(folder / "artifacts")]
+    with (folder / "server.log").open("w") as sink:
+        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except OSError:
+            return False
+
+    try:
+        assert wait_for(healthy, timeout=90), (folder / "server.log").read_text()[-2000:]
+        yield uri
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def wandb_records(path: Path) -> Iterator[Any]:
+    """The protobuf records of one ``.wandb`` file (LevelDB's log format: 32 KiB blocks, records in pieces)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    block, position, pieces = 32768, 7, b""  # 7: the magic and the format version
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:  # a block's tail too short for a header is padding
+            position += left
+            continue
+        _checksum, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if length == 0 and kind == 0:
+            position += left
+            continue
+        pieces += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a whole record, or its last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            pieces = b""
+            yield record
+
+
+def wandb_history(run_dir: Path) -> tuple[set[str], list[dict[str, float]]]:
+    """(run ids, history rows) of every offline attempt in the run folder, as W&B keeps them when synced.
+
+    Attempts are taken oldest first, and a row whose step is not above the run's highest is
+    dropped, as W&B drops a step that goes back.
+    """
+    ids, rows = set(), []
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == "run":
+                ids.add(record.run.run_id)
+            elif record.WhichOneof("record_type") == "history":
+                # W&B puts a key with a "/" in nested_key
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                row["_step"] = record.history.step.num
+                if not rows or row["_step"] > rows[-1]["_step"]:
+                    rows.append(row)
+    return ids, rows
+
+
+def test_one_tracker_run_through_a_kill_a_torchrun_restart_and_a_resume(cluster: Cluster, mlflow_server: str) -> None:
+    """SIGKILL of a worker after step 26 (torchrun restarts from step 15), then RESUME=auto to step 45.
+
+    Steps 16-26 at least are trained twice; each tracker must hold every step once, in one run.
+    """
+    trackers = {
+        "logging__mlflow_tracking_uri": mlflow_server,
+        "logging__mlflow_experiment": "kill-and-resume",
+        "logging__wandb_project": "purrsight-tests",
+        "logging__every_n_steps": 1,
+        "checkpoint__every_n_steps": 15,
+    }
+    launcher = cluster.start(1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=35, **trackers)
+    link = cluster.log_dir / "latest_node0.log"
+    assert wait_for(lambda: link.exists() and "step 26/" in cluster.node_log(0), timeout=240, interval=0.1)
+    workers(launcher.proc.pid)[0].send_signal(signal.SIGKILL)
+    assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
+    assert re.search(r"torchrun restart 1: resuming from .*step-00000015\.ckpt", cluster.node_log(0)), cluster.node_log(0)[-3000:]
+    resumed = cluster.start(1, 0, env={"NPROC_PER_NODE": "2", "RESUME": "auto"}, trainer__max_steps=45, **trackers)
+    assert resumed.wait(timeout=300) == 0, resumed.text()[-3000:]
+    ledger = json.loads((cluster.run_dir / "trackers.json").read_text())
+
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("kill-and-resume")
+    runs = client.search_runs([experiment.experiment_id])
+    assert [run.info.run_id for run in runs] == [ledger["mlflow"]["run_id"]]
+    steps = [point.step for point in client.get_metric_history(runs[0].info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, 46)), steps  # every step, once
+    assert runs[0].data.params["trainer.max_steps"] == "35"  # the parameters of the run's first start
+
+    ids, rows = wandb_history(cluster.run_dir)
+    assert ids == {ledger["wandb"]["run_id"]}
+    assert len(list((cluster.run_dir / "wandb").glob("offline-run-*"))) == 3  # first start, torchrun restart, resume
+    trained = [int(row["trainer/global_step"]) for row in rows if "train/loss" in row]
+    assert trained == list(range(1, 46)), trained  # once each, in order across the attempts
+    assert all(row["_step"] == row["trainer/global_step"] for row in rows if "trainer/global_step" in row)
+
+
+def test_an_unreachable_tracker_is_one_line_before_training(synthetic_dir: Path, tmp_path: Path) -> None:
+    nobody = f"http://127.0.0.1:{free_port()}"
+    done = train_tiny(synthetic_dir, tmp_path, logging__mlflow_tracking_uri=nobody)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"logging.mlflow_tracking_uri: cannot use {nobody}" in errors[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "step 1/" not in done.stderr
+    assert not (tmp_path / "phase2-tiny" / "trackers.json").exists()
