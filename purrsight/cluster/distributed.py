@@ -44,6 +44,11 @@ def order_ranks_by_node(environ: MutableMapping[str, str]) -> str | None:
     return f"node_rank {node_rank} local_rank {local_rank}: global rank {new} (torchrun assigned {old})"
 
 
+def hosts_the_store(environ: MutableMapping[str, str]) -> bool:
+    """Whether this worker's process hosts the job's TCPStore (torchrun's rank 0, unless the agent's store is shared)."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and environ.get(TORCHRUN_RANK) == "0"
+
+
 def init_process_group_in_node_order(backend: str, timeout: timedelta) -> bool:
     """Start the default process group with node-ordered ranks; False when not under the launcher.
 
@@ -61,7 +66,7 @@ def init_process_group_in_node_order(backend: str, timeout: timedelta) -> bool:
     if world <= 1:  # one process (the launcher on a laptop): nothing to order or agree on
         return False
     shared_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    hosts_store = not shared_agent_store and int(os.environ[TORCHRUN_RANK]) == 0
+    hosts_store = hosts_the_store(os.environ)
     store: dist.Store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),

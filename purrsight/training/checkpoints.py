@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +81,10 @@ class CheckpointSaver(pl.Callback):
         self.stop = StopRequest()
         self.vote = StopVote()
         self.stopped_by_signal: int | None = None
+        self.seconds_saving = 0.0  # wall time in saves, barrier included (the attempt ledger reports it)
 
     def save(self, trainer: pl.Trainer) -> Path:
+        started = time.monotonic()
         step = trainer.global_step
         path = self.folder / step_name(step)
         # Every rank calls; rank 0 writes, then all meet at a barrier. A failed write (disk
@@ -97,6 +100,7 @@ class CheckpointSaver(pl.Callback):
                     old.unlink(missing_ok=True)
             log.info("checkpoint saved: %s (step %d)", path, step)
         self.last_saved_step, self.last_saved_path = step, path
+        self.seconds_saving += time.monotonic() - started
         return path
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -1,7 +1,8 @@
 """The run report: report.md and PNG plots in the run folder, written by rank 0 at the end.
 
 Sources: Lightning's metrics CSV (loss, learning rate, validation), the per-node telemetry
-CSVs (throughput, host, power and energy), and the preflight table when there was one.
+CSVs (throughput, host, power and energy), the preflight table when there was one, every
+attempt's record (effective training time, attempts.py) and the hangs the watchdog named.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on cluster nodes
 import matplotlib.pyplot as plt  # imported after the backend is chosen
+
+from purrsight.training.attempts import plot_timeline, read_attempts, summarize, summary_lines
+from purrsight.training.watchdog import HANGS_LOG
 
 
 def _read(path: Path) -> list[dict[str, str]]:
@@ -77,6 +81,12 @@ def write_report(run_dir: Path, preflight_table: str | None = None) -> Path:
             )
     if not nodes:
         lines.append("- (no telemetry)")
+    attempts = summarize(read_attempts(run_dir))
+    plots.append(plot_timeline(attempts, run_dir / "attempts.png"))
+    lines += ["", "## Effective training time", "", *summary_lines(attempts)]
+    hangs = run_dir / HANGS_LOG
+    if hangs.is_file():
+        lines += ["", "## Hangs the watchdog named", "", "```", hangs.read_text().rstrip(), "```"]
     if preflight_table:
         lines += ["", "## Preflight all-reduce", "", "```", preflight_table, "```"]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots if p is not None]

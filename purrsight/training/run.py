@@ -14,6 +14,8 @@ from pytorch_lightning.strategies import Strategy
 
 from purrsight.cluster.distributed import TORCHRUN_RANK, agreed_max, init_process_group, worker_generation
 from purrsight.config import Config, write_resolved
+from purrsight.training import flight_recorder
+from purrsight.training.attempts import AttemptRecorder
 from purrsight.training.checkpoint_files import training_position
 from purrsight.training.checkpoints import CheckpointSaver
 from purrsight.training.datamodule import Phase2DataModule
@@ -73,6 +75,7 @@ def train(
     strategy built for torchrun or a single process.
     """
     backend = resolve_placement(config).backend
+    flight_recorder.enable(config.run.run_dir)  # before the process group starts: it reads the settings then
     # Our own process group (Lightning skips its init when one exists): node-ordered ranks,
     # and a collective decision about resuming, so no rank starts over while others resume.
     distributed = init_process_group(backend, timedelta(seconds=config.distributed.timeout_s))
@@ -106,10 +109,15 @@ def train(
         if change:
             log.warning(change)
     data = Phase2DataModule(config)
-    trainer = build_trainer(config, saver, callbacks, resumed_step=plan.step, strategy=strategy)
+    recorder = AttemptRecorder(config.run.run_dir, generation, lambda: saver.seconds_saving)
+    trainer = build_trainer(
+        config, saver, callbacks, resumed_step=plan.step, strategy=strategy, recorder=recorder, generation=generation
+    )
     if ckpt is not None:
         log.info("resuming from checkpoint %s", ckpt)
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+    signal_name = f"stopped by signal {saver.stopped_by_signal}" if saver.stopped_by_signal is not None else None
+    recorder.end(signal_name or "finished")
     validated_at_end = trainer.global_step % config.trainer.val_every_n_steps == 0
     if saver.stopped_by_signal is None and data.val_set is not None and not validated_at_end:
         trainer.validate(module, datamodule=data, verbose=False)

@@ -14,6 +14,7 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 
 from purrsight.config import Config
 from purrsight.placement import Placement, decide, from_launcher
+from purrsight.training.attempts import AttemptRecorder
 from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
 from purrsight.training.loggers import build_loggers
 from purrsight.training.preflight_callback import Preflight
@@ -108,16 +109,22 @@ def build_trainer(
     extra_callbacks: list[pl.Callback] | None = None,
     resumed_step: int = 0,
     strategy: Strategy | None = None,
+    recorder: AttemptRecorder | None = None,
+    generation: int = 0,
 ) -> pl.Trainer:
     """The trainer for a run that continues after ``resumed_step`` (0: a new run).
 
     ``strategy``: an engine's own (Ray); by default built for torchrun or a single process.
+    ``recorder`` keeps this attempt's record (attempts.py); ``generation``: earlier starts of
+    this rank in this launch (its hang-progress records are apart from theirs).
     """
     placement = resolve_placement(config)
     local, nodes = launch_world()
     run_dir = config.run.run_dir
     bar = use_progress_bar(config.logging.progress)
     callbacks: list[pl.Callback] = [saver, FitStepNumbering(), *(extra_callbacks or [])]
+    if recorder is not None:
+        callbacks.append(recorder)
     callbacks.append(Preflight(config.preflight))
     if config.profiler.enabled:
         callbacks.append(StepProfiler(run_dir / "profiler", config.profiler.start_step, config.profiler.end_step))
@@ -134,7 +141,8 @@ def build_trainer(
             )
         )
     if config.distributed.progress_timeout_s is not None:
-        callbacks.append(ProgressWatchdog(config.distributed.progress_timeout_s))
+        on_fire = recorder.end if recorder is not None else None
+        callbacks.append(ProgressWatchdog(config.distributed.progress_timeout_s, run_dir, generation, on_fire))
     callbacks.append(StepBar(config.logging.every_n_steps) if bar else LineProgress(config.logging.every_n_steps))
     trainer_cfg = config.trainer
     return pl.Trainer(

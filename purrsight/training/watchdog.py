@@ -4,8 +4,11 @@ Collective timeouts catch a peer that died, but not one that is alive and stuck 
 SIGSTOPped process, a deadlocked loader, a GPU that stopped answering): the others wait in
 a collective for the whole process-group timeout, or forever in code outside one. Each
 rank runs this thread; when no training step, validation batch or checkpoint has finished
-for ``distributed.progress_timeout_s``, it writes every thread's stack to the log
-(faulthandler) and exits with ExitCode.WATCHDOG, so torchrun restarts the job or ends it.
+for ``distributed.progress_timeout_s``, it names the culprit (hang_culprit.py: the ranks
+the others wait for, from the progress every rank publishes to the job's store), writes
+every thread's stack to the log (faulthandler) and exits with ExitCode.WATCHDOG, so torchrun
+restarts the job or ends it. The culprit's line also goes to ``runs/<name>/hangs.log`` and,
+on rank 0, into the attempt's record (the run report's attempts table).
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 
 from purrsight.errors import ExitCode, record_exit_code
+from purrsight.training import flight_recorder
+from purrsight.training.hang_culprit import LINGER_S, ProgressBoard
 
 log = logging.getLogger(__name__)
 
@@ -68,26 +75,59 @@ def node_addresses(trainer: pl.Trainer) -> dict[int, str]:
     return {node: addr for node, addr in gathered if addr and node != mine[0]}
 
 
+HANGS_LOG = "hangs.log"
+
+
 class ProgressWatchdog(pl.Callback):
-    def __init__(self, timeout_s: float, poll_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        run_dir: Path | None = None,
+        generation: int = 0,
+        on_fire: Callable[[str], None] | None = None,
+        poll_s: float = 1.0,
+    ) -> None:
         self.timeout_s = timeout_s
+        self.run_dir = run_dir
+        self.generation = generation
+        self.on_fire = on_fire  # rank 0's attempt record takes the verdict
         self.poll_s = poll_s
         self.peers: dict[int, str] = {}  # node rank -> address, filled once the process group exists
+        self.board: ProgressBoard | None = None
         self._last = time.monotonic()
         self._where = "start of training"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _progress(self, where: str) -> None:
+    def _progress(self, where: str, step: int, phase: str) -> None:
         self._last = time.monotonic()
         self._where = where
+        if self.board is not None:
+            self.board.moved(step, phase)
+
+    def _verdict(self, rank: int) -> str:
+        lost = unreachable_nodes(self.peers)
+        if lost:
+            return f"unreachable: {', '.join(lost)}"
+        if self.board is None:
+            return "every node answers: a rank is hung or stuck"
+        return f"hang: {self.board.verdict()}"
+
+    def _record(self, rank: int, line: str) -> None:
+        if self.on_fire is not None:
+            self.on_fire(f"watchdog: {line}")
+        if self.run_dir is not None:
+            try:
+                with (self.run_dir / HANGS_LOG).open("a") as hangs:
+                    hangs.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} seen by rank {rank}: {line}\n")
+            except OSError as error:
+                log.warning("could not write %s: %s", self.run_dir / HANGS_LOG, error)
 
     def _watch(self, rank: int) -> None:
         while not self._stop.wait(self.poll_s):
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
-                lost = unreachable_nodes(self.peers)
-                verdict = f"unreachable: {', '.join(lost)}" if lost else "every node answers: a rank is hung or stuck"
+                verdict = self._verdict(rank)
                 log.error(
                     "watchdog: rank %d made no progress for %.0f s (last: %s); %s. "
                     "Stacks of every thread of this process follow; exiting with code %d",
@@ -97,29 +137,50 @@ class ProgressWatchdog(pl.Callback):
                     verdict,
                     ExitCode.WATCHDOG,
                 )
+                self._record(rank, verdict)
+                if self.run_dir is not None and self.board is not None:
+                    dumped = flight_recorder.dump(self.run_dir, rank)
+                    if dumped is not None:
+                        log.error("watchdog: this rank's last collectives (flight recorder): %s", dumped)
                 sys.stderr.flush()
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
                 record_exit_code(ExitCode.WATCHDOG)
+                if self.board is not None and self.board.hosts_store:
+                    time.sleep(LINGER_S)  # the other ranks' watchdogs are reading the store this process hosts
                 os._exit(ExitCode.WATCHDOG)  # no clean-up: it could block on the same stuck collective
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._progress("start of training")
         self.peers = node_addresses(trainer)
+        self.board = ProgressBoard.for_this_process(trainer.global_rank, trainer.world_size, self.generation)
+        if self.board is not None:
+            self.board.start()
+        self._progress("start of training", trainer.global_step, "start")
         self._thread = threading.Thread(target=self._watch, args=(trainer.global_rank,), name="progress-watchdog", daemon=True)
         self._thread.start()
 
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._progress(f"training step {trainer.global_step + 1} started", trainer.global_step, "forward")
+
+    def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._progress(f"training step {trainer.global_step + 1}, backward", trainer.global_step, "backward")
+
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._progress(f"training step {trainer.global_step}")
+        self._progress(f"training step {trainer.global_step}", trainer.global_step, "step done")
 
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._progress(f"validation at step {trainer.global_step}")
+        self._progress(f"validation at step {trainer.global_step}", trainer.global_step, "validation")
 
     def on_save_checkpoint(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._progress(f"checkpoint at step {trainer.global_step}")
+        self._progress(f"checkpoint at step {trainer.global_step}", trainer.global_step, "checkpoint")
+
+    def _finish(self) -> None:
+        self._stop.set()
+        if self.board is not None:
+            self.board.stop()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop.set()
+        self._finish()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._stop.set()
+        self._finish()

@@ -1,0 +1,200 @@
+"""Name the rank a hang waits for: every rank's progress published to the job's store.
+
+The ranks that wait in a collective cannot tell which rank never arrived, and the stuck rank
+(SIGSTOPped, deadlocked, on a dead node) cannot speak for itself. So every rank publishes,
+from a thread of its own at a low rate (on progress, at most every 0.5 s, and a heartbeat
+every 2 s), where it is: the last training step it finished,
+the phase it is in (forward, backward, validation, checkpoint) and a heartbeat. When a
+watchdog fires, it reads every rank's record and names:
+
+- ranks whose heartbeat stopped: the process is frozen (SIGSTOP, a stuck driver call holding
+  the interpreter) or its node is gone;
+- otherwise, the ranks furthest behind in (step, phase): alive but stuck (a deadlock, a
+  loader that never returns).
+
+The store is the one the process group uses (MASTER_ADDR:MASTER_PORT), through connections
+of our own with a short timeout: the process group's connection may be the one that hangs.
+When the store itself does not answer, it lives in the process torchrun made rank 0, which
+is named; that process, when its own watchdog fires, waits ``LINGER_S`` before it exits so
+that the other ranks' watchdogs (firing at the same moment) can still read the store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from purrsight.cluster.distributed import hosts_the_store
+
+log = logging.getLogger(__name__)
+
+PUBLISH_S = 2.0  # the heartbeat: a small store write per rank every 2 s, and on progress...
+MIN_INTERVAL_S = 0.5  # ...at most every 0.5 s (2,048 writes/s for 1,024 ranks, a fraction of what a TCPStore serves)
+STALE_AFTER_S = 3 * PUBLISH_S  # a heartbeat older than this: the process stopped answering
+STORE_TIMEOUT_S = 10.0
+LINGER_S = STORE_TIMEOUT_S  # the store's host stays this long after its watchdog fires
+PHASES = ("start", "forward", "backward", "step done", "validation", "checkpoint")
+
+
+@dataclass
+class Progress:
+    rank: int
+    node: int
+    host: str
+    step: int  # the last training step this rank finished
+    phase: str  # one of PHASES: where it is now
+    phase_at: float  # when it entered that phase (Unix time)
+    beat: float = 0.0  # when it last published (Unix time)
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """0,1,2,4,6,7 -> '0-2,4,6-7'."""
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _position(progress: Progress) -> tuple[int, int]:
+    """How far a rank got: steps finished, then the phase within the next step."""
+    order = {"start": 0, "forward": 1, "backward": 2, "step done": 3, "validation": 4, "checkpoint": 4}
+    # "step done" is the same place as the next step's beginning: count it as step + 1, before forward.
+    if progress.phase == "step done":
+        return progress.step + 1, 0
+    return progress.step + 1, order.get(progress.phase, 0)
+
+
+def _where(progress: Progress) -> str:
+    if progress.phase in ("step done", "start"):
+        return f"after step {progress.step}"
+    return (
+        f"in step {progress.step + 1} ({progress.phase})" if progress.phase in ("forward", "backward") else f"in {progress.phase}"
+    )
+
+
+def _rank_name(progress: Progress) -> str:
+    return f"rank {progress.rank} (node {progress.node}, {progress.host})"
+
+
+def culprit_line(records: dict[int, Progress | None], world_size: int, now: float) -> str:
+    """One line naming the ranks a hang waits for, and where the others wait."""
+    missing = [rank for rank in range(world_size) if records.get(rank) is None]
+    known = [record for record in records.values() if record is not None]
+    stale = [record for record in known if now - record.beat > STALE_AFTER_S]
+    if stale:
+        culprits = stale
+    elif known:
+        behind = min(_position(record) for record in known)
+        culprits = [record for record in known if _position(record) == behind] if len(known) > 1 else []
+        if len({_position(record) for record in known}) == 1:
+            culprits = []  # all at the same place: nobody is behind
+    else:
+        culprits = []
+    parts = []
+    for record in sorted(culprits, key=lambda r: r.rank):
+        part = f"{_rank_name(record)} last finished training step {record.step}, {now - record.phase_at:.0f} s ago"
+        if record in stale:
+            part += f", and stopped answering {now - record.beat:.0f} s ago (frozen, or its node is gone)"
+        else:
+            part += f", and is still {_where(record)}"
+        parts.append(part)
+    if missing:
+        parts.append(f"rank(s) {rank_ranges(missing)} published no progress")
+    others = [record for record in known if record not in culprits]
+    groups: dict[str, list[int]] = {}
+    for record in others:
+        groups.setdefault(_where(record), []).append(record.rank)
+    waits = "; ".join(f"ranks {rank_ranges(ranks)} wait {where}" for where, ranks in sorted(groups.items()))
+    if not parts:
+        return f"no rank is behind: {waits}" if waits else "no rank published progress"
+    return "; ".join(parts) + (f"; {waits}" if waits else "")
+
+
+class ProgressBoard:
+    """This rank's progress, published to the job's store by a thread; and every rank's, read back."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, node: int, generation: int) -> None:
+        self.address = (host, port)
+        self.rank, self.world_size = rank, world_size
+        self.prefix = f"purrsight/progress/{generation}/"  # a restart's ranks do not read the last one's
+        self.hosts_store = hosts_the_store(os.environ)
+        self.mine = Progress(rank=rank, node=node, host=socket.gethostname(), step=0, phase="start", phase_at=time.time())
+        self._stop = threading.Event()
+        self._changed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def for_this_process(cls, rank: int, world_size: int, generation: int) -> ProgressBoard | None:
+        """A board on the store at MASTER_ADDR:MASTER_PORT, or None for one process or no such store."""
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if world_size < 2 or not host or not port:
+            return None
+        node = int(os.environ.get("GROUP_RANK", os.environ.get("PURRSIGHT_NODE_RANK", "0")))
+        return cls(host, int(port), rank, world_size, node, generation)
+
+    def _client(self) -> Any:
+        import torch.distributed as dist
+
+        host, port = self.address
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+
+    def moved(self, step: int, phase: str) -> None:
+        """Called by the training thread: only attributes are set, the publisher thread sends them."""
+        self.mine.step, self.mine.phase, self.mine.phase_at = step, phase, time.time()
+        self._changed.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._publish, name="progress-publisher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._changed.set()
+
+    def _publish(self) -> None:
+        store = None
+        while True:
+            try:
+                store = store or self._client()
+                self.mine.beat = time.time()
+                store.set(f"{self.prefix}{self.rank}", json.dumps(asdict(self.mine)))
+            except Exception as error:  # a store that stopped answering: try again next time, never crash training
+                log.debug("progress not published: %s", error)
+                store = None
+            if self._stop.wait(MIN_INTERVAL_S):
+                return
+            self._changed.wait(PUBLISH_S - MIN_INTERVAL_S)  # progress wakes it early: the record lags by 0.5 s at most
+            self._changed.clear()
+            if self._stop.is_set():
+                return
+
+    def read_all(self) -> dict[int, Progress | None]:
+        """Every rank's last record; raises when the store does not answer."""
+        store = self._client()
+        keys = [f"{self.prefix}{rank}" for rank in range(self.world_size)]
+        present = [key for key in keys if store.check([key])]
+        values = dict(zip(present, store.multi_get(present), strict=True)) if present else {}
+        return {
+            rank: Progress(**json.loads(bytes(values[key]).decode())) if key in values else None for rank, key in enumerate(keys)
+        }
+
+    def verdict(self) -> str:
+        try:
+            records = self.read_all()
+        except Exception as error:
+            host, port = self.address
+            where = f"the job's store at {host}:{port}, hosted by the training process torchrun made rank 0 on node 0,"
+            if "refused" in str(error).lower():
+                return f"{where} is gone: that process exited (its own log says why)"
+            return f"{where} does not answer ({type(error).__name__}): that process is frozen, or node 0 is gone"
+        return culprit_line(records, self.world_size, time.time())

@@ -1,0 +1,108 @@
+"""A frozen rank named by the others: SIGSTOP of one worker, real launchers, torchrun and gloo.
+
+Every rank publishes its progress to the job's store; the ranks left waiting name the one
+they wait for (purrsight/training/hang_culprit.py). Nothing is faked: the stopped process is
+a real worker of a 2-node x 2-rank job on loopback.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from purrsight.training.hang_culprit import PUBLISH_S
+from tests.helpers import REPO, launcher_env, tiny_overrides
+from tests.launcher.conftest import Cluster, wait_for
+from tests.launcher.test_launcher import workers
+from tests.network_hosts import network_hosts
+
+WATCHDOG_S = 20  # well above the publishing interval (2 s), so the frozen rank's heartbeat is seen to stop
+
+
+def local_rank(process: psutil.Process) -> int:
+    return int(process.environ()["LOCAL_RANK"])
+
+
+def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Cluster) -> None:
+    """SIGSTOP of global rank 3 (node 1, local rank 1): every waiting rank's watchdog names it, and only it."""
+    env = {"NPROC_PER_NODE": "2", "MAX_RESTARTS": "0"}
+    job = {"trainer__max_steps": 100000, "distributed__progress_timeout_s": WATCHDOG_S, "logging__every_n_steps": 1}
+    node0 = cluster.start(2, 0, env=env, **job)
+    node1 = cluster.start(2, 1, env=env, **job)
+    link = cluster.log_dir / "latest_node0.log"
+    assert wait_for(lambda: link.exists() and "step 8/" in cluster.node_log(0), timeout=300)
+    time.sleep(2 * PUBLISH_S)  # the victim has published a step past 8 by now
+    (victim,) = [process for process in workers(node1.proc.pid) if local_rank(process) == 1]
+    victim.send_signal(signal.SIGSTOP)
+    try:
+        assert node0.wait(timeout=WATCHDOG_S + 120) == 86, node0.text()[-3000:]
+        assert node1.wait(timeout=60) == 86, node1.text()[-3000:]
+    finally:
+        if victim.is_running():
+            victim.send_signal(signal.SIGCONT)
+    host = socket.gethostname()
+    lines = [line for n in (0, 1) for line in cluster.node_log(n).splitlines() if "watchdog: rank" in line]
+    # The first waiting rank to fire ends its node's job, so not every rank gets to say it; the frozen one never does.
+    assert lines and {line.split("watchdog: rank ")[1].split(" ")[0] for line in lines} <= {"0", "1", "2"}, lines
+    for line in lines:
+        verdict = line.split("; hang: ", 1)[1]
+        named = re.match(rf"rank 3 \(node 1, {re.escape(host)}\) last finished training step (\d+), ", verdict)
+        assert named and int(named.group(1)) >= 8, line  # its published progress, not the start record
+        assert "stopped answering" in verdict and "ranks 0-2 wait" in verdict, line
+    hangs = (cluster.run_dir / "hangs.log").read_text()
+    assert "rank 3 (node 1" in hangs, hangs
+    # The flight recorder of each waiting rank that fired: its last collective never completed.
+    dumps = sorted((cluster.run_dir / "flight_recorder").glob("rank_*.pkl"))
+    assert dumps, "no flight recorder dump"
+    for dump in dumps:
+        entries = pickle.loads(dump.read_bytes())["entries"]
+        assert entries and entries[-1]["state"] != "completed", (dump, entries[-1])
+
+
+def test_sigstop_of_the_rank_on_the_second_network_host_names_it(synthetic_dir: Path, tmp_path: Path) -> None:
+    """Two hosts (network namespaces joined by a bridge, tests/network_hosts.py), one rank each: SIGSTOP of rank 1."""
+    env = launcher_env(tmp_path / "logs", OMP_NUM_THREADS="1", MAX_RESTARTS="0", RDZV_TIMEOUT="120")
+    overrides = tiny_overrides(
+        synthetic_dir,
+        tmp_path / "runs",
+        trainer__max_steps=100000,
+        logging__every_n_steps=1,
+        distributed__progress_timeout_s=WATCHDOG_S,
+    )
+    logs = [tmp_path / "logs" / f"latest_node{n}.log" for n in (0, 1)]
+    with network_hosts(2) as hosts:
+        master = hosts[0]
+        procs = [
+            subprocess.Popen(
+                host.command(
+                    "./cluster_train.sh", "config/train_config.yaml", "2", str(rank), master.address, "29917", "--", *overrides
+                ),
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for rank, host in enumerate(hosts)
+        ]
+        try:
+            assert wait_for(lambda: logs[0].exists() and "step 8/" in logs[0].read_text(), timeout=300)
+            time.sleep(2 * PUBLISH_S)
+            (victim,) = workers(procs[1].pid)
+            victim.send_signal(signal.SIGSTOP)
+            assert procs[0].wait(timeout=WATCHDOG_S + 120) == 86
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+    text = logs[0].read_text()
+    assert re.search(
+        rf"hang: rank 1 \(node 1, {re.escape(socket.gethostname())}\) last finished training step \d+, .*stopped answering", text
+    ), text[-3000:]
+    assert "ranks 0 wait" in text

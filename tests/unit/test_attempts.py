@@ -1,0 +1,36 @@
+"""Effective training time (purrsight/training/attempts.py): how attempts split the wall time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from purrsight.training.attempts import Attempt, plot_timeline, summarize, summary_lines
+
+
+def test_a_killed_attempt_a_requeue_and_a_finish_add_up_to_the_wall_time(tmp_path: Path) -> None:
+    killed = Attempt(
+        number=1, how="first start", launched_at=0.0, resumed_step=0, world_size=4,
+        first_step_at=60.0, last_step=100, last_step_at=1055.0, checkpoint_s=20.0, updated_at=1060.0,
+    )  # fmt: skip
+    # requeued 600 s after the last heartbeat; resumed from step 80: steps 81-100 were lost
+    finished = Attempt(
+        number=2, how="new launch, resumed", launched_at=1660.0, resumed_step=80, world_size=2,
+        first_step_at=1700.0, last_step=200, last_step_at=2900.0, checkpoint_s=10.0, updated_at=2900.0,
+        ended_at=2910.0, end="finished",
+    )  # fmt: skip
+    summary = summarize([killed, finished])
+    first, second = summary.splits
+    assert summary.wall == 2910.0
+    assert first.startup == 60.0 and first.checkpoint == 20.0
+    assert first.lost == pytest.approx(980.0 * 20 / 100) and first.training == pytest.approx(980.0 * 80 / 100)
+    assert first.end == "killed (no end recorded)"
+    assert second.waiting_before == 600.0 and second.startup == 40.0 and second.lost == 0.0
+    assert second.training == pytest.approx(2910.0 - 1700.0 - 10.0)
+    assert sum(split.total for split in summary.splits) == pytest.approx(summary.wall)
+    assert summary.effective == pytest.approx((784.0 + 1200.0) / 2910.0)
+    lines = summary_lines(summary)
+    assert lines[0] == "Effective training time: **68.2%** of 48 min 30 s wall time, over 2 attempt(s)."
+    assert "| 1 | first start | 0 -> 100 | 0.0 s | 60.0 s | 13 min 04 s | 20.0 s | 3 min 16 s | killed (no end recorded) |" in lines
+    assert plot_timeline(summary, tmp_path / "attempts.png") == tmp_path / "attempts.png"
