@@ -418,8 +418,9 @@ main() {
   if [[ -n "${RESUME:-}" ]]; then export PURRSIGHT_RESUME="${RESUME}"; fi
   export PURRSIGHT_NODE_ADDR="${LOCAL_ADDR:-${MASTER_IP}}" # the watchdog names unreachable nodes by it
   export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.cluster.distributed)
-  # The attempt's launch time: its start-up is counted from here (purrsight/training/attempts.py).
-  PURRSIGHT_LAUNCH_TIME="$((launched / 1000000)).$(printf '%06d' $((launched % 1000000)))"
+  # The attempt's launch time: its start-up is counted from here (purrsight/training/attempts.py),
+  # or from a batch script's start when it set one (slurm/train.sbatch).
+  PURRSIGHT_LAUNCH_TIME="${PURRSIGHT_LAUNCH_TIME:-$((launched / 1000000)).$(printf '%06d' $((launched % 1000000)))}"
   export PURRSIGHT_LAUNCH_TIME
   # Workers count their restarts on this node under this id (purrsight.cluster.distributed.worker_generation).
   PURRSIGHT_LAUNCH_ID="${RDZV_ID:-node${NODE_RANK}}-$$-$(date +%s)"

@@ -200,6 +200,28 @@ def check_master(addr: str, port: int, timeout_s: float, interval_s: float = 1.0
             time.sleep(interval_s)
 
 
+BAD_NODES_ENV = "PURRSIGHT_BAD_NODES_FILE"  # set by slurm/train.sbatch: the nodes it should exclude on requeue
+NOT_THE_NODES_FAULT = ("config", "master reachable")  # failures that say nothing against this node
+
+
+def name_bad_node(failed: list[str], environ: dict[str, str] | None = None) -> str | None:
+    """Append this node to the job's bad-node file when a check of its own failed; its line, or None.
+
+    The config is the same on every node, and an unreachable master is the master's fault (or
+    the network's): neither makes this node one to avoid. The rest (packages, data mounts,
+    GPUs, disk, a writable output) are this node's.
+    """
+    environ = dict(os.environ) if environ is None else environ
+    path = environ.get(BAD_NODES_ENV)
+    own = [name for name in failed if name not in NOT_THE_NODES_FAULT]
+    if not path or not own:
+        return None
+    line = f"{environ.get('SLURMD_NODENAME') or socket.gethostname()}\t{', '.join(own)}"
+    with open(path, "a") as bad_nodes:
+        bad_nodes.write(line + "\n")  # one short append per failing node: whole lines on a shared filesystem
+    return line
+
+
 def run_check(name: str, check: Callable[[], str]) -> Result:
     start = time.monotonic()
     try:
@@ -256,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         for result in results:
             if result.status == "FAIL":
                 print(f"error: health check {result.name}: {result.detail}", file=sys.stderr, flush=True)
+        named = name_bad_node(failed)
+        if named:
+            print(f"health: this node is named in {os.environ[BAD_NODES_ENV]}: the job excludes it when it requeues", flush=True)
         return ExitCode.CLUSTER
     return 0
 

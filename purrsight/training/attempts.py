@@ -2,12 +2,14 @@
 
 An attempt is one start of training on a run folder: the first start, a torchrun restart, a
 SLURM or PBS requeue, a resume by hand, a Ray restart. Rank 0 keeps one file per attempt in
-``runs/<name>/attempts/`` (rewritten whole every ``HEARTBEAT_S`` and at the end), so a kill -9
-leaves the attempt's last step and time at most that old.
+``runs/<name>/attempts/`` (rewritten whole at the first step, every ``HEARTBEAT_S`` and at the
+end: a small file every 2 s), so a kill -9 leaves the attempt's last step and time at most
+that old.
 
 The wall time from the first launch to the last attempt's end splits into:
 
-- start-up: launch (the launcher's start, or the process's for a restart) to the first step;
+- start-up: launch (the batch script's start under SLURM, else the launcher's; the process's
+  own start for a torchrun restart) to the first step;
 - checkpoint writing: time in saves;
 - training: the rest of the attempt, less the work lost;
 - work lost: training of steps that a later attempt trained again (it resumed from an earlier
@@ -16,13 +18,14 @@ The wall time from the first launch to the last attempt's end splits into:
   noticed, a requeue waiting in the queue, a preemption). A killed attempt's time after its
   last heartbeat is counted here.
 
-The parts add up to the wall time by construction; the tests check them against the wall
-time the test itself measures.
+An attempt ends when its rank 0 process exits (after the run report). The parts add up to
+the wall time by construction; the tests check them against the wall time they observe.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
@@ -40,7 +43,7 @@ from purrsight.atomic_file import write_json_atomically
 log = logging.getLogger(__name__)
 
 ATTEMPTS_DIR = "attempts"
-HEARTBEAT_S = 10.0
+HEARTBEAT_S = 2.0
 LAUNCH_TIME_ENV = "PURRSIGHT_LAUNCH_TIME"  # exported by cluster_train.sh when it starts
 
 
@@ -268,18 +271,25 @@ class AttemptRecorder(pl.Callback):
         if self.attempt is None or trainer.global_step == self.attempt.last_step:
             return  # not rank 0, or a batch that only accumulated gradients
         now = time.time()
-        if self.attempt.first_step_at is None:
+        first = self.attempt.first_step_at is None
+        if first:
             self.attempt.first_step_at = now
         self.attempt.last_step, self.attempt.last_step_at = trainer.global_step, now
-        if now - self._written >= HEARTBEAT_S:
+        if first or now - self._written >= HEARTBEAT_S:
             self._write(now)
 
     def end(self, how: str) -> None:
         """Record this attempt's end (finished, a stop signal, the watchdog, an error); rank 0 only."""
         if self.attempt is None or self.attempt.end is not None:
             return
+        self.attempt.end = how
+        self._write_end()
+        atexit.register(self._write_end)  # the report and the process's exit belong to the attempt too
+
+    def _write_end(self) -> None:
+        assert self.attempt is not None
         now = time.time()
-        self.attempt.ended_at, self.attempt.end = now, how
+        self.attempt.ended_at = now
         try:
             self._write(now)
         except OSError as error:  # the run is ending anyway: its own error matters more

@@ -116,11 +116,11 @@ def train(
     if ckpt is not None:
         log.info("resuming from checkpoint %s", ckpt)
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
-    signal_name = f"stopped by signal {saver.stopped_by_signal}" if saver.stopped_by_signal is not None else None
-    recorder.end(signal_name or "finished")
     validated_at_end = trainer.global_step % config.trainer.val_every_n_steps == 0
     if saver.stopped_by_signal is None and data.val_set is not None and not validated_at_end:
         trainer.validate(module, datamodule=data, verbose=False)
+    signal_name = f"stopped by signal {saver.stopped_by_signal}" if saver.stopped_by_signal is not None else None
+    recorder.end(signal_name or "finished")  # before the report, which shows this attempt
     if trainer.is_global_zero:
         for logger in trainer.loggers:
             logger.save()  # the report reads the metrics file

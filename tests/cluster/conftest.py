@@ -1,8 +1,9 @@
-"""A real two-node SLURM cluster on this machine, started for the tests and torn down after.
+"""A real three-node SLURM cluster on this machine, started for the tests and torn down after.
 
-munged, slurmctld and two slurmd daemons (`slurmd -N node0`, `slurmd -N node1`) run from
+munged, slurmctld and three slurmd daemons (`slurmd -N node0` ... `node2`) run from
 Debian's slurm-wlm and munge, with their own config, key, state and logs in a temporary
-folder, distinct ports, and both nodes at NodeAddr 127.0.0.1. Nothing is faked. A daemon
+folder, distinct ports, and every node at NodeAddr 127.0.0.1. Jobs take two nodes; the
+third lets a job that excludes a bad node run again on two good ones. Nothing is faked. A daemon
 that does not start fails the test (with its log), it never skips it.
 
 `cred_expire=15` (default 120) shortens SLURM's wait before a requeued job may start again.
@@ -55,8 +56,13 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 NodeName=node0 NodeHostname=node0 NodeAddr=127.0.0.1 Port={node0_port} CPUs=2 RealMemory=4000 State=UNKNOWN
 NodeName=node1 NodeHostname=node1 NodeAddr=127.0.0.1 Port={node1_port} CPUs=2 RealMemory=4000 State=UNKNOWN
-PartitionName=debug Nodes=node0,node1 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+NodeName=node2 NodeHostname=node2 NodeAddr=127.0.0.1 Port={node2_port} CPUs=2 RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=node0,node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
+
+
+# Three nodes: jobs take two, so a job that excludes a bad node still finds two good ones.
+NODES = ("node0", "node1", "node2")
 
 
 @dataclass
@@ -77,14 +83,14 @@ class SlurmCluster:
                 return value
         return ""
 
-    def wait_state(self, job_id: str, states: set[str], timeout: float) -> str:
+    def wait_state(self, job_id: str, states: set[str], timeout: float, poll_s: float = 2.0) -> str:
         deadline = time.monotonic() + timeout
         state = ""
         while time.monotonic() < deadline:
             state = self.job_field(job_id, "JobState")
             if state in states:
                 return state
-            time.sleep(2)
+            time.sleep(poll_s)
         raise AssertionError(f"job {job_id} still {state} after {timeout} s; slurmctld log:\n{self.log('slurmctld')}")
 
     def log(self, name: str) -> str:
@@ -111,7 +117,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     (root / "slurm.conf").write_text(
-        SLURM_CONF.format(root=root, ctld_port=free_port(), node0_port=free_port(), node1_port=free_port())
+        SLURM_CONF.format(root=root, ctld_port=free_port(), node0_port=free_port(), node1_port=free_port(), node2_port=free_port())
     )
     env = dict(os.environ, SLURM_CONF=str(root / "slurm.conf"))
     _start(
@@ -129,14 +135,13 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         root,
     )
     _start(["slurmctld", "-i"], env, "slurmctld", root)
-    for node in ("node0", "node1"):
+    for node in NODES:
         _start(["slurmd", "-N", node], env, f"slurmd {node}", root)
     cluster = SlurmCluster(root, env)
     deadline = time.monotonic() + 60
-    while (
-        "idle" not in cluster.run("sinfo", "-h", "-o", "%T", check=False)
-        or cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False).split().count("idle") < 2
-    ):
+    while "idle" not in cluster.run("sinfo", "-h", "-o", "%T", check=False) or cluster.run(
+        "sinfo", "-h", "-N", "-o", "%T", check=False
+    ).split().count("idle") < len(NODES):
         if time.monotonic() > deadline:
             pytest.fail(f"SLURM nodes never became idle: {cluster.run('sinfo', check=False)}\n{cluster.log('slurmctld')}")
         time.sleep(1)

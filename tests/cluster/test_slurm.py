@@ -1,11 +1,13 @@
-"""slurm/train.sbatch on a real two-node SLURM cluster (see conftest.py)."""
+"""slurm/train.sbatch on a real three-node SLURM cluster (see conftest.py); jobs take two of its nodes."""
 
 from __future__ import annotations
 
 import re
 import time
+from datetime import datetime
 from pathlib import Path
 
+from purrsight.training.attempts import read_attempts, summarize
 from tests.cluster.conftest import SlurmCluster
 from tests.helpers import REPO, tiny_overrides
 
@@ -57,7 +59,11 @@ def test_two_node_job_completes(slurm: SlurmCluster, synthetic_dir: Path, tmp_pa
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
-    """USR1 to the batch script (what --signal=B:USR1@120 sends before the time limit)."""
+    """USR1 to the batch script (what --signal=B:USR1@120 sends before the time limit).
+
+    The run's attempt record splits the job's wall time into its parts: they add up, within 2%,
+    to the wall time the batch script's own log shows, from its first line to "training finished".
+    """
     job = submit(slurm, tmp_path, synthetic_dir, trainer__max_steps=600, checkpoint__every_n_steps=20)
     checkpoints = tmp_path / "runs" / "phase2-tiny" / "checkpoints"
     deadline = time.monotonic() + 300
@@ -74,6 +80,17 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     resumed = re.search(r"resume=auto: continuing from .*step-(\d+)\.ckpt", log)
     assert resumed and int(resumed.group(1)) >= 40, log[-3000:]
     assert (checkpoints / "step-00000600.ckpt").exists()
+    summary = summarize(read_attempts(tmp_path / "runs" / "phase2-tiny"))
+    stopped, requeued = summary.splits
+    assert (stopped.how, stopped.end) == ("first start", "stopped by signal 15")
+    assert requeued.how == f"new launch, resumed (SLURM job {job}, requeue 1)" and requeued.end == "finished"
+    assert requeued.steps == (stopped.steps[1], 600) and stopped.lost == 0  # a stop with a checkpoint loses nothing
+    assert requeued.waiting_before > 10  # SLURM's wait before a requeued job may start again (cred_expire)
+    stamps = [line[:19] for line in out.splitlines() if "[train.sbatch" in line]
+    first, last = (datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").timestamp() for stamp in (stamps[0], stamps[-1]))
+    wall = last - first  # one-second stamps: within 2% of this job's ~2.5 minutes
+    total = sum(split.total for split in summary.splits)
+    assert abs(total - wall) <= 0.02 * wall, (total, wall, summary)
 
 
 def test_a_job_that_fails_right_after_each_start_stops_requeueing(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
@@ -108,3 +125,44 @@ def test_scancel_checkpoints_on_every_node_and_does_not_requeue(slurm: SlurmClus
         assert f"stopped by SIGTERM at step {step}" in log.read_text(errors="replace"), log.read_text()[-3000:]
     assert "stopped by SIGTERM (scancel or preemption): not requeueing" in batch_output(tmp_path, job)
     assert slurm.job_field(job, "Restarts") == "0"
+
+
+def unhealthy_second_node_venv(folder: Path) -> Path:
+    """A VENV for the launcher whose python fails the disk health check on the job's node 1, on its first run only.
+
+    The check itself is the real one (purrsight.cluster.health); only its threshold is raised
+    past any disk, as a full scratch disk would fail it. The wrapper stands in for a node that
+    is really broken, which this one-machine cluster cannot have.
+    """
+    (folder / "bin").mkdir(parents=True)
+    real = REPO / ".venv" / "bin" / "python"
+    wrapper = folder / "bin" / "python"
+    wrapper.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ "$*" == *purrsight.cluster.health* && "${SLURM_NODEID}" == 1 && "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then\n'
+        f'  exec {real} "$@" --min-free-gb 1e12\n'
+        "fi\n"
+        f'exec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    (folder / "bin" / "activate").write_text(f'source {REPO / ".venv" / "bin" / "activate"}\nPATH="{folder / "bin"}:$PATH"\n')
+    return folder
+
+
+def test_a_node_that_fails_its_health_checks_is_excluded_and_the_job_completes_on_two_good_nodes(
+    slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path
+) -> None:
+    venv = unhealthy_second_node_venv(tmp_path / "venv")
+    job = submit(slurm, tmp_path, synthetic_dir, extra_env={"VENV": str(venv)}, trainer__max_steps=20)
+    state = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=400)
+    out = batch_output(tmp_path, job)
+    assert state == "COMPLETED", out[-4000:] + slurm.log("slurmctld")
+    named = re.search(r"node (node\d) failed its health checks \(disk\): excluding it from this job", out)
+    assert named, out[-3000:]
+    bad = named.group(1)
+    assert f"requeueing without {bad}; the next run resumes" in out
+    assert slurm.job_field(job, "ExcNodeList") == bad
+    assert slurm.job_field(job, "Restarts") == "1"
+    second_run = slurm.run("scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")).split()
+    assert len(second_run) == 2 and bad not in second_run, second_run
+    assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt").exists()

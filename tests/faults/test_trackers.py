@@ -12,6 +12,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +22,12 @@ import pytest
 from mlflow.tracking import MlflowClient
 from wandb.proto import wandb_internal_pb2
 
+from purrsight.training.attempts import read_attempts, summarize
 from tests.helpers import free_port, train_tiny
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers
+
+QUEUED_S = 5
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +98,7 @@ def wandb_history(run_dir: Path) -> tuple[set[str], list[dict[str, float]]]:
     return ids, rows
 
 
-def test_one_tracker_run_through_a_kill_a_torchrun_restart_and_a_resume(cluster: Cluster, mlflow_server: str) -> None:
+def test_one_tracker_run_and_attempt_record_through_a_kill_a_restart_and_a_resume(cluster: Cluster, mlflow_server: str) -> None:
     """SIGKILL of a worker after step 26 (torchrun restarts from step 15), then RESUME=auto to step 45.
 
     Steps 16-26 at least are trained twice; each tracker must hold every step once, in one run.
@@ -106,14 +110,20 @@ def test_one_tracker_run_through_a_kill_a_torchrun_restart_and_a_resume(cluster:
         "logging__every_n_steps": 1,
         "checkpoint__every_n_steps": 15,
     }
+    started = time.time()
     launcher = cluster.start(1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=35, **trackers)
     link = cluster.log_dir / "latest_node0.log"
     assert wait_for(lambda: link.exists() and "step 26/" in cluster.node_log(0), timeout=240, interval=0.1)
     workers(launcher.proc.pid)[0].send_signal(signal.SIGKILL)
     assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
     assert re.search(r"torchrun restart 1: resuming from .*step-00000015\.ckpt", cluster.node_log(0)), cluster.node_log(0)[-3000:]
+    time.sleep(QUEUED_S)  # as a requeued job waits in the queue
     resumed = cluster.start(1, 0, env={"NPROC_PER_NODE": "2", "RESUME": "auto"}, trainer__max_steps=45, **trackers)
-    assert resumed.wait(timeout=300) == 0, resumed.text()[-3000:]
+    # The job's end: the run report's line, the last thing rank 0 does (its process exit follows).
+    assert wait_for(lambda: "run report:" in resumed.text(), timeout=300, interval=0.05), resumed.text()[-3000:]
+    wall = time.time() - started
+    assert resumed.wait(timeout=120) == 0, resumed.text()[-3000:]
+    check_attempts(cluster, wall)
     ledger = json.loads((cluster.run_dir / "trackers.json").read_text())
 
     client = MlflowClient(mlflow_server)
@@ -130,6 +140,24 @@ def test_one_tracker_run_through_a_kill_a_torchrun_restart_and_a_resume(cluster:
     trained = [int(row["trainer/global_step"]) for row in rows if "train/loss" in row]
     assert trained == list(range(1, 46)), trained  # once each, in order across the attempts
     assert all(row["_step"] == row["trainer/global_step"] for row in rows if "trainer/global_step" in row)
+
+
+def check_attempts(cluster: Cluster, wall: float) -> None:
+    """The effective-time record of the same job: three attempts whose parts add up to the wall time measured here."""
+    summary = summarize(read_attempts(cluster.run_dir))
+    killed, restarted, resumed = summary.splits
+    assert (killed.how, killed.end, killed.steps[0]) == ("first start", "killed (no end recorded)", 0)
+    assert 15 <= killed.steps[1] <= 26 + 10  # the last heartbeat's step (written at most 2 s before the kill)
+    assert killed.lost == pytest.approx((killed.lost + killed.training) * (killed.steps[1] - 15) / killed.steps[1])
+    assert (restarted.how, restarted.end, restarted.steps) == ("restart 1 of the launch", "finished", (15, 35))
+    assert (resumed.how, resumed.end, resumed.steps) == ("new launch, resumed", "finished", (35, 45))
+    assert resumed.waiting_before >= QUEUED_S
+    total = sum(split.total for split in summary.splits)
+    assert total == pytest.approx(summary.wall)
+    assert abs(total - wall) <= 0.02 * wall, (total, wall)
+    report = (cluster.run_dir / "report.md").read_text()
+    assert f"Effective training time: **{summary.effective * 100:.1f}%**" in report
+    assert (cluster.run_dir / "attempts.png").is_file()
 
 
 def test_an_unreachable_tracker_is_one_line_before_training(synthetic_dir: Path, tmp_path: Path) -> None:
