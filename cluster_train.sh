@@ -55,6 +55,8 @@ Environment variables (default in brackets; a variable you export yourself is ne
   MONITOR_INTERVAL  seconds between torchrun's checks of its workers and of nodes waiting to join [1];
                   each check also queries the rendezvous store on node 0 (docs/SCALING.md)
   RDZV_ID         job id shared by all nodes [purrsight-<master_port>, or the SLURM/PBS job id]
+  PURRSIGHT_LAUNCH_TIME  Unix time this attempt was launched, for the effective-time report
+                  [this script's start; slurm/train.sbatch sets its own start]
   HEALTH_CHECKS   1 | 0: run the health checks before training [1]
   HEALTH_MIN_FREE_GB  free disk required in the run and log folders [1]
   NCCL_PRESET     auto | ib | ethernet | none [auto: InfiniBand when an active port exists]

@@ -132,16 +132,26 @@ def run_preflight(mode: str, device: torch.device, straggler_factor: float) -> R
     return Report(rows, local, find_stragglers(local, straggler_factor))
 
 
-def find_stragglers(local: dict[int, tuple[int, float]], factor: float) -> list[str]:
+def straggler_ranks(local: dict[int, tuple[int, float]], factor: float) -> list[int]:
     """Ranks slower than ``factor`` x the median of the *other* ranks.
 
     Leave-one-out: with two ranks the plain median is their mean, which a single slow rank
     can never exceed twofold.
     """
     found = []
-    for rank, (node, seconds) in sorted(local.items()):
+    for rank, (_node, seconds) in sorted(local.items()):
         others = [s for r, (_, s) in local.items() if r != rank]
         median = statistics.median(others) if others else seconds
         if seconds > factor * max(median, 1e-6):
-            found.append(f"rank {rank} (node {node}): local work {seconds * 1e3:.1f} ms vs median {median * 1e3:.1f} ms")
+            found.append(rank)
     return found
+
+
+def find_stragglers(local: dict[int, tuple[int, float]], factor: float) -> list[str]:
+    """One line per straggler rank (straggler_ranks): its node, its time and the others' median."""
+    lines = []
+    for rank in straggler_ranks(local, factor):
+        node, seconds = local[rank]
+        median = statistics.median(s for r, (_, s) in local.items() if r != rank) if len(local) > 1 else seconds
+        lines.append(f"rank {rank} (node {node}): local work {seconds * 1e3:.1f} ms vs median {median * 1e3:.1f} ms")
+    return lines

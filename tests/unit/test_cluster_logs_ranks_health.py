@@ -205,3 +205,15 @@ def test_node_0_refuses_a_prepared_set_made_from_another_index_before_torchrun(s
     with pytest.raises(CheckFailedError, match=r"was made from another content of .*train.jsonl .*run prepare again"):
         check_data(prepared, node_rank=0)
     assert "train 128 samples" in check_data(prepared, node_rank=1)  # other nodes read no index: rank 0 refuses it too
+
+
+def test_a_node_names_itself_for_exclusion_only_for_failures_of_its_own(tmp_path: Path) -> None:
+    from purrsight.cluster.health import name_bad_node
+
+    bad = tmp_path / "bad-nodes"
+    environ = {"PURRSIGHT_BAD_NODES_FILE": str(bad), "SLURMD_NODENAME": "gpu17"}
+    assert name_bad_node(["config", "master reachable"], environ) is None  # the job's fault, or the master's
+    assert name_bad_node(["disk"], {"SLURMD_NODENAME": "gpu17"}) is None  # not under slurm/train.sbatch
+    assert name_bad_node(["config", "gpus", "disk"], environ) == "gpu17\tgpus, disk"
+    assert name_bad_node(["preflight"], environ, node="gpu03") == "gpu03\tpreflight"  # rank 0 names a straggler's node
+    assert bad.read_text() == "gpu17\tgpus, disk\ngpu03\tpreflight\n"
