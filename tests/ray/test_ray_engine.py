@@ -6,6 +6,7 @@ in the config taken from ray.shared_dir (a folder both "nodes" see, as NFS would
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -16,8 +17,10 @@ import psutil
 import pytest
 import torch
 
+from purrsight.training.attempts import read_attempts, summarize
 from tests.helpers import read_metrics, trainable_state
 from tests.ray.cluster import RayCluster, job_info, submission_id
+from tests.wandb_files import wandb_history
 
 pytestmark = pytest.mark.slow
 
@@ -97,8 +100,9 @@ def test_submit_trains_on_two_nodes_and_writes_the_usual_run_folder(
 def test_a_worker_killed_with_sigkill_restarts_the_group_and_resumes_to_the_same_weights(
     ray_cluster: RayCluster, shared: Path, uninterrupted: subprocess.CompletedProcess[str]
 ) -> None:
+    """Also: the Ray restart continues the run's W&B run (offline) and is recorded as the run's second attempt."""
     run_dir = shared / "runs" / "killed"
-    submitted = ray_cluster.submit(*ray_args(shared, "killed"), no_wait=True)
+    submitted = ray_cluster.submit(*ray_args(shared, "killed", logging__wandb_project="purrsight-ray"), no_wait=True)
     assert submitted.returncode == 0, submitted.stderr
     job = submission_id(submitted.stdout + submitted.stderr)
     wait_for(run_dir / "checkpoints" / "step-00000010.ckpt", timeout=300)
@@ -113,6 +117,13 @@ def test_a_worker_killed_with_sigkill_restarts_the_group_and_resumes_to_the_same
         assert torch.allclose(expected[key], got[key], atol=1e-6, rtol=0), key
     steps = [int(row["step"]) for row in read_metrics(run_dir) if row.get("train/loss")]
     assert steps == sorted(set(steps)), "a redone step must replace its row, not repeat it"
+    ids, rows = wandb_history(run_dir)
+    assert ids == {json.loads((run_dir / "trackers.json").read_text())["wandb"]["run_id"]}  # one W&B run, both attempts
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2
+    logged = [int(row["trainer/global_step"]) for row in rows if "train/loss" in row]
+    assert logged == sorted(set(logged)) and logged[-1] == 40, logged
+    first, restarted = summarize(read_attempts(run_dir)).splits
+    assert first.how == "first start" and restarted.how.startswith("restart 1 of the launch"), (first, restarted)
 
 
 def test_ray_job_stop_checkpoints_and_a_resubmit_resumes(ray_cluster: RayCluster, shared: Path) -> None:
