@@ -43,8 +43,11 @@ def test_table_sum_check_and_planted_straggler(synthetic_dir: Path, tmp_path: Pa
     assert "straggler rank 0" not in done.stderr
 
 
-def test_floor_above_the_fabric_fails_with_exit_3(synthetic_dir: Path, tmp_path: Path) -> None:
-    done = torchrun(tmp_path, synthetic_dir, preflight__min_busbw_gbps=1e6)
+def test_floor_above_the_fabric_fails_with_exit_3_and_names_the_stragglers_node(synthetic_dir: Path, tmp_path: Path) -> None:
+    """With a straggler planted (rank 1), its node goes to the job's bad-node file, for slurm/train.sbatch to exclude."""
+    bad_nodes = tmp_path / "bad-nodes"
+    env = {"PURRSIGHT_FAULT": "preflight_delay:1:0.05", "PURRSIGHT_BAD_NODES_FILE": str(bad_nodes), "SLURMD_NODENAME": "gpu07"}
+    done = torchrun(tmp_path, synthetic_dir, env=env, preflight__min_busbw_gbps=1e6)
     assert done.returncode == 1  # plain torchrun's own code for any failed worker (the launcher reports 3)
     assert re.search(
         r"error: preflight: bus bandwidth [\d.]+ GB/s at the largest size is below "
@@ -53,3 +56,4 @@ def test_floor_above_the_fabric_fails_with_exit_3(synthetic_dir: Path, tmp_path:
     ), done.stderr[-2000:]
     assert "exitcode: 3" in done.stderr  # each worker exits 3
     assert not (tmp_path / "phase2-tiny" / "checkpoints").exists()  # stopped before training
+    assert bad_nodes.read_text() == "gpu07\tpreflight\n"  # named once, by rank 0
