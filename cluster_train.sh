@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # cluster_train.sh: prepare this node and start its share of a PurrSight Phase 2 training job.
 #
-# One invocation per node. It validates its arguments and the config, activates the Python
-# environment, decides the NCCL/socket settings, runs the health checks, and then runs
+# One invocation per node. It validates its arguments, activates the Python environment, runs
+# one Python step (purrsight/launcher/prepare.py: probe, config, placement, run folder,
+# NCCL/socket settings, health checks) whose plan it sources, starts the node log, and runs
 # torchrun, which joins every node into one job at MASTER_ADDR:MASTER_PORT and restarts the
 # workers on all nodes (from the newest checkpoint) when one of them dies.
 # Everything this node prints also lands in LOG_DIR/cluster_train_<TIME>_node<RANK>.log.
@@ -13,7 +14,6 @@ readonly SCRIPT_DIR
 # Exit codes: the same numbers and meanings as purrsight/errors.py (tests/unit/test_exit_codes.py).
 readonly EXIT_USAGE=2
 readonly EXIT_HEALTH=3
-readonly EXIT_WATCHDOG=86
 
 usage() {
   cat <<'EOF'
@@ -208,15 +208,6 @@ activate_venv() {
   PYTHON_SOURCE="virtualenv $1"
 }
 
-# The command that installs what the launcher needs into the Python it chose.
-install_hint() {
-  if [[ "${PYTHON_SOURCE}" == current* ]]; then
-    printf 'cd %q && python3 -m venv .venv && .venv/bin/pip install -r requirements.txt -e .' "${SCRIPT_DIR}"
-  else
-    printf '%q -m pip install -r %q -e %q' "${PYTHON}" "${SCRIPT_DIR}/requirements.txt" "${SCRIPT_DIR}"
-  fi
-}
-
 activate_conda() {
   local base
   base="$(conda info --base 2>/dev/null)" || return 1
@@ -225,93 +216,66 @@ activate_conda() {
   conda activate "$1" 2>/dev/null
 }
 
-probe_node() {
-  local key value report problem
-  # The probe imports purrsight and torch, so it is also the check that this Python can
-  # run the trainer (a separate import check cost another second on every start).
-  if ! report="$("${PYTHON}" -m purrsight.cluster.probe 2>"${TMPDIR:-/tmp}/purrsight-probe-$$.err")"; then
-    problem="$(tail -n 1 "${TMPDIR:-/tmp}/purrsight-probe-$$.err")"
-    rm -f "${TMPDIR:-/tmp}/purrsight-probe-$$.err"
-    die_usage "${PYTHON} (${PYTHON_SOURCE}) cannot import purrsight and torch (${problem:-no message}); install: $(install_hint)"
+# ------------------------------------------------------------------ the node's one Python step
+
+EXPORTED=()         # for the banner
+DRY_LINES=()        # for --dry-run: shell lines a user could paste
+ENVIRONMENT_DUMP=() # LOG_LEVEL=DEBUG: the masked environment the workers get
+
+# purrsight/launcher/prepare.py, in one process with the config parsed once: the node probe,
+# the config check and placement, the run-folder check, the environment plan and the health
+# checks. It writes PLAN_FILE (bash we source: NPROC, BACKEND, the exports, the banner) and
+# shows its lines live, keeping them in TRANSCRIPT for the node log that starts after it. Its
+# errors are held in a file and printed when it ends, so that a Python that cannot import
+# purrsight at all is named in our one line, not in Python's. Sets PREPARE_RC (0, or 3: a
+# health check failed); any other failure ends the launcher here.
+prepare_node() {
+  local args=(
+    --plan "${PLAN_FILE}" --transcript "${TRANSCRIPT}" --python-source "${PYTHON_SOURCE}"
+    --node-rank "${NODE_RANK}" --num-nodes "${NUM_NODES}" --master-addr "${MASTER_IP}" --master-port "${PORT}"
+    --backend "${BACKEND}" --nproc-per-node "${NPROC_PER_NODE}" --nccl-preset "${NCCL_PRESET}"
+    --log-level "${LOG_LEVEL}" --log-dir "${LOG_DIR}" --resume "${RESUME:-}"
+    --min-free-gb "${HEALTH_MIN_FREE_GB:-1}" --master-timeout "${RDZV_TIMEOUT}"
+  )
+  ((HEALTH_CHECKS)) || args+=(--no-health)
+  ((DRY_RUN)) && args+=(--dry-run)
+  PREPARE_RC=0
+  "${PYTHON}" -m purrsight.launcher.prepare "${args[@]}" "${CONFIG}" "${OVERRIDES[@]}" 2>"${PREPARE_ERRORS}" || PREPARE_RC=$?
+  if [[ -s "${PLAN_FILE}" ]]; then
+    # shellcheck disable=SC1090 # written just now by prepare.py
+    source "${PLAN_FILE}"
   fi
-  rm -f "${TMPDIR:-/tmp}/purrsight-probe-$$.err"
-  while IFS='=' read -r key value; do
-    case "${key}" in
-      python | torch | cuda | nccl | gpus | gpu_names) printf -v "NODE_${key^^}" '%s' "${value}" ;;
-    esac
-  done <<<"${report}"
+  case "${PREPARE_RC}" in
+    0 | "${EXIT_HEALTH}") cat "${PREPARE_ERRORS}" >&2 ;; # warnings, if any
+    "${EXIT_USAGE}") cat "${PREPARE_ERRORS}" >&2; exit "${EXIT_USAGE}" ;;
+    *)
+      if [[ ! -s "${PLAN_FILE}" ]] && grep -q "No module named" "${PREPARE_ERRORS}"; then
+        die_usage "${PYTHON} (${PYTHON_SOURCE}) cannot import purrsight and torch ($(tail -n 1 "${PREPARE_ERRORS}")); install: $(install_hint)"
+      fi
+      cat "${PREPARE_ERRORS}" >&2
+      exit "${PREPARE_RC}"
+      ;;
+  esac
 }
 
-# The config is validated and the placement decided in one Python step, by the function the
-# trainer and the Ray driver use (purrsight/placement.py): the workers take it as it is.
-decide_placement() {
-  local problems key value
-  if ! problems="$("${PYTHON}" -m purrsight.placement "${CONFIG}" --gpus "${NODE_GPUS}" --backend "${BACKEND}" \
-    "${OVERRIDES[@]}" 2>&1 >"${TMPDIR:-/tmp}/purrsight-placement-$$")"; then
-    rm -f "${TMPDIR:-/tmp}/purrsight-placement-$$"
-    # Config problems: one line each, then ours. A placement that cannot work here: its one line.
-    [[ "${problems}" == "config error:"* ]] || die_usage "${problems}"
-    printf '%s\n' "${problems}" >&2
-    die_usage "config ${CONFIG} is invalid (see above)"
-  fi
-  while IFS='=' read -r key value; do
-    case "${key}" in accelerator) ACCELERATOR="${value}" ;; backend) BACKEND="${value}" ;; esac
-  done <"${TMPDIR:-/tmp}/purrsight-placement-$$"
-  rm -f "${TMPDIR:-/tmp}/purrsight-placement-$$"
-  if [[ "${NPROC_PER_NODE}" == auto ]]; then
-    NPROC=$([[ "${ACCELERATOR}" == gpu ]] && echo "${NODE_GPUS}" || echo 1)
+# The command that installs what the launcher needs into the Python it chose (prepare.py
+# says the same when torch is missing; this is for a Python without purrsight).
+install_hint() {
+  if [[ "${PYTHON_SOURCE}" == current* ]]; then
+    printf 'cd %q && python3 -m venv .venv && .venv/bin/pip install -r requirements.txt -e .' "${SCRIPT_DIR}"
   else
-    NPROC="${NPROC_PER_NODE}"
-  fi
-  if [[ "${ACCELERATOR}" == gpu ]] && ((NPROC > NODE_GPUS)); then
-    die_usage "NPROC_PER_NODE=${NPROC} but only ${NODE_GPUS} GPU(s) are visible (one process per GPU; BACKEND=gloo runs on CPU)"
-  fi
-  export PURRSIGHT_ACCELERATOR="${ACCELERATOR}" PURRSIGHT_BACKEND="${BACKEND}"
-  DRY_LINES+=("export PURRSIGHT_ACCELERATOR=${ACCELERATOR} PURRSIGHT_BACKEND=${BACKEND}  # the workers take this placement as it is")
-}
-
-# A start without RESUME into a run folder that holds another run would mix the two; it is
-# refused here, on every node, before torchrun (which would restart refused workers).
-check_run_folder() {
-  local problems
-  if ! problems="$(PURRSIGHT_RESUME="${RESUME:-}" "${PYTHON}" -m purrsight.training.run_folder check \
-    "${CONFIG}" "${OVERRIDES[@]}" 2>&1 >/dev/null)"; then
-    printf '%s [cluster_train] %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "${problems}" >&2
-    exit "${EXIT_USAGE}"
+    printf '%q -m pip install -r %q -e %q' "${PYTHON}" "${SCRIPT_DIR}/requirements.txt" "${SCRIPT_DIR}"
   fi
 }
 
-# ------------------------------------------------------------------ environment and logs
-
-EXPORTED=()   # for the banner
-DRY_LINES=()  # for --dry-run: shell lines a user could paste
-
-apply_env_plan() {
-  local action name value reason
-  while IFS=$'\t' read -r action name value reason; do
-    case "${action}" in
-      set)
-        export "${name}=${value}"
-        EXPORTED+=("set   ${name}=${value}  (${reason})")
-        DRY_LINES+=("export ${name}=$(printf '%q' "${value}")  # ${reason}")
-        ;;
-      keep)
-        EXPORTED+=("kept  ${name}=${value}  (${reason})")
-        DRY_LINES+=("# kept ${name}=$(printf '%q' "${value}")  (${reason})")
-        ;;
-      local) LOCAL_ADDR="${NODE_ADDR:-${value}}" ;;
-    esac
-  done < <("${PYTHON}" -m purrsight.cluster.launch_env --master-addr "${MASTER_IP}" --master-port "${PORT}" \
-    --nproc "${NPROC}" --nnodes "${NUM_NODES}" --backend "${BACKEND}" --log-level "${LOG_LEVEL}" \
-    --nccl-preset "${NCCL_PRESET}")
-}
+# ------------------------------------------------------------------ logs
 
 start_node_log() {
   RUN_STAMP="$(date '+%Y%m%d_%H%M%S')"
   RUN_NAME="cluster_train_${RUN_STAMP}_node${NODE_RANK}"
   mkdir -p "${LOG_DIR}"
-  exec > >("${PYTHON}" -m purrsight.cluster.logwriter --log-dir "${LOG_DIR}" --node-rank "${NODE_RANK}" \
-    --nproc "${NPROC}" --timestamp "${RUN_STAMP}" --console-ranks "${LOG_RANKS}" \
+  exec > >("${PYTHON}" -m purrsight.launcher.logwriter --log-dir "${LOG_DIR}" --node-rank "${NODE_RANK}" \
+    --nproc "${NPROC}" --timestamp "${RUN_STAMP}" --console-ranks "${LOG_RANKS}" --shown "${TRANSCRIPT}" \
     --max-bytes "${LOG_MAX_BYTES:-104857600}" --backups "${LOG_BACKUPS:-5}" --keep-runs "${LOG_KEEP_RUNS:-10}") 2>&1
   LOGGER_PID=$!
   if [[ "${LOG_LEVEL}" == DEBUG ]]; then set -x; fi
@@ -333,7 +297,7 @@ build_torchrun_args() {
   # its hostname (IPoIB, a secondary interface); --local-addr: workers reach each other on
   # the address that routes to the master, not on the machine's FQDN.
   TORCHRUN_ARGS=(
-    -m purrsight.cluster.torchrun # torch.distributed.run without its traceback on failure
+    -m purrsight.launcher.torchrun # torch.distributed.run without its traceback on failure
     --nnodes "${NUM_NODES}"
     --nproc-per-node "${NPROC}"
     --rdzv-backend c10d
@@ -358,7 +322,7 @@ print_banner() {
   log "torchrun: ${PYTHON} ${TORCHRUN_ARGS[*]}"
   if [[ "${LOG_LEVEL}" == DEBUG ]]; then
     log "environment (values of names with TOKEN, KEY, SECRET or PASSWORD masked):"
-    "${PYTHON}" -m purrsight.cluster.launch_env --dump-environment
+    printf '%s\n' "${ENVIRONMENT_DUMP[@]}"
   fi
 }
 
@@ -389,21 +353,11 @@ run_torchrun() {
   return "${rc}"
 }
 
-# The job's exit code. torchrun exits 1 whatever its workers' codes were; each worker also
-# appends "<restart> <code>" to EXIT_FILE (purrsight/errors.py), so the launcher can report
-# the documented code of the last attempt: bad input (2), cluster check (3) or watchdog (86).
-# After a signal it forwarded, 128+N: the workers saved a checkpoint and stopped on request.
+# The job's exit code: torchrun's (our wrapper returns the workers' documented reason: bad
+# input 2, a cluster check 3, the watchdog 86), or 128+N after a signal we forwarded: the
+# workers saved a checkpoint and stopped on request.
 job_exit_code() {
-  local rc="$1" restart code newest=-1 reason=""
-  if ((rc == 0)); then echo 0; return; fi
-  if [[ -n "${SIGNALLED}" ]]; then echo $((128 + $(kill -l "${SIGNALLED}"))); return; fi
-  if [[ -s "${EXIT_FILE}" ]]; then
-    while read -r restart code; do
-      if ((restart > newest)); then newest="${restart}" reason=""; fi
-      if [[ -z "${reason}" && " ${EXIT_USAGE} ${EXIT_HEALTH} ${EXIT_WATCHDOG} " == *" ${code} "* ]]; then reason="${code}"; fi
-    done <"${EXIT_FILE}"
-  fi
-  echo "${reason:-${rc}}"
+  if (($1 != 0)) && [[ -n "${SIGNALLED}" ]]; then echo $((128 + $(kill -l "${SIGNALLED}"))); else echo "$1"; fi
 }
 
 main() {
@@ -414,45 +368,36 @@ main() {
   validate_env
   LOG_DIR="${LOG_DIR:-logs/distributed_training}"
   activate_python
-  probe_node
-  decide_placement
-  apply_env_plan
   if [[ -n "${RESUME:-}" ]]; then export PURRSIGHT_RESUME="${RESUME}"; fi
-  export PURRSIGHT_NODE_ADDR="${LOCAL_ADDR:-${MASTER_IP}}" # the watchdog names unreachable nodes by it
-  export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.cluster.distributed)
+  export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.distributed.process_group)
   # The attempt's launch time: its start-up is counted from here (purrsight/training/attempts.py),
   # or from a batch script's start when it set one (slurm/train.sbatch).
   PURRSIGHT_LAUNCH_TIME="${PURRSIGHT_LAUNCH_TIME:-$((launched / 1000000)).$(printf '%06d' $((launched % 1000000)))}"
   export PURRSIGHT_LAUNCH_TIME
-  # Workers count their restarts on this node under this id (purrsight.cluster.distributed.worker_generation).
+  # Workers count their restarts on this node under this id (purrsight.distributed.process_group.worker_generation).
   PURRSIGHT_LAUNCH_ID="${RDZV_ID:-node${NODE_RANK}}-$$-$(date +%s)"
   export PURRSIGHT_LAUNCH_ID
-  EXIT_FILE="${TMPDIR:-/tmp}/purrsight-${PURRSIGHT_LAUNCH_ID}.exit"
-  export PURRSIGHT_EXIT_FILE="${EXIT_FILE}"
+  local scratch="${TMPDIR:-/tmp}/purrsight-${PURRSIGHT_LAUNCH_ID}"
+  PLAN_FILE="${scratch}.plan" TRANSCRIPT="${scratch}.shown" PREPARE_ERRORS="${scratch}.errors"
+  # shellcheck disable=SC2064 # the names are fixed now
+  trap "rm -f '${PLAN_FILE}' '${TRANSCRIPT}' '${PREPARE_ERRORS}' '${scratch}'-*.starts" EXIT
+  prepare_node
   if ((DRY_RUN)); then
     build_torchrun_args
     printf '%s\n' "${DRY_LINES[@]}" "export PURRSIGHT_NODE_RANK=${NODE_RANK}  # global ranks ordered by node"
-    if [[ "${LOG_LEVEL}" == DEBUG ]]; then "${PYTHON}" -m purrsight.cluster.launch_env --dump-environment | sed 's/^/# /'; fi
+    if [[ "${LOG_LEVEL}" == DEBUG ]]; then printf '# %s\n' "${ENVIRONMENT_DUMP[@]}"; fi
     printf 'exec'
     printf ' %q' "${PYTHON}" "${TORCHRUN_ARGS[@]}"
     printf '\n'
     exit 0
   fi
-  check_run_folder
   start_node_log
   build_torchrun_args
   print_banner
-  if ((HEALTH_CHECKS)); then
-    local health_started
-    health_started="$(now_us)"
-    if ! "${PYTHON}" -m purrsight.cluster.health --config "${CONFIG}" --node-rank "${NODE_RANK}" \
-      --master-addr "${MASTER_IP}" --master-port "${PORT}" --log-dir "${LOG_DIR}" --backend "${BACKEND}" \
-      --master-timeout "${RDZV_TIMEOUT}" --gpus "${NODE_GPUS}" "${OVERRIDES[@]}"; then
-      log "health checks failed: not starting training on this node"
-      finish_node_log
-      exit "${EXIT_HEALTH}"
-    fi
-    log "health checks took $(seconds_since "${health_started}") s"
+  if ((PREPARE_RC == EXIT_HEALTH)); then
+    log "health checks failed: not starting training on this node"
+    finish_node_log
+    exit "${EXIT_HEALTH}"
   fi
   log "node ready after $(seconds_since "${launched}") s (probe, config check, health checks); starting torchrun"
   local rc=0
@@ -463,7 +408,6 @@ main() {
   else
     log "training ended with exit code ${rc}${SIGNALLED:+ after SIG${SIGNALLED}}; node log ${LOG_DIR}/${RUN_NAME}.log"
   fi
-  rm -f "${TMPDIR:-/tmp}/purrsight-${PURRSIGHT_LAUNCH_ID}-"*.starts "${EXIT_FILE}"
   finish_node_log
   exit "${rc}"
 }

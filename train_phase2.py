@@ -53,8 +53,8 @@ import sys
 from pathlib import Path
 
 from purrsight.cli import run_guarded, setup_logging
-from purrsight.cluster.distributed import order_ranks_by_node
-from purrsight.errors import EXIT_CODE_LINES, SIGNAL_BASE, ClusterError, ExitCode, record_exit_code
+from purrsight.distributed.process_group import order_ranks_by_node
+from purrsight.errors import EXIT_CODE_LINES, SIGNAL_BASE, ClusterError, ExitCode
 
 DEFAULT_CONFIG = "config/train_config.yaml"
 EXIT_CODES_HELP = "Exit codes:\n" + "\n".join(f"  {line}" for line in EXIT_CODE_LINES)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks_note = order_ranks_by_node(os.environ)  # before logging: its prefix shows the rank
     setup_logging()
     if ranks_note:
-        logging.getLogger("purrsight.cluster").info(ranks_note)
+        logging.getLogger("purrsight.distributed").info(ranks_note)
     if argv[:1] == ["export"]:
         return run_guarded(export_command, parse_export_args(argv[1:]))
     if argv[:1] == ["prepare"]:
@@ -172,6 +172,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    record_exit_code(exit_code)
-    raise SystemExit(exit_code)
+    raise SystemExit(main())

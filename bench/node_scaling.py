@@ -8,7 +8,7 @@ count, two jobs:
 - clean: ``--steps`` steps. Read from it: the last launcher's start -> the job's first
   optimizer step; each node's ready time (launcher start -> torchrun starts: probe, config
   check, health checks), health-check time and rendezvous time (torchelastic's own timing,
-  logged by purrsight.cluster.torchrun); each node's log bytes; CPU seconds per node by
+  logged by purrsight.launcher.torchrun); each node's log bytes; CPU seconds per node by
   part of the stack (bench/process_cpu.py).
 - fault: the same job, and the worker of the last node is killed (SIGKILL) after step
   ``--kill-after``; read: kill -> the first optimizer step after the restart, and the
@@ -148,7 +148,7 @@ def table(results: list[tuple[JobTimes, JobTimes]]) -> str:
     ]
     for clean, fault in results:
         cpu = clean.cpu_s_per_node
-        helpers = cpu["launcher other"] + cpu["health checks"] + cpu["torchrun agent"] + cpu["log writer"]
+        helpers = cpu["launcher other"] + cpu["prepare"] + cpu["torchrun agent"] + cpu["log writer"]
         lines.append(
             f"| {clean.nodes} | {clean.network} | {clean.first_step_s:.1f} | {max(clean.node_ready_s):.1f}"
             f" | {max(clean.health_s):.2f} | {min(clean.rendezvous_s):.2f} / {max(clean.rendezvous_s):.2f}"

@@ -14,20 +14,20 @@ from collections import defaultdict
 
 import psutil
 
-ROLES = ("worker", "torchrun agent", "log writer", "health checks", "launcher other")
+ROLES = ("worker", "torchrun agent", "log writer", "prepare", "launcher other")
 
 
 def role_of(cmdline: list[str]) -> str:
     command = " ".join(cmdline)
-    if "purrsight.cluster.torchrun" in command or "torch.distributed.run" in command:
+    if "purrsight.launcher.torchrun" in command or "torch.distributed.run" in command:
         return "torchrun agent"  # its command line names the training script too
     if "train_phase2.py" in command or "bench.plain_ddp" in command:
         return "worker"
-    if "purrsight.cluster.logwriter" in command:
+    if "purrsight.launcher.logwriter" in command:
         return "log writer"
-    if "purrsight.cluster.health" in command:
-        return "health checks"
-    return "launcher other"  # bash, the probe, the config check, the launch environment
+    if "purrsight.launcher.prepare" in command:
+        return "prepare"  # probe, config check, placement, run folder, environment, health checks
+    return "launcher other"  # bash and its tools
 
 
 class ProcessTreeCPU:

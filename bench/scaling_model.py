@@ -80,7 +80,7 @@ def preflight_s(mode: str, link_gbps: float) -> float:
     Each iteration also holds two barriers (small all-reduces: latency only). NCCL's
     communicator set-up, paid by the first collective whoever issues it, is not included.
     """
-    from purrsight.cluster.preflight import ITERATIONS, SIZES
+    from purrsight.distributed.preflight import ITERATIONS, SIZES
 
     total = 0.0
     for size in SIZES[(mode, "cuda")]:

@@ -8,7 +8,6 @@ loads (a config error in 0.2 s, not 6 s). The launcher's ``--help``, the trainer
 from __future__ import annotations
 
 import enum
-import os
 
 
 class ExitCode(enum.IntEnum):
@@ -29,24 +28,6 @@ EXIT_CODE_LINES = (
     "86   the progress watchdog: a rank made no progress for distributed.progress_timeout_s",
     "128+N  stopped by signal N after saving a checkpoint (143: SIGTERM, 130: SIGINT); resume to continue",
 )
-
-
-# torchrun exits 1 whatever its workers' codes were, so each worker also appends its code to
-# this file (set by cluster_train.sh) and the launcher reports the job's real reason.
-EXIT_FILE_ENV = "PURRSIGHT_EXIT_FILE"
-
-
-def record_exit_code(code: int) -> None:
-    """Append "<torchrun restart count> <code>" to $PURRSIGHT_EXIT_FILE, when it is set."""
-    path = os.environ.get(EXIT_FILE_ENV)
-    if not path or code == ExitCode.OK:
-        return
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-    try:
-        with open(path, "a") as handle:  # one short append per process: whole lines even when ranks race
-            handle.write(f"{restart} {int(code)}\n")
-    except OSError:
-        pass  # the code still reaches torchrun; only the launcher's summary loses it
 
 
 class UserError(ValueError):

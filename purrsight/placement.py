@@ -4,21 +4,14 @@ The launcher decides on each node (from BACKEND, the config and the GPUs it sees
 exports the decision to its workers, which take it as it is; the Ray driver decides with
 the same function for its workers. A worker started by something else (plain torchrun, a
 test) decides itself, from the config and the GPUs it sees.
-
-    python -m purrsight.placement CONFIG --gpus N [--backend auto|nccl|gloo] [section.key=value ...]
-
-validates the config (like ``python -m purrsight.config check``) and prints
-``accelerator=…`` and ``backend=…`` lines; exit 2 with one line per problem.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from purrsight.errors import ExitCode, UserError
+from purrsight.errors import UserError
 
 ACCELERATOR_VAR = "PURRSIGHT_ACCELERATOR"
 BACKEND_VAR = "PURRSIGHT_BACKEND"
@@ -69,31 +62,3 @@ def from_launcher(environ: Mapping[str, str]) -> Placement | None:
     if accelerator is None or backend is None:
         return None
     return decide(accelerator, backend, gpus=1 if accelerator == "gpu" else 0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from purrsight.config import ConfigError, load_config
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs visible on this node")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="the launcher's BACKEND; auto: the config's")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_intermixed_args(argv)  # overrides may follow the options
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        err.print_problems()
-        return ExitCode.USAGE
-    backend = args.backend if args.backend != "auto" else config.distributed.backend
-    try:
-        placement = decide(config.trainer.accelerator, backend, args.gpus)
-    except PlacementError as err:
-        print(str(err), file=sys.stderr)
-        return ExitCode.USAGE
-    print(f"accelerator={placement.accelerator}\nbackend={placement.backend}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -145,7 +145,7 @@ def _shared(check: Callable[[], Any]) -> Any:
     """``check()`` on rank 0; its result (or its user error, raised) on every rank."""
     import torch.distributed as dist
 
-    from purrsight.cluster.distributed import from_rank_zero
+    from purrsight.distributed.process_group import from_rank_zero
 
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     result: Any = None

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from purrsight.cluster.distributed import hosts_the_store
+from purrsight.distributed.process_group import hosts_the_store
 
 log = logging.getLogger(__name__)
 

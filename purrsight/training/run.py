@@ -12,8 +12,8 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.strategies import Strategy
 
-from purrsight.cluster.distributed import TORCHRUN_RANK, agreed_max, init_process_group, worker_generation
 from purrsight.config import Config, write_resolved
+from purrsight.distributed.process_group import TORCHRUN_RANK, agreed_max, init_process_group, worker_generation
 from purrsight.training import flight_recorder
 from purrsight.training.attempts import AttemptRecorder
 from purrsight.training.checkpoint_files import training_position

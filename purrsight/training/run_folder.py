@@ -11,20 +11,19 @@ history, its telemetry and report. The rules (docs/RELIABILITY.md):
 - Resuming at step S keeps the history (metrics, telemetry) up to S; rows after S are
   redone by the resumed run and replaced.
 
-No Lightning and no torch here: the launcher runs ``python -m purrsight.training.run_folder
-check`` on every node before torchrun, so a refused start costs a second, not a rendezvous.
+No Lightning and no torch here: the launcher's prepare step (purrsight/launcher/prepare.py)
+checks the folder on every node before torchrun, so a refused start costs a second, not a
+rendezvous.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import logging
 import os
 import re
 import shutil
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -201,33 +200,3 @@ def launched_here(run_dir: Path, launch: str) -> bool:
         return (run_dir / LAUNCH_MARKER).read_text().strip() == launch
     except OSError:
         return False
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``check CONFIG [overrides]``: exit 2 when a start would be refused (the launcher's pre-check)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m purrsight.training.run_folder",
-        description="Check that a start (a resume when PURRSIGHT_RESUME is set) may use the config's run folder.",
-    )
-    parser.add_argument("command", choices=["check"])
-    parser.add_argument("config")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    args = parser.parse_args(argv)
-    from purrsight.config import ConfigError, load_config
-
-    try:
-        config = load_config(args.config, args.overrides, check_paths=False)
-    except ConfigError as err:
-        err.print_problems()
-        return 2
-    run_dir = config.run.run_dir
-    found = existing_run(run_dir)
-    if found and not os.environ.get("PURRSIGHT_RESUME") and config.run.if_exists == "refuse":
-        print(f"error: {refusal(run_dir, found)}", file=sys.stderr)
-        return 2
-    print(f"run folder OK: {run_dir}" + (f" ({found})" if found else " (new run)"))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

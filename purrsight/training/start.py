@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from purrsight.cluster.distributed import from_rank_zero
 from purrsight.config import Config
+from purrsight.distributed.process_group import from_rank_zero
 from purrsight.errors import UserError
 from purrsight.training.checkpoint_files import CheckpointReadError, newest_checkpoint, saved_step
 from purrsight.training.run_folder import (

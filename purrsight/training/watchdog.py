@@ -27,7 +27,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from purrsight.errors import ExitCode, record_exit_code
+from purrsight.errors import ExitCode
 from purrsight.training import flight_recorder
 from purrsight.training.hang_culprit import LINGER_S, ProgressBoard
 
@@ -145,7 +145,6 @@ class ProgressWatchdog(pl.Callback):
                 sys.stderr.flush()
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
-                record_exit_code(ExitCode.WATCHDOG)
                 if self.board is not None and self.board.hosts_store:
                     time.sleep(LINGER_S)  # the other ranks' watchdogs are reading the store this process hosts
                 os._exit(ExitCode.WATCHDOG)  # no clean-up: it could block on the same stuck collective

@@ -24,7 +24,7 @@ def with_repo(env: dict[str, str]) -> dict[str, str]:
 @pytest.mark.gpu
 def test_probe_and_health_see_every_gpu() -> None:
     code = (
-        "import purrsight.cluster.probe as p, purrsight.cluster.health as h; "
+        "import purrsight.launcher.probe as p, purrsight.launcher.health as h; "
         "print(p.probe().gpus); print(h.check_gpus(expect_gpus=True))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=with_repo(gpu_env()), timeout=120)

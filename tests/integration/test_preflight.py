@@ -6,7 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from purrsight.cluster.preflight import bus_bandwidth
+from purrsight.distributed.preflight import bus_bandwidth
 from tests.helpers import DEFAULT_CONFIG, REPO, python_env, tiny_overrides, torchrun_two_ranks
 
 

@@ -18,7 +18,7 @@ def workers(launcher_pid: int) -> list[psutil.Process]:
     found = []
     for process in descendants(launcher_pid):
         command = " ".join(process.cmdline())
-        if "train_phase2.py" in command and "purrsight.cluster.torchrun" not in command:
+        if "train_phase2.py" in command and "purrsight.launcher.torchrun" not in command:
             found.append(process)
     return found
 

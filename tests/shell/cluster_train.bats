@@ -87,7 +87,7 @@ assert_usage_error() {
 
 @test "more processes than GPUs with nccl is refused" {
   # as many GPUs as the probe sees here (0 on CPU machines), plus one
-  gpus="$(python -m purrsight.cluster.probe | sed -n 's/^gpus=//p')"
+  gpus="$(python -c 'from purrsight.launcher.probe import probe; print(probe().gpus)')"
   BACKEND=nccl NPROC_PER_NODE=$((gpus + 1)) run ./cluster_train.sh
   [ "${status}" -eq 2 ]
   if ((gpus == 0)); then

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from purrsight.cluster.distributed import order_ranks_by_node, worker_generation
-from purrsight.cluster.health import (
+from purrsight.distributed.process_group import order_ranks_by_node, worker_generation
+from purrsight.launcher.health import (
     CheckFailedError,
     CheckSkippedError,
     check_data,
@@ -21,7 +21,7 @@ from purrsight.cluster.health import (
     check_packages,
     check_writable,
 )
-from purrsight.cluster.logwriter import parse_ranks, prune_runs
+from purrsight.launcher.logwriter import parse_ranks, prune_runs
 from tests.helpers import REPO, python_env
 
 
@@ -29,7 +29,7 @@ def run_logwriter(log_dir: Path, stamp: str, lines: list[str], **options: object
     args = [
         sys.executable,
         "-m",
-        "purrsight.cluster.logwriter",
+        "purrsight.launcher.logwriter",
         "--log-dir",
         str(log_dir),
         "--node-rank",
@@ -147,7 +147,7 @@ def test_worker_generation_counts_starts_on_this_node(tmp_path: Path, monkeypatc
 @pytest.mark.no_gpu_driver
 def test_probe_on_a_cpu_node_does_not_import_torch() -> None:
     """No GPU driver here: the probe reports no GPU and reads torch's version from its metadata."""
-    code = "import sys, purrsight.cluster.probe as p; info = p.probe(); print(info.gpus, info.torch, 'torch' in sys.modules)"
+    code = "import sys, purrsight.launcher.probe as p; info = p.probe(); print(info.gpus, info.torch, 'torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), check=True)
     import torch
 
@@ -156,7 +156,7 @@ def test_probe_on_a_cpu_node_does_not_import_torch() -> None:
 
 def test_probe_with_a_driver_asks_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A driver file (here a stand-in under tmp) means torch must be asked; this CPU build says no GPU."""
-    from purrsight.cluster import probe
+    from purrsight.launcher import probe
 
     (tmp_path / "nvidiactl").touch()
     monkeypatch.setattr(probe, "GPU_DRIVER_FILES", (str(tmp_path / "nvidiactl"),))
@@ -208,7 +208,7 @@ def test_node_0_refuses_a_prepared_set_made_from_another_index_before_torchrun(s
 
 
 def test_a_node_names_itself_for_exclusion_only_for_failures_of_its_own(tmp_path: Path) -> None:
-    from purrsight.cluster.health import name_bad_node
+    from purrsight.launcher.health import name_bad_node
 
     bad = tmp_path / "bad-nodes"
     environ = {"PURRSIGHT_BAD_NODES_FILE": str(bad), "SLURMD_NODENAME": "gpu17"}

@@ -29,7 +29,6 @@ def test_launcher_constants_match() -> None:
     assert constants == {
         "EXIT_USAGE": str(ExitCode.USAGE.value),
         "EXIT_HEALTH": str(ExitCode.CLUSTER.value),
-        "EXIT_WATCHDOG": str(ExitCode.WATCHDOG.value),
     }
 
 

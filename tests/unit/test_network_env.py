@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from purrsight.cluster.launch_env import mask, nccl_settings, plan, threads_per_process, usable_cpus
-from purrsight.cluster.network import Route, active_ib_ports, parse_route
+from purrsight.launcher.launch_env import mask, nccl_settings, plan, threads_per_process, usable_cpus
+from purrsight.launcher.network import Route, active_ib_ports, parse_route
 
 
 def fake_port(
@@ -89,7 +89,7 @@ def test_parse_route(text: str, expected: Route | None) -> None:
 
 
 def test_parse_address_owner() -> None:
-    from purrsight.cluster.network import parse_address_owner
+    from purrsight.launcher.network import parse_address_owner
 
     assert parse_address_owner("2: ib0    inet 10.0.0.1/24 brd 10.0.0.255 scope global ib0") == "ib0"
     assert parse_address_owner("") is None
@@ -97,7 +97,7 @@ def test_parse_address_owner() -> None:
 
 def test_master_node_uses_the_interface_holding_its_address(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """On node 0, `ip route get <own address>` says 'dev lo'; the address's own interface is meant."""
-    from purrsight.cluster import network
+    from purrsight.launcher import network
 
     answers = {
         ("route", "get", "10.0.0.1"): "local 10.0.0.1 dev lo table local src 10.0.0.1 uid 0",
@@ -138,7 +138,7 @@ def test_secrets_are_masked() -> None:
 
 
 def test_straggler_is_judged_against_the_other_ranks() -> None:
-    from purrsight.cluster.preflight import find_stragglers
+    from purrsight.distributed.preflight import find_stragglers
 
     assert len(find_stragglers({0: (0, 0.001), 1: (1, 0.050)}, 2.0)) == 1  # two ranks: the plain median would hide it
     assert find_stragglers({0: (0, 0.010), 1: (0, 0.011), 2: (1, 0.012), 3: (1, 0.010)}, 2.0) == []

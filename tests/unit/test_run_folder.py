@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,6 @@ from purrsight.training.run_folder import (
     record_launch,
     truncate_history,
 )
-from tests.helpers import DEFAULT_CONFIG, REPO, python_env
 
 
 def make_run(run_dir: Path, steps: tuple[int, ...] = (50, 100)) -> None:
@@ -77,26 +74,3 @@ def test_launch_marker(tmp_path: Path) -> None:
     assert not launched_here(tmp_path / "r", "a")
     record_launch(tmp_path / "r", "a")
     assert launched_here(tmp_path / "r", "a") and not launched_here(tmp_path / "r", "b")
-
-
-def run_check(tmp_path: Path, *overrides: str, resume: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = python_env()
-    env.pop("PURRSIGHT_RESUME", None)
-    if resume:
-        env["PURRSIGHT_RESUME"] = resume
-    command = [sys.executable, "-m", "purrsight.training.run_folder", "check", str(DEFAULT_CONFIG), f"run.output_dir={tmp_path}"]
-    return subprocess.run([*command, *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-
-
-def test_the_launchers_pre_check(tmp_path: Path) -> None:
-    """What cluster_train.sh runs on every node before torchrun: exit 2 and one line, or OK."""
-    assert run_check(tmp_path).returncode == 0
-    make_run(tmp_path / "phase2-tiny")
-    refused = run_check(tmp_path)
-    assert refused.returncode == 2
-    assert refused.stderr.count("\n") == 1 and "already holds a run" in refused.stderr
-    assert run_check(tmp_path, resume="auto").returncode == 0
-    assert run_check(tmp_path, "run.if_exists=archive").returncode == 0
-    assert "run folder OK" in run_check(tmp_path, "run.name=another").stdout
-    bad = run_check(tmp_path, "run.if_exists=maybe")
-    assert bad.returncode == 2 and "run.if_exists" in bad.stderr

@@ -1,4 +1,4 @@
-"""purrsight.cluster.torchrun's rendezvous line, fed by torchelastic's own metrics API.
+"""purrsight.launcher.torchrun: its rendezvous line, fed by torchelastic's own metrics API, and its exit code.
 
 The launcher tests (tests/launcher/) see the line come out of a real torchrun; here the
 handler's filtering and round count are checked through ``metrics.prof``, the decorator
@@ -12,7 +12,7 @@ import re
 import pytest
 from torch.distributed.elastic import metrics
 
-from purrsight.cluster.torchrun import RendezvousLog
+from purrsight.launcher.torchrun import RendezvousLog, job_exit_code
 
 
 class SimpleElasticAgent:  # the name torchelastic's metric carries: <class>._rendezvous.duration.ms
@@ -38,3 +38,11 @@ def test_one_line_per_rendezvous_round_and_nothing_else(capsys: pytest.CaptureFi
     assert len(lines) == 2, lines
     for round_, line in enumerate(lines):
         assert re.fullmatch(rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d \[torchrun\] rendezvous {round_} done in \d+\.\d\d s", line)
+
+
+def test_the_job_exit_code_is_the_workers_documented_reason() -> None:
+    """torchrun's failure records carry each worker's code; a documented one becomes the job's."""
+    assert job_exit_code([2, -15]) == 2  # bad input on one rank, the other stopped by torchrun
+    assert job_exit_code([-15, 86]) == 86  # the watchdog
+    assert job_exit_code([3]) == 3
+    assert job_exit_code([-9, 1]) == 1  # killed, or a bug: torchrun's own 1

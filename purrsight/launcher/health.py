@@ -1,21 +1,17 @@
 """Node health checks before torchrun: each a line with PASS/FAIL/SKIP and its time.
 
-All checks run, then a summary; any failure exits 3 so the node stops before it burns
-GPU hours or holds the other nodes at the rendezvous.
-
-    python -m purrsight.cluster.health --config config/train_config.yaml --node-rank 1 \\
-        --master-addr 10.0.0.1 --master-port 29500 --log-dir logs/distributed_training
+All checks run, then a summary; the launcher's prepare step (purrsight/launcher/prepare.py)
+runs them and exits 3 on any failure, so the node stops before it burns GPU hours or holds
+the other nodes at the rendezvous.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from purrsight.errors import ExitCode
-
-if TYPE_CHECKING:  # the config module is imported inside main(), after argument parsing
+if TYPE_CHECKING:  # the caller loaded the config; importing pydantic here would cost every import of this module
     from purrsight.config import Config
 
 # import name -> distribution name (for its version)
@@ -58,13 +52,6 @@ class Result:
     status: str  # PASS, FAIL or SKIP
     detail: str
     seconds: float
-
-
-def check_config(config_path: str, config: Config | None, problems: list[str]) -> str:
-    """The config was loaded once by main(); this check reports how that went."""
-    if config is None:
-        raise CheckFailedError("; ".join(problems))
-    return f"{config_path} (run {config.run.name})"
 
 
 def check_data(config: Config | None, node_rank: int = 0) -> str:
@@ -233,57 +220,39 @@ def run_check(name: str, check: Callable[[], str]) -> Result:
     return Result(name, status, detail, time.monotonic() - start)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--node-rank", type=int, default=0)
-    parser.add_argument("--master-addr", default="127.0.0.1")
-    parser.add_argument("--master-port", type=int, default=29500)
-    parser.add_argument("--log-dir", type=Path, default=Path("logs/distributed_training"))
-    parser.add_argument("--backend", choices=("nccl", "gloo"), default="gloo")
-    parser.add_argument("--gpus", type=int, default=None, help="visible GPUs as the probe counted them (default: ask torch)")
-    parser.add_argument("--min-free-gb", type=float, default=float(os.environ.get("HEALTH_MIN_FREE_GB", "1")))
-    parser.add_argument("--master-timeout", type=float, default=float(os.environ.get("RDZV_TIMEOUT", "900")))
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
-
-    from purrsight.config import ConfigError, load_config
-
-    config: Config | None = None
-    problems: list[str] = []
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        problems = err.problems  # reported by the config check below
-    output_dir = config.run.run_dir if config else Path("runs")
+def run_checks(
+    config: Config,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    log_dir: Path,
+    backend: str,
+    gpus: int | None,
+    min_free_gb: float,
+    master_timeout_s: float,
+    say: Callable[[str], None],
+) -> list[str]:
+    """Every check, a line each through ``say``, then a summary; the names of the failed ones."""
+    output_dir = config.run.run_dir
     checks: list[tuple[str, Callable[[], str]]] = [
-        ("config", lambda: check_config(args.config, config, problems)),
         ("packages", check_packages),
-        ("data", lambda: check_data(config, args.node_rank)),
-        ("gpus", lambda: check_gpus(args.backend == "nccl", args.gpus)),
-        ("disk", lambda: check_disk([output_dir, args.log_dir], args.min_free_gb)),
+        ("data", lambda: check_data(config, node_rank)),
+        ("gpus", lambda: check_gpus(backend == "nccl", gpus)),
+        ("disk", lambda: check_disk([output_dir, log_dir], min_free_gb)),
         ("output writable", lambda: check_writable(output_dir)),
     ]
-    if args.node_rank > 0:
-        checks.append(("master reachable", lambda: check_master(args.master_addr, args.master_port, args.master_timeout)))
+    if node_rank > 0:
+        checks.append(("master reachable", lambda: check_master(master_addr, master_port, master_timeout_s)))
     results = []
     for name, check in checks:
         result = run_check(name, check)
         results.append(result)
-        print(f"health: {result.status:4}  {name:16} {result.detail}  ({result.seconds:.2f} s)", flush=True)
-    failed = [r.name for r in results if r.status == "FAIL"]
+        say(f"health: {result.status:4}  {name:16} {result.detail}  ({result.seconds:.2f} s)")
+    failed = [r for r in results if r.status == "FAIL"]
     summary = f"{len(results) - len(failed)}/{len(results)} checks passed"
-    print(f"health: {summary}" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
-    if failed:
-        for result in results:
-            if result.status == "FAIL":
-                print(f"error: health check {result.name}: {result.detail}", file=sys.stderr, flush=True)
-        named = name_bad_node(failed)
-        if named:
-            print(f"health: this node is named in {os.environ[BAD_NODES_ENV]}: the job excludes it when it requeues", flush=True)
-        return ExitCode.CLUSTER
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    say(f"health: {summary}" + (f"; failed: {', '.join(r.name for r in failed)}" if failed else ""))
+    for result in failed:
+        say(f"error: health check {result.name}: {result.detail}")
+    if failed and name_bad_node([r.name for r in failed]):
+        say(f"health: this node is named in {os.environ[BAD_NODES_ENV]}: the job excludes it when it requeues")
+    return [r.name for r in failed]

@@ -2,15 +2,17 @@
 
 torchrun ends a failed job by raising ChildFailedError (or SignalException when it is
 stopped), which prints a Python traceback of torchrun's own internals into every node log
-after the workers' one-line errors. Here the failure is summarised in one line per failed
-rank instead; each worker's own message is already in the log above it.
+after the workers' one-line errors, and exits 1 whatever the workers' codes were. Here the
+failure is summarised in one line per failed rank instead (each worker's own message is
+already in the log above it), and the exit code is the workers' documented reason (bad
+input 2, a cluster check 3, the watchdog 86) when one of them gave it.
 
 It also writes one line per rendezvous with torchelastic's own timing of it, so a node
 log shows how long this node waited for the others (docs/SCALING.md reads these lines):
 
     2026-11-23 05:21:40 [torchrun] rendezvous 0 done in 1.84 s
 
-    python -m purrsight.cluster.torchrun [torchrun arguments] train_phase2.py ...
+    python -m purrsight.launcher.torchrun [torchrun arguments] train_phase2.py ...
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from purrsight.errors import SIGNAL_BASE
+from purrsight.errors import SIGNAL_BASE, ExitCode
 
 TORCHRUN_FAILED = 1  # torchrun's own code for a failed worker group, kept for callers that read it
 RENDEZVOUS_METRIC = "._rendezvous.duration.ms"  # SimpleElasticAgent._rendezvous is timed by torchelastic's @prof
@@ -44,6 +46,19 @@ class RendezvousLog(metrics.MetricHandler):
         self.rounds += 1
 
 
+def job_exit_code(worker_codes: list[int]) -> int:
+    """The job's code from its workers' in the last attempt: the documented reason when one
+    gave it (bad input, a cluster check, the watchdog), else torchrun's own 1.
+
+    torchrun's failure records keep each failed worker's exit code (negative: killed by that
+    signal); torchrun itself exits 1 whatever they were.
+    """
+    for reason in (ExitCode.USAGE, ExitCode.CLUSTER, ExitCode.WATCHDOG):
+        if reason in worker_codes:
+            return int(reason)
+    return TORCHRUN_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
     metrics.configure(RendezvousLog(), group="torchelastic")
     try:
@@ -54,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"torchrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) exited with code {failure.exitcode}",
                 file=sys.stderr,
             )
-        return TORCHRUN_FAILED
+        return job_exit_code([failure.exitcode for failure in err.failures.values()])
     except SignalException as err:
         print(f"torchrun: stopped by {err.sigval.name}; the workers were asked to save and exit", file=sys.stderr)
         return SIGNAL_BASE + int(err.sigval)

@@ -1,7 +1,7 @@
 """What this node runs on: python, torch, CUDA/NCCL versions, visible GPUs.
 
-``python -m purrsight.cluster.probe`` prints ``key=value`` lines that cluster_train.sh
-reads for its defaults (NPROC_PER_NODE, BACKEND) and its start banner.
+The launcher's prepare step reads it for its defaults (NPROC_PER_NODE, BACKEND) and its
+start banner.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -49,13 +49,3 @@ def probe() -> NodeInfo:
     names = ",".join(sorted({torch.cuda.get_device_name(i) for i in range(count)}))
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "none"
     return NodeInfo(python, torch.__version__, torch.version.cuda or "none", nccl, count, names)
-
-
-def main() -> int:
-    for key, value in asdict(probe()).items():
-        print(f"{key}={value}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

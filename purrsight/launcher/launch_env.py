@@ -1,25 +1,19 @@
 """The environment a node exports before torchrun: decided here, exported by cluster_train.sh.
 
 A variable the user already exported is never overridden (NCCL_* included); the plan
-says which were set and which were kept, and the launcher prints it as one block.
-
-    python -m purrsight.cluster.launch_env --master-addr 10.0.0.1 --master-port 29500 \\
-        --nproc 8 --backend nccl --log-level INFO --nccl-preset auto
-
-prints ``set NAME VALUE`` and ``keep NAME VALUE`` lines.
+says which were set and which were kept, and the launcher prints it as one block. The
+launcher's prepare step (purrsight/launcher/prepare.py) writes the plan into the file it
+hands the launcher.
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
-from purrsight.cluster.network import SYS_INFINIBAND, IBPort, Route, active_ib_ports, route_to
+from purrsight.launcher.network import IBPort, Route
 
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 NCCL_PRESETS = ("auto", "ib", "ethernet", "none")
@@ -145,48 +139,3 @@ def plan(
 def dump_environment(environ: Mapping[str, str]) -> list[str]:
     """NAME=value lines of the whole environment, sorted, credentials masked."""
     return [f"{name}={mask(name, value)}" for name, value in sorted(environ.items())]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dump-environment", action="store_true", help="print the masked environment and exit")
-    parser.add_argument("--master-addr")
-    parser.add_argument("--master-port", type=int)
-    parser.add_argument("--nproc", type=int)
-    parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--backend", choices=("nccl", "gloo"))
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--nccl-preset", choices=NCCL_PRESETS, default="auto")
-    parser.add_argument("--sys-infiniband", type=Path, default=SYS_INFINIBAND, help="sysfs root (tests)")
-    args = parser.parse_args(argv)
-    if args.dump_environment:
-        sys.stdout.write("".join(line + "\n" for line in dump_environment(os.environ)))
-        return 0
-    if None in (args.master_addr, args.master_port, args.nproc, args.backend):
-        parser.error("--master-addr, --master-port, --nproc and --backend are required")
-    route = route_to(args.master_addr)
-    cpus, cpu_source = usable_cpus(os.environ)
-    entries = plan(
-        os.environ,
-        args.master_addr,
-        args.master_port,
-        args.nproc,
-        args.backend,
-        args.log_level,
-        args.nccl_preset,
-        active_ib_ports(args.sys_infiniband),
-        route,
-        cpus,
-        args.nnodes,
-        cpu_source,
-    )
-    for entry in entries:
-        # One line per variable, tab-separated: values may hold spaces, never tabs/newlines.
-        sys.stdout.write(f"{'keep' if entry.kept else 'set'}\t{entry.name}\t{entry.value}\t{entry.reason}\n")
-    local = route.source if route and route.source else args.master_addr
-    sys.stdout.write(f"local\tLOCAL_ADDR\t{local}\tthis node's address on the route to the master\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

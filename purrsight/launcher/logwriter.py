@@ -76,7 +76,8 @@ class NodeLog:
         tmp.symlink_to(self.path.name)  # relative: the folder can move
         os.replace(tmp, latest)
 
-    def write(self, line: str) -> None:
+    def write(self, line: str, shown: bool = False) -> None:
+        """One line into the log file, and onto the console unless it was ``shown`` there already."""
         match = TORCHRUN_PREFIX.match(line)
         if match:
             local = int(match.group(1))
@@ -87,7 +88,7 @@ class NodeLog:
             text = f"[node{self.node_rank} launcher] {line}"
             to_console = True
         self.handler.emit(logging.LogRecord("node", logging.INFO, "", 0, text, None, None))
-        if to_console:
+        if to_console and not shown:
             sys.stdout.write(text + "\n")
             sys.stdout.flush()
 
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backups", type=int, default=5)
     parser.add_argument("--keep-runs", type=int, default=10)
     parser.add_argument("--console-ranks", default="0")
+    parser.add_argument("--shown", type=Path, help="lines the launcher already showed (its prepare step's): into the file only")
     args = parser.parse_args(argv)
     # The launcher forwards signals to torchrun; this process must outlive them to record
     # the last lines (the final checkpoint, the exit code), and ends at end of input.
@@ -111,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         args.log_dir, args.node_rank, args.nproc, args.timestamp, args.max_bytes, args.backups, parse_ranks(args.console_ranks)
     )
     prune_runs(args.log_dir, args.node_rank, args.keep_runs)
+    if args.shown is not None and args.shown.is_file():
+        for line in args.shown.read_text(encoding="utf-8", errors="replace").splitlines():
+            log.write(line, shown=True)
     for raw in sys.stdin.buffer:
         log.write(raw.decode("utf-8", errors="replace").rstrip("\n"))
     log.handler.close()

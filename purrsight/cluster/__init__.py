@@ -1,1 +1,0 @@
-"""Nodes, processes and schedulers (nothing about models): launch environment, health, logs."""
