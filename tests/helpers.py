@@ -51,6 +51,15 @@ def python_env() -> dict[str, str]:
     return env
 
 
+FAULT_INJECTION = REPO / "tests" / "fault_injection"
+
+
+def fault_env(fault: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Variables that plant ``fault`` in every Python process of a job (tests/fault_injection/sitecustomize.py)."""
+    path = (environ if environ is not None else os.environ).get("PYTHONPATH", "")
+    return {"PURRSIGHT_TEST_FAULT": fault, "PYTHONPATH": os.pathsep.join(p for p in (str(FAULT_INJECTION), str(REPO), path) if p)}
+
+
 def launcher_env(log_dir: Path, **extra: str) -> dict[str, str]:
     """The environment a test gives cluster_train.sh: the project's venv first, logs under tmp."""
     env = python_env()

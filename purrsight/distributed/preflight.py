@@ -31,7 +31,6 @@ SIZES = {  # bytes per all-reduce, by (mode, device type)
     ("full", "cuda"): [2**20, 2**22, 2**24, 2**26, 2**28, 2**29],
 }
 ITERATIONS = {"quick": 3, "full": 10}
-DELAY_FAULT = "preflight_delay:"  # PURRSIGHT_FAULT=preflight_delay:RANK:SECONDS plants a slow rank (tests)
 
 
 class PreflightError(ClusterError):
@@ -74,14 +73,6 @@ def bus_bandwidth(algbw: float, world: int) -> float:
     return algbw * 2 * (world - 1) / world
 
 
-def _planted_delay(rank: int) -> float:
-    spec = os.environ.get("PURRSIGHT_FAULT", "")
-    if not spec.startswith(DELAY_FAULT):
-        return 0.0
-    target, seconds = spec[len(DELAY_FAULT) :].split(":")
-    return float(seconds) if int(target) == rank else 0.0
-
-
 def _local_work(device: torch.device) -> None:
     """A fixed matmul: the same work on every rank, so its time compares the nodes."""
     a = torch.ones(256, 256, device=device)
@@ -92,7 +83,6 @@ def run_preflight(mode: str, device: torch.device, straggler_factor: float) -> R
     """Every rank calls this after the process group exists; returns the same report on all ranks."""
     world, rank = dist.get_world_size(), dist.get_rank()
     node = int(os.environ.get("GROUP_RANK", "0"))
-    delay = _planted_delay(rank)
     expected = world * (world + 1) / 2  # ranks contribute 1, 2, ..., n: small integers sum exactly
     rows, local_times = [], []
     for size in SIZES[(mode, "cuda" if device.type == "cuda" else "cpu")]:
@@ -105,7 +95,6 @@ def run_preflight(mode: str, device: torch.device, straggler_factor: float) -> R
             dist.barrier()
             start = time.perf_counter()
             _local_work(device)
-            time.sleep(delay)
             local_times.append(time.perf_counter() - start)
             dist.barrier()  # a late rank delays this barrier, not the timed collective below
             begin = time.perf_counter()

@@ -22,7 +22,6 @@ import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from purrsight.errors import UserError
-from purrsight.training.fault_injection import inject_fault_during_write
 from purrsight.training.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
 from purrsight.training.stop import StopRequest, StopVote
 
@@ -42,7 +41,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             with os.fdopen(handle, "wb") as stream:
                 torch.save(checkpoint, stream)
-                inject_fault_during_write(stream)
                 stream.flush()
                 os.fsync(stream.fileno())
             os.replace(tmp_name, target)

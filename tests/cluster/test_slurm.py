@@ -9,7 +9,7 @@ from pathlib import Path
 
 from purrsight.training.attempts import read_attempts, summarize
 from tests.cluster.conftest import SlurmCluster
-from tests.helpers import REPO, tiny_overrides
+from tests.helpers import REPO, fault_env, tiny_overrides
 
 # The test nodes have 2 CPUs and no GPUs: these override the script's #SBATCH defaults.
 SMALL_ALLOCATION = ["-N", "2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
@@ -95,7 +95,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
 
 def test_a_job_that_fails_right_after_each_start_stops_requeueing(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
     """Every run dies at its first checkpoint write (fault injection) within seconds of starting."""
-    fault = {"PURRSIGHT_FAULT": "kill_during_checkpoint_write:1", "MAX_RESTARTS": "0", "MAX_QUICK_REQUEUES": "2"}
+    fault = {**fault_env("kill_during_checkpoint_write:1", slurm.env), "MAX_RESTARTS": "0", "MAX_QUICK_REQUEUES": "2"}
     job = submit(slurm, tmp_path, synthetic_dir, extra_env=fault, trainer__max_steps=40)
     state = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=400)
     out = batch_output(tmp_path, job)

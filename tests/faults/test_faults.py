@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers import read_metrics, run_trainer, tiny_overrides, trainable_state
+from tests.helpers import fault_env, read_metrics, run_trainer, tiny_overrides, trainable_state
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers
 
@@ -67,11 +67,11 @@ def test_kill9_random_rank_at_random_step(seed: int, cluster: Cluster, uninterru
 
 
 def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Cluster) -> None:
-    """PURRSIGHT_FAULT kills rank 0 with SIGKILL half way through its 2nd checkpoint write (step 20)."""
+    """Rank 0 is killed with SIGKILL half way through its 2nd checkpoint write (step 20; tests/fault_injection)."""
     launcher = cluster.start(
         1,
         0,
-        env={"NPROC_PER_NODE": "2", "PURRSIGHT_FAULT": "kill_during_checkpoint_write:2"},
+        env={"NPROC_PER_NODE": "2", **fault_env("kill_during_checkpoint_write:2", cluster.env())},
         trainer__max_steps=40,
         checkpoint__every_n_steps=10,
     )

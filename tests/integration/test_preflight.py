@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from purrsight.distributed.preflight import bus_bandwidth
-from tests.helpers import DEFAULT_CONFIG, REPO, python_env, tiny_overrides, torchrun_two_ranks
+from tests.helpers import DEFAULT_CONFIG, REPO, fault_env, python_env, tiny_overrides, torchrun_two_ranks
 
 
 def torchrun(tmp: Path, synthetic_dir: Path, env: dict[str, str] | None = None, **overrides: object):  # type: ignore[no-untyped-def]
@@ -27,7 +27,7 @@ def test_bus_bandwidth_follows_nccl_tests() -> None:
 
 
 def test_table_sum_check_and_planted_straggler(synthetic_dir: Path, tmp_path: Path) -> None:
-    done = torchrun(tmp_path, synthetic_dir, env={"PURRSIGHT_FAULT": "preflight_delay:1:0.05"})
+    done = torchrun(tmp_path, synthetic_dir, env=fault_env("preflight_delay:1:0.05", python_env()))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "preflight all-reduce over 2 ranks (sum check: exact on every size)" in done.stderr
     assert re.search(r"size +time ms +algbw GB/s +busbw GB/s", done.stderr)
@@ -46,7 +46,8 @@ def test_table_sum_check_and_planted_straggler(synthetic_dir: Path, tmp_path: Pa
 def test_floor_above_the_fabric_fails_with_exit_3_and_names_the_stragglers_node(synthetic_dir: Path, tmp_path: Path) -> None:
     """With a straggler planted (rank 1), its node goes to the job's bad-node file, for slurm/train.sbatch to exclude."""
     bad_nodes = tmp_path / "bad-nodes"
-    env = {"PURRSIGHT_FAULT": "preflight_delay:1:0.05", "PURRSIGHT_BAD_NODES_FILE": str(bad_nodes), "SLURMD_NODENAME": "gpu07"}
+    planted = fault_env("preflight_delay:1:0.05", python_env())
+    env = {**planted, "PURRSIGHT_BAD_NODES_FILE": str(bad_nodes), "SLURMD_NODENAME": "gpu07"}
     done = torchrun(tmp_path, synthetic_dir, env=env, preflight__min_busbw_gbps=1e6)
     assert done.returncode == 1  # plain torchrun's own code for any failed worker (the launcher reports 3)
     assert re.search(

@@ -1,0 +1,102 @@
+"""Faults on demand for the fault tests, planted from outside the code they test.
+
+A test that wants a fault runs the real stack (launcher, SLURM, torchrun, trainer) with
+``fault_env(...)`` from tests/helpers.py: this folder first on PYTHONPATH, so every Python
+process of the job imports this file at start-up (``site`` imports ``sitecustomize``), and
+``PURRSIGHT_TEST_FAULT`` naming the fault. Nothing happens at start-up but registering an
+import hook: when the worker imports the module the fault lives in, the hook wraps one of
+its functions. Production code has no fault switch.
+
+Faults (``PURRSIGHT_TEST_FAULT``):
+
+- ``kill_during_checkpoint_write:N``: SIGKILL the process during its N-th checkpoint write,
+  the temp file half written and flushed, as when a node dies or the OOM killer strikes
+  mid-save. First worker generation only (restarted workers must be able to finish).
+- ``preflight_delay:RANK:SECONDS``: that rank's local work in the preflight takes SECONDS
+  longer, a planted straggler.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+FAULT = os.environ.get("PURRSIGHT_TEST_FAULT", "")
+
+
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after ``name`` is imported, whoever imports it."""
+
+    def __init__(self, name: str, patch: Callable[[ModuleType], None]) -> None:
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        if fullname != self.name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        load, patch = spec.loader.exec_module, self.patch
+
+        def load_then_patch(module: ModuleType) -> None:
+            load(module)
+            patch(module)
+
+        spec.loader.exec_module = load_then_patch  # type: ignore[method-assign]
+        return spec
+
+
+class _SaveThenKill:
+    """Stands in for the ``torch`` name inside purrsight.training.checkpoints: ``save`` kills after writing."""
+
+    def __init__(self, torch: Any, kill_at: int) -> None:
+        self._torch, self._kill_at, self._writes = torch, kill_at, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def save(self, obj: Any, stream: Any, *args: Any, **kwargs: Any) -> None:
+        self._torch.save(obj, stream, *args, **kwargs)
+        self._writes += 1
+        if self._writes == self._kill_at:
+            stream.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_during_checkpoint_write(count: str) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+            module.torch = _SaveThenKill(module.torch, int(count))  # type: ignore[attr-defined]
+
+    return patch
+
+
+def _preflight_delay(rank: str, seconds: str) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        local_work = module._local_work
+
+        def slow_local_work(device: Any) -> None:
+            local_work(device)
+            if module.dist.get_rank() == int(rank):
+                time.sleep(float(seconds))
+
+        module._local_work = slow_local_work
+
+    return patch
+
+
+if FAULT:
+    kind, _, arguments = FAULT.partition(":")
+    if kind == "kill_during_checkpoint_write":
+        sys.meta_path.insert(0, PatchOnImport("purrsight.training.checkpoints", _kill_during_checkpoint_write(arguments)))
+    elif kind == "preflight_delay":
+        sys.meta_path.insert(0, PatchOnImport("purrsight.distributed.preflight", _preflight_delay(*arguments.split(":"))))
+    else:
+        raise SystemExit(f"PURRSIGHT_TEST_FAULT={FAULT}: unknown fault (see {__file__})")
