@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 from purrsight.data.index import SampleIndex
 from purrsight.data.media import AudioDecoder, ImageDecoder, SampleError
 from purrsight.data.text import PromptTooLongError, TextEncoder
-from purrsight.model.loading import IGNORE_INDEX
+from purrsight.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

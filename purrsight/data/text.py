@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from purrsight.model.loading import IGNORE_INDEX
+from purrsight.labels import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from purrsight.bad_nodes import BAD_NODES_ENV, name_bad_node
+
 if TYPE_CHECKING:  # the caller loaded the config; importing pydantic here would cost every import of this module
     from purrsight.config import Config
 
@@ -185,28 +187,6 @@ def check_master(addr: str, port: int, timeout_s: float, interval_s: float = 1.0
                     f"{port} between nodes; {addr} is the master's address on a network this node reaches"
                 ) from None
             time.sleep(interval_s)
-
-
-BAD_NODES_ENV = "PURRSIGHT_BAD_NODES_FILE"  # set by slurm/train.sbatch: the nodes it should exclude on requeue
-NOT_THE_NODES_FAULT = ("config", "master reachable")  # failures that say nothing against this node
-
-
-def name_bad_node(failed: list[str], environ: dict[str, str] | None = None, node: str | None = None) -> str | None:
-    """Append a node (by default this one) to the job's bad-node file when a check of its own failed; its line, or None.
-
-    The config is the same on every node, and an unreachable master is the master's fault (or
-    the network's): neither makes this node one to avoid. The rest (packages, data mounts,
-    GPUs, disk, a writable output) are this node's.
-    """
-    environ = dict(os.environ) if environ is None else environ
-    path = environ.get(BAD_NODES_ENV)
-    own = [name for name in failed if name not in NOT_THE_NODES_FAULT]
-    if not path or not own:
-        return None
-    line = f"{node or environ.get('SLURMD_NODENAME') or socket.gethostname()}\t{', '.join(own)}"
-    with open(path, "a") as bad_nodes:
-        bad_nodes.write(line + "\n")  # one short append per failing node: whole lines on a shared filesystem
-    return line
 
 
 def run_check(name: str, check: Callable[[], str]) -> Result:

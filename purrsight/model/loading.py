@@ -8,8 +8,6 @@ from typing import Any
 
 from purrsight.errors import UserError
 
-IGNORE_INDEX = -100  # the label value torch's cross-entropy skips: prompt and padding positions
-
 
 class ModelLoadError(UserError):
     """A model source that cannot be used; the message names the path or key."""

@@ -23,9 +23,9 @@ import torch
 from peft import PeftModel
 from torch import nn
 
+from purrsight.labels import IGNORE_INDEX
 from purrsight.model.aligner import Phase1Aligner
 from purrsight.model.encoders import FrozenEncoder
-from purrsight.model.loading import IGNORE_INDEX
 from purrsight.model.projector import Projector
 
 MODALITIES = ("image", "audio")

@@ -13,7 +13,7 @@ from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 from purrsight.config import Config, dump_config
 from purrsight.data.media import SampleError
 from purrsight.errors import UserError
-from purrsight.model.loading import IGNORE_INDEX
+from purrsight.labels import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype

@@ -6,9 +6,9 @@ import logging
 
 import pytorch_lightning as pl
 
+from purrsight.bad_nodes import name_bad_node
 from purrsight.config import PreflightConfig
 from purrsight.distributed.preflight import PreflightError, Report, run_preflight, straggler_ranks
-from purrsight.launcher.health import name_bad_node
 
 log = logging.getLogger("purrsight.preflight")
 

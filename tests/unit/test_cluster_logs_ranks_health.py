@@ -208,7 +208,7 @@ def test_node_0_refuses_a_prepared_set_made_from_another_index_before_torchrun(s
 
 
 def test_a_node_names_itself_for_exclusion_only_for_failures_of_its_own(tmp_path: Path) -> None:
-    from purrsight.launcher.health import name_bad_node
+    from purrsight.bad_nodes import name_bad_node
 
     bad = tmp_path / "bad-nodes"
     environ = {"PURRSIGHT_BAD_NODES_FILE": str(bad), "SLURMD_NODENAME": "gpu17"}

@@ -10,8 +10,8 @@ from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_pr
 from purrsight.data.index import scan_index
 from purrsight.data.media import AudioDecoder, ImageDecoder, SampleError
 from purrsight.data.text import PromptTooLongError, TextEncoder
+from purrsight.labels import IGNORE_INDEX
 from purrsight.model.llm import load_tokenizer
-from purrsight.model.loading import IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")
