@@ -40,7 +40,22 @@ def host_gpu_count() -> int:
     return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
 
 
+# Outside tests/unit every test starts the real stack (a trainer, torchrun, launchers, a SLURM
+# or Ray cluster): the quick tier (`bash scripts/test.sh --quick`, `-m "not slow"`) leaves them out.
+QUICK_FOLDERS = ("unit",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        folder = item.path.relative_to(tests).parts[0]
+        if folder not in QUICK_FOLDERS:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("root") is not None and os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces or SLURM's daemons); CI runs as root")
     gpu = item.get_closest_marker("gpu")
     if gpu is not None and host_gpu_count() < gpu.kwargs.get("count", 1):
         pytest.skip(f"needs {gpu.kwargs.get('count', 1)} CUDA GPU(s); this node has {host_gpu_count()} (it runs on GPU nodes)")

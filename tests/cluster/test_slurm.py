@@ -7,12 +7,16 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
 from purrsight.training.attempts import read_attempts, summarize
 from tests.cluster.conftest import SlurmCluster
 from tests.helpers import REPO, fault_env, tiny_overrides
 
 # The test nodes have 2 CPUs and no GPUs: these override the script's #SBATCH defaults.
 SMALL_ALLOCATION = ["-N", "2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
+
+pytestmark = pytest.mark.root  # SLURM's daemons run as root here
 
 
 def submit(

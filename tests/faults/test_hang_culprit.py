@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from purrsight.training.hang_culprit import PUBLISH_S
 from tests.helpers import REPO, launcher_env, tiny_overrides
@@ -66,6 +67,7 @@ def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Clust
         assert entries and entries[-1]["state"] != "completed", (dump, entries[-1])
 
 
+@pytest.mark.root  # network namespaces
 def test_sigstop_of_the_rank_on_the_second_network_host_names_it(synthetic_dir: Path, tmp_path: Path) -> None:
     """Two hosts (network namespaces joined by a bridge, tests/network_hosts.py), one rank each: SIGSTOP of rank 1."""
     env = launcher_env(tmp_path / "logs", OMP_NUM_THREADS="1", MAX_RESTARTS="0", RDZV_TIMEOUT="120")

@@ -29,6 +29,7 @@ def two_hosts() -> Iterator[list[Host]]:
         yield hosts
 
 
+@pytest.mark.root  # network namespaces
 def test_cut_link_is_noticed_named_and_survived(two_hosts: list[Host], synthetic_dir: Path, tmp_path: Path) -> None:
     master, worker = two_hosts
     env = launcher_env(tmp_path / "logs", OMP_NUM_THREADS="1", MAX_RESTARTS="1", RDZV_TIMEOUT="120")

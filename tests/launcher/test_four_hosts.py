@@ -14,12 +14,15 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO, launcher_env, tiny_overrides
 from tests.network_hosts import network_hosts
 
 NODES = 4
 
 
+@pytest.mark.root  # network namespaces
 def test_four_hosts_train_one_job_with_node_ordered_ranks(synthetic_dir: Path, tmp_path: Path) -> None:
     env = launcher_env(tmp_path / "logs", OMP_NUM_THREADS="1", RDZV_TIMEOUT="300", MAX_RESTARTS="0")
     overrides = tiny_overrides(synthetic_dir, tmp_path / "runs", trainer__max_steps=10, checkpoint__every_n_steps=10)

@@ -22,8 +22,6 @@ from tests.helpers import read_metrics, trainable_state
 from tests.ray.cluster import RayCluster, job_info, submission_id
 from tests.wandb_files import wandb_history
 
-pytestmark = pytest.mark.slow
-
 
 def ray_args(shared: Path, name: str, **extra: object) -> list[str]:
     values: dict[str, object] = {
