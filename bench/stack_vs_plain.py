@@ -5,7 +5,7 @@ turn ``--repeats`` times, medians reported:
 
 - plain: torchrun + bench/plain_ddp.py (same model, samples, batch, optimizer; no Lightning);
 - trainer: torchrun + train_phase2.py (Lightning and our callbacks, no launcher);
-- stack: cluster_train.sh -> torchrun -> train_phase2.py (probe, config check, health checks),
+- stack: cluster_train.sh -> torchrun -> train_phase2.py (its prepare step: probe, config, health checks),
   once per ``--monitor-intervals`` value (the launcher's MONITOR_INTERVAL).
 
 Every run's process tree is sampled for CPU seconds by part of the stack (workers,

@@ -47,6 +47,11 @@ assert_usage_error() {
   assert_usage_error "node_rank 'x' must be a non-negative integer"
 }
 
+@test "more than five positional arguments are refused (overrides go after --)" {
+  run ./cluster_train.sh config/train_config.yaml 1 0 localhost 29500 extra
+  assert_usage_error "too many arguments (6); overrides go after --"
+}
+
 @test "master_port must be 1..65535" {
   run ./cluster_train.sh config/train_config.yaml 1 0 localhost 70000
   assert_usage_error "master_port '70000' must be an integer in 1..65535"
