@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from functools import cache
@@ -67,3 +68,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def synthetic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One small synthetic set for the whole session (generation is deterministic)."""
     return generate(tmp_path_factory.mktemp("data") / "synthetic", num_train=128, num_val=32, seed=0)
+
+
+@pytest.fixture(scope="session")
+def finished_run(synthetic_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One default tiny run (20 steps), trained once for the tests that only start from a finished run."""
+    from tests.helpers import train_tiny
+
+    out = tmp_path_factory.mktemp("finished")
+    done = train_tiny(synthetic_dir, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / "phase2-tiny"
+
+
+@pytest.fixture
+def tmp_path_with_a_finished_run(finished_run: Path, tmp_path: Path) -> Path:
+    """``tmp_path`` holding a copy of the finished run in ``phase2-tiny``, as ``train_tiny(synthetic_dir, tmp_path)`` leaves it."""
+    shutil.copytree(finished_run, tmp_path / "phase2-tiny", symlinks=True)
+    return tmp_path

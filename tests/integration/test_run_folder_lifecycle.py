@@ -34,9 +34,8 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.ckpt"))
 
 
-def test_a_second_run_into_the_folder_is_refused_until_asked(synthetic_dir: Path, tmp_path: Path) -> None:
-    first = train_tiny(synthetic_dir, tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_a_second_run_into_the_folder_is_refused_until_asked(synthetic_dir: Path, tmp_path_with_a_finished_run: Path) -> None:
+    tmp_path = tmp_path_with_a_finished_run
     run_dir = tmp_path / "phase2-tiny"
     before = snapshot(run_dir)
 
@@ -107,13 +106,13 @@ def telemetry_steps(run_dir: Path) -> list[int]:
         return [int(float(row["step"])) for row in csv.DictReader(handle)]
 
 
-def test_a_checkpoint_that_cannot_be_read_stops_the_resume(synthetic_dir: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_that_cannot_be_read_stops_the_resume(synthetic_dir: Path, tmp_path_with_a_finished_run: Path) -> None:
     """Permission denied on the newest checkpoint: exit 2 naming it, not a silent resume from an older one.
 
     As root (CI), permission bits do not stop a read; setpriv drops the capabilities that
     bypass them (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so the denial is the kernel's own.
     """
-    assert train_tiny(synthetic_dir, tmp_path).returncode == 0
+    tmp_path = tmp_path_with_a_finished_run
     run_dir = tmp_path / "phase2-tiny"
     newest = run_dir / "checkpoints" / "step-00000020.ckpt"
     newest.chmod(0)
@@ -138,13 +137,13 @@ def snapshot_names(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
-def test_torchrun_restarts_of_a_refused_start_refuse_again(synthetic_dir: Path, tmp_path: Path) -> None:
+def test_torchrun_restarts_of_a_refused_start_refuse_again(synthetic_dir: Path, tmp_path_with_a_finished_run: Path) -> None:
     """Plain torchrun (no launcher pre-check) with --max-restarts 1 into a folder holding a run.
 
     The refused worker exits 2 and torchrun starts it again as a restart; a restart resumes
     by itself, so without the launch marker it would quietly continue the run it was refused.
     """
-    assert train_tiny(synthetic_dir, tmp_path).returncode == 0
+    tmp_path = tmp_path_with_a_finished_run
     run_dir = tmp_path / "phase2-tiny"
     before = snapshot(run_dir)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--max-restarts", "1"]
