@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from purrsight.training.export import load_trained
+from purrsight.training.optim import warmup_cosine
 from tests.helpers import (
     CHANCE_ACCURACY,
     DEFAULT_CONFIG,
@@ -220,3 +221,21 @@ def test_a_moved_run_folder_still_exports(trained: Path, tmp_path: Path) -> None
         aside.rename(trained)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "projectors.safetensors").is_file()
+
+
+def test_a_resume_with_a_longer_horizon_and_a_new_peak_continues_the_learning_rate(synthetic_dir: Path, tmp_path: Path) -> None:
+    """The schedule of a finished 40-step run, resumed to 70 steps with twice the peak LR: no jump.
+
+    Without the join the restored scheduler would start the new horizon's cosine at step 40,
+    about 0.6 x the old peak where the run had reached its floor (0.1 x).
+    """
+    common = {"logging__every_n_steps": 1, "checkpoint__every_n_steps": 20}
+    assert train_tiny(synthetic_dir, tmp_path, trainer__max_steps=40, optim__lr=3e-3, **common).returncode == 0
+    resumed = train_tiny(synthetic_dir, tmp_path, "--resume", trainer__max_steps=70, optim__lr=6e-3, **common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed with another schedule: optim.lr 0.003 -> 0.006, trainer.max_steps 40 -> 70" in resumed.stderr
+    rows = [row for row in read_metrics(tmp_path / "phase2-tiny") if row.get("train/lr")]
+    lr = {int(float(row["step"])): float(row["train/lr"]) for row in rows}
+    assert lr[41] == pytest.approx(3e-3 * warmup_cosine(40, 10, 40, 0.1), rel=1e-3), lr  # where the old schedule was
+    assert lr[41] == pytest.approx(lr[40], rel=0.03), lr  # one step of the old decay (2.4% this close to its end), no jump
+    assert lr[70] == pytest.approx(6e-4, rel=0.02)  # the new floor at the new end
