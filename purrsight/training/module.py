@@ -44,7 +44,6 @@ class Phase2Module(pl.LightningModule):
         self.model: PurrSightModel | None = None  # built in configure_model, after the data is prepared
         self.fingerprint = ""
         self.skipped_samples = 0
-        self._batch_change = ""  # set by on_load_checkpoint when the resumed run's global batch differs
         # Checkpoints hold trainable weights only; frozen ones are rebuilt from their source.
         self.strict_loading = False
 
@@ -123,7 +122,6 @@ class Phase2Module(pl.LightningModule):
             "fingerprint_version": FINGERPRINT_VERSION,
             "trainable_shapes": keep,
             "config": dump_config(self.config),
-            "global_batch": list(self.global_batch()),
         }
 
     def on_train_start(self) -> None:
@@ -134,30 +132,12 @@ class Phase2Module(pl.LightningModule):
             assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
             for line in continue_schedule(scheduler, self.config, self.trainer.global_step):
                 log.info("resumed with another schedule: %s", line)
-        if self._batch_change:
-            log.info("resumed with another global batch: %s", self._batch_change)
-
-    def global_batch(self) -> tuple[int, int, int]:
-        """(data.batch_size, trainer.accumulate_grad_batches, world size): their product is the global batch."""
-        world = self._trainer.world_size if self._trainer is not None else 1
-        return (self.config.data.batch_size, self.config.trainer.accumulate_grad_batches, world)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         verify_checkpoint(checkpoint, self.fingerprint, self.trainable_shapes())
-        self._batch_change = batch_change(checkpoint.get(CHECKPOINT_META_KEY, {}).get("global_batch"), self.global_batch())
         datamodule = getattr(self._trainer, "datamodule", None)  # set by fit(); absent when the module is used alone
         if isinstance(datamodule, Phase2DataModule):  # a resume on another world size counts the epoch in its units
             datamodule.align_epoch_progress(checkpoint)
-
-
-def batch_change(saved: Any, now: tuple[int, int, int]) -> str:
-    """``global batch 32 -> 16 (data.batch_size 16 -> 8)``, or "" when equal or not recorded (older checkpoints)."""
-    if not isinstance(saved, list) or len(saved) != 3 or tuple(saved) == now:
-        return ""
-    names = ("data.batch_size", "trainer.accumulate_grad_batches", "world size")
-    parts = [f"{name} {a} -> {b}" for name, a, b in zip(names, saved, now, strict=True) if a != b]
-    before, after = saved[0] * saved[1] * saved[2], now[0] * now[1] * now[2]
-    return f"global batch {before} -> {after} ({', '.join(parts)}); the learning rate is not rescaled for it"
 
 
 def verify_checkpoint(checkpoint: dict[str, Any], fingerprint: str, shapes: dict[str, list[int]]) -> None:

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from purrsight.config import Config, load_config
-from purrsight.training.module import batch_change
 from purrsight.training.optim import LRSchedule, build_optimizer, continue_schedule, warmup_cosine
 from tests.helpers import DEFAULT_CONFIG
 
@@ -100,10 +99,3 @@ def test_a_new_peak_lr_or_warmup_is_joined_too() -> None:
     after = lrs_after(scheduler, 20)
     assert after[0] == pytest.approx(trained(old, 6)[1][5])  # where the earlier schedule was at this step
     assert after[0] < after[10] < after[15] == pytest.approx(2e-3, rel=0.3)
-
-
-def test_a_changed_global_batch_is_named() -> None:
-    assert batch_change([16, 1, 2], (16, 1, 2)) == ""
-    assert batch_change(None, (16, 1, 2)) == ""  # a checkpoint from before it was recorded
-    line = batch_change([16, 1, 2], (8, 1, 1))
-    assert line.startswith("global batch 32 -> 8 (data.batch_size 16 -> 8, world size 2 -> 1)")
