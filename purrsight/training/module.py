@@ -130,8 +130,9 @@ class Phase2Module(pl.LightningModule):
         if self.trainer.global_step > 0 and self.trainer.lr_scheduler_configs:
             scheduler = self.trainer.lr_scheduler_configs[0].scheduler
             assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
-            for line in continue_schedule(scheduler, self.config, self.trainer.global_step):
-                log.info("resumed with another schedule: %s", line)
+            for line in continue_schedule(scheduler, self.config, self.trainer.global_step):  # every rank joins
+                if self.trainer.is_global_zero:
+                    log.info("resumed with another schedule: %s", line)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         verify_checkpoint(checkpoint, self.fingerprint, self.trainable_shapes())
