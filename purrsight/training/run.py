@@ -24,6 +24,7 @@ from purrsight.training.preflight_callback import Preflight
 from purrsight.training.report import write_report
 from purrsight.training.run_folder import checkpoint_dir
 from purrsight.training.start import agreed_start
+from purrsight.training.trackers import close_trackers
 from purrsight.training.trainer_builder import build_trainer, resolve_placement
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ def train(
     if trainer.is_global_zero:
         for logger in trainer.loggers:
             logger.save()  # the report reads the metrics file
+        close_trackers(trainer.loggers)
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, not declared
         preflight = next((c.report for c in callbacks if isinstance(c, Preflight)), None)
         report = write_report(config.run.run_dir, preflight.table() if preflight else None)

@@ -233,6 +233,19 @@ class RunWandbLogger(RunStepNumbering, _SendEachStepOnce, WandbLogger):
         where = f"offline files in {self.save_dir}/wandb (upload: wandb sync)" if self._offline else "online"
         return f"W&B run {self._run_id} ({'continued' if self._continuing else 'new'}) in project {self._project}, {where}"
 
+    def close(self) -> None:
+        """Finish the W&B run: its last points reach the file now, not at an interpreter exit that a
+        Ray worker never gets (Ray ends its workers without running their exit handlers)."""
+        if self._experiment is not None:
+            self._experiment.finish()
+
+
+def close_trackers(loggers: list[Logger]) -> None:
+    """At the end of a run (finished or stopped by a signal), on rank 0: flush and close the tracker runs."""
+    for logger in loggers:
+        if isinstance(logger, RunWandbLogger):
+            logger.close()
+
 
 def require(package: str, setting: str, extra: str) -> None:
     import importlib.util
