@@ -231,7 +231,7 @@ ENVIRONMENT_DUMP=() # LOG_LEVEL=DEBUG: the masked environment the workers get
 # health check failed); any other failure ends the launcher here.
 prepare_node() {
   local args=(
-    --plan "${PLAN_FILE}" --transcript "${TRANSCRIPT}" --python-source "${PYTHON_SOURCE}"
+    --plan "${PLAN_FILE}" --transcript "${TRANSCRIPT}"
     --node-rank "${NODE_RANK}" --num-nodes "${NUM_NODES}" --master-addr "${MASTER_IP}" --master-port "${PORT}"
     --backend "${BACKEND}" --nproc-per-node "${NPROC_PER_NODE}" --nccl-preset "${NCCL_PRESET}"
     --log-level "${LOG_LEVEL}" --log-dir "${LOG_DIR}" --resume "${RESUME:-}"
@@ -258,8 +258,7 @@ prepare_node() {
   esac
 }
 
-# The command that installs what the launcher needs into the Python it chose (prepare.py
-# says the same when torch is missing; this is for a Python without purrsight).
+# The command that installs what the launcher needs into the Python it chose.
 install_hint() {
   if [[ "${PYTHON_SOURCE}" == current* ]]; then
     printf 'cd %q && python3 -m venv .venv && .venv/bin/pip install -r requirements.txt -e .' "${SCRIPT_DIR}"

@@ -17,7 +17,9 @@ which, in one process and with the config parsed once:
 
 Lines a user reads go to stdout and into the transcript, which the launcher copies into the
 node log once it starts; errors go to stderr. Exit codes: 0, 2 for a user mistake (one line
-names it), 3 when a health check failed (the plan is written before the checks run).
+names it), 3 when a health check failed (the plan is written before the checks run). A
+Python without torch (or without purrsight) fails with ModuleNotFoundError before any plan:
+the launcher names that Python and the command that installs both into it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from typing import IO
 from purrsight.errors import ExitCode
 from purrsight.launcher import health, launch_env, network, probe
 
-REPO = Path(__file__).resolve().parents[2]
 HELP_HINT = "Try './cluster_train.sh --help'."
 
 
@@ -75,23 +76,6 @@ class Plan:
         for array, items in (("EXPORTED", self.banner), ("DRY_LINES", self.dry_run), ("ENVIRONMENT_DUMP", self.environment_dump)):
             lines.append(f"{array}=(" + " ".join(shlex.quote(item) for item in items) + ")")
         return "\n".join(lines) + "\n"
-
-
-def install_hint(python: str, python_source: str) -> str:
-    """The command that installs what the launcher needs into the Python it chose."""
-    if python_source.startswith("current"):
-        return f"cd {shlex.quote(str(REPO))} && python3 -m venv .venv && .venv/bin/pip install -r requirements.txt -e ."
-    return f"{shlex.quote(python)} -m pip install -r {shlex.quote(str(REPO / 'requirements.txt'))} -e {shlex.quote(str(REPO))}"
-
-
-def probe_node(python_source: str) -> probe.NodeInfo:
-    try:
-        return probe.probe()
-    except ImportError as err:
-        raise LauncherError(
-            f"{sys.executable} ({python_source}) cannot import purrsight and torch ({err}); "
-            f"install: {install_hint(sys.executable, python_source)}"
-        ) from None
 
 
 def processes(nproc_per_node: str, accelerator: str, gpus: int) -> int:
@@ -136,10 +120,10 @@ def plan_environment(plan: Plan, args: argparse.Namespace, nproc: int, backend: 
 
 def prepare(args: argparse.Namespace, say: Say) -> tuple[Plan, int]:
     """The plan, written; then the health checks. Returns the plan and the exit code."""
+    node = probe.probe()  # no torch: ModuleNotFoundError, which the launcher turns into its install line
     from purrsight.config import ConfigError, load_config
     from purrsight.placement import PlacementError, decide
 
-    node = probe_node(args.python_source)
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -221,7 +205,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     parser.add_argument("--plan", type=Path, required=True, help="the bash file to write for the launcher to source")
     parser.add_argument("--transcript", type=Path, help="also append the lines shown to this file")
-    parser.add_argument("--python-source", default="current environment", help="how the launcher chose this Python")
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--master-addr", default="127.0.0.1", help="the master's IP address (resolved by the launcher)")

@@ -39,7 +39,7 @@ def probe() -> NodeInfo:
     if _no_gpu_possible():
         # Importing torch only to learn that CUDA is unavailable costs a second per start.
         if importlib.util.find_spec("torch") is None:
-            raise ImportError("torch is not installed")
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")  # what the import itself would say
         return NodeInfo(python, importlib.metadata.version("torch"), "none", "none", 0, "")
     import torch
 
