@@ -56,7 +56,7 @@ class Result:
     seconds: float
 
 
-def check_data(config: Config | None, node_rank: int = 0) -> str:
+def check_data(config: Config, node_rank: int = 0) -> str:
     """The data before torchrun starts (and restarts): node 0 reads every index line, the others much less.
 
     Node 0 validates each line and that its media files exist, so a bad line stops the job
@@ -67,8 +67,6 @@ def check_data(config: Config | None, node_rank: int = 0) -> str:
     from purrsight.data.index import IndexFileError, read_index
     from purrsight.data.prepared_manifest import PreparedSetError, check_sources, read_manifest
 
-    if config is None:
-        raise CheckSkippedError("config invalid (see the config check)")
     data = config.data
     if data.prepared is not None:
         try:
