@@ -56,7 +56,7 @@ class LRSchedule:
         if step < self.warmup:
             return self.start_lr + (self.lr - self.start_lr) * (step - self.start) / max(1, self.warmup - self.start)
         end = self.lr * self.floor
-        progress = self.start_progress + (1 - self.start_progress) * min(1.0, (step - self.start) / max(1, self.total - self.start))
+        progress = self.progress(step)
         at_start = 1 + math.cos(math.pi * self.start_progress)
         if at_start < 1e-6:  # the earlier schedule had finished its decay: a fresh half cosine to the new end
             fraction = min(1.0, (step - self.start) / max(1, self.total - self.start))
@@ -107,9 +107,9 @@ def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, config: Conf
     continued = LRSchedule(*wanted.target(), start=step, start_lr=lr_now, start_progress=restored.progress(step))
     scheduler.lr_lambdas[0] = continued
     scheduler.base_lrs = [wanted.lr for _ in scheduler.base_lrs]
-    for group in scheduler.optimizer.param_groups:
-        group["lr"], group["initial_lr"] = continued.lr_at(step), wanted.lr
-    scheduler._last_lr = [continued.lr_at(step) for _ in scheduler.base_lrs]  # what get_last_lr() reports
+    for group in scheduler.optimizer.param_groups:  # the joined schedule starts at lr_now by construction
+        group["lr"], group["initial_lr"] = lr_now, wanted.lr
+    scheduler._last_lr = [lr_now for _ in scheduler.base_lrs]  # what get_last_lr() reports
     lines = []
     for name, index in CHANGES:
         before, after = restored.target()[index], wanted.target()[index]
