@@ -170,7 +170,7 @@ def prepare(args: argparse.Namespace, say: Say) -> tuple[Plan, int]:
         args.master_timeout,
         say,
     )
-    say(error_line(f"health checks took {time.monotonic() - started:.2f} s"))  # bench/node_scaling.py reads it
+    say(launcher_line(f"health checks took {time.monotonic() - started:.2f} s"))  # bench/node_scaling.py reads it
     return plan, ExitCode.CLUSTER if failed else ExitCode.OK
 
 
@@ -193,7 +193,8 @@ class Say:
             self.transcript.flush()
 
 
-def error_line(message: str) -> str:
+def launcher_line(message: str) -> str:
+    """``message`` stamped as cluster_train.sh's own lines are (its ``log`` and ``die_usage``)."""
     return f"{time.strftime('%Y-%m-%d %H:%M:%S')} [cluster_train] {message}"
 
 
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return prepare(args, Say(transcript))[1]
         except LauncherError as err:
-            lines = [*err.before, error_line(f"error: {err}" if err.usage else str(err))]
+            lines = [*err.before, launcher_line(f"error: {err}" if err.usage else str(err))]
             if err.usage:
                 lines.append(HELP_HINT)
             print("\n".join(lines), file=sys.stderr, flush=True)
