@@ -17,7 +17,7 @@ import ray
 import ray.train
 from lightning_fabric.plugins.environments import ClusterEnvironment
 
-from purrsight.ray_engine.pointer import write_pointer
+from purrsight.ray_engine.pointer import prune_stale, write_pointer
 from purrsight.training.checkpoints import CheckpointSaver
 
 STOP_POLL_S = 1.0
@@ -98,10 +98,13 @@ class ReportCheckpointsToRay(pl.Callback):
     """After each save of our CheckpointSaver, every rank reports it to Ray (a barrier in Ray).
 
     Rank 0 reports a small folder naming our checkpoint file, not a copy of it: our file in
-    the run folder stays the one source, and Ray keeps the newest ``keep_last`` names.
+    the run folder stays the one source, and Ray keeps the newest ``keep_last`` names. Then
+    it prunes earlier jobs' reports whose file our rotation deleted (pointer.prune_stale).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ray_root: Path, job: str) -> None:
+        self.ray_root = ray_root  # RunConfig.storage_path: <run folder>/ray, a folder per job
+        self.job = job
         self.reported_step = -1
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -118,6 +121,7 @@ class ReportCheckpointsToRay(pl.Callback):
             with tempfile.TemporaryDirectory(prefix="purrsight-ray-report-") as folder:
                 write_pointer(Path(folder), saver.last_saved_path, step)
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), checkpoint_dir_name=name)
+            prune_stale(self.ray_root, self.job)
         else:
             ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
         self.reported_step = step

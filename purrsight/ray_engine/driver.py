@@ -25,9 +25,10 @@ from purrsight.data.index import read_index
 from purrsight.data.prepared_manifest import read_manifest
 from purrsight.errors import SIGNAL_BASE, ClusterError, ExitCode
 from purrsight.placement import decide
+from purrsight.ray_engine.ray_noise import filter_forwarded_output
 from purrsight.training.data_builder import prepare_synthetic
 from purrsight.training.run_folder import utc_stamp
-from purrsight.training.start import choose_start
+from purrsight.training.start import plan_start, prepare_run_folder
 
 log = logging.getLogger("purrsight.ray_engine")
 WORKING_DIR_COPY = ("runtime_resources", "working_dir_files")  # where Ray unpacks --working-dir
@@ -107,6 +108,7 @@ def connect() -> None:
         raise RayClusterError(
             f"no Ray cluster at {address} ({err}); start one with `ray start --head` (docs/RAY.md) or set RAY_ADDRESS"
         ) from None
+    filter_forwarded_output()
 
 
 class StopRelay:
@@ -150,7 +152,9 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
     log.info("Ray engine driver for job %s: checking the config, data and run folder", launch)
     config = prepared_config(config, source)
     os.environ["PURRSIGHT_LAUNCH_ID"] = launch  # the run folder's launch marker names this job
-    plan = choose_start(config, resume or os.environ.get("PURRSIGHT_RESUME") or None)
+    # Decided (and refused) now; the folder is prepared only once the cluster can take the job,
+    # so that a refused submit leaves it as it was.
+    plan = plan_start(config, resume or os.environ.get("PURRSIGHT_RESUME") or None)
     log.info(
         "run folder %s: %s",
         config.run.run_dir,
@@ -176,6 +180,7 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
     from purrsight.ray_engine.worker import train_on_worker
 
     check_cluster_fits(config, ray.cluster_resources())
+    prepare_run_folder(config, plan)
     coordinator_actor: Any = ray.remote(num_cpus=0)(RunCoordinator)  # no CPU: it only holds a few values
     coordinator = coordinator_actor.remote()
     relay = StopRelay(coordinator)

@@ -25,6 +25,7 @@ from purrsight.cli import setup_logging, user_error_lines
 from purrsight.config import Config
 from purrsight.errors import UserError
 from purrsight.ray_engine.pointer import read_pointer
+from purrsight.ray_engine.ray_noise import quiet_checkpoint_reports
 
 log = logging.getLogger("purrsight.ray_engine")
 
@@ -54,6 +55,7 @@ def train_on_worker(settings: dict[str, Any]) -> dict[str, Any]:
     os.environ["PURRSIGHT_NODE_ADDR"] = ray.util.get_node_ip_address()
     os.environ.update(settings["placement"])  # the driver's decision, taken as the launcher's is
     setup_logging(force=True)  # rank-prefixed lines like under torchrun, not Ray's format
+    quiet_checkpoint_reports()  # Ray's INFO lines for its own log files would now reach ours
     rank = context.get_world_rank()
     coordinator = settings["coordinator"]
     earlier_starts = ray.get(coordinator.worker_started.remote(rank))
@@ -81,7 +83,7 @@ def train_on_worker(settings: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     strategy = build_strategy(config, resolve_placement(config), RayTrainEnvironment(), device)
-    callbacks = [RelayedStop(coordinator), ReportCheckpointsToRay()]
+    callbacks = [RelayedStop(coordinator), ReportCheckpointsToRay(config.run.run_dir.resolve() / "ray", settings["launch"])]
     try:
         outcome = train(config, resume, callbacks, generation=earlier_starts, strategy=strategy)
     except UserError as err:

@@ -26,7 +26,8 @@ pytest.importorskip("ray", reason="the Ray engine needs the ray extra (scripts/t
 from purrsight.data.prepared_manifest import PreparedSetError
 from purrsight.ray_engine import callbacks, driver, worker
 from purrsight.ray_engine.coordinator import RunCoordinator
-from purrsight.ray_engine.pointer import POINTER_FILE
+from purrsight.ray_engine.pointer import POINTER_FILE, prune_stale, write_pointer
+from purrsight.ray_engine.ray_noise import quiet_checkpoint_reports, without_noise
 
 
 def test_relative_paths_are_taken_from_the_base_and_absolute_ones_kept(tmp_path: Path) -> None:
@@ -132,7 +133,7 @@ def test_each_saved_checkpoint_is_reported_once_by_every_rank(rank: int, tmp_pat
     monkeypatch.setattr(callbacks.ray.train, "report", report)
     saver = CheckpointSaver(tmp_path, every_n_steps=10, keep_last=3)
     trainer = fake_trainer(saver, rank)
-    reporter = callbacks.ReportCheckpointsToRay()
+    reporter = callbacks.ReportCheckpointsToRay(tmp_path / "ray", "job-2")
     reporter.on_train_start(trainer, None)  # type: ignore[arg-type]
     reporter.on_train_batch_end(trainer, None)  # type: ignore[arg-type]
     assert reports == []  # nothing saved yet
@@ -195,3 +196,50 @@ def test_the_driver_refuses_an_incomplete_prepared_set_before_any_worker(tmp_pat
     config = load_config(DEFAULT_CONFIG, [f"ray.shared_dir={tmp_path}", "data.prepared=v1"], check_paths=False)
     with pytest.raises(PreparedSetError, match=r"v1 is not complete \(no manifest.json: a prepare was interrupted"):
         driver.prepared_config(config, "cfg.yaml")
+
+
+def test_earlier_jobs_reports_go_with_the_checkpoints_they_name(tmp_path: Path) -> None:
+    """A stopped job, then its resume: rotation deletes job-1's files; job-1's reports follow them."""
+    checkpoints, ray_root = tmp_path / "checkpoints", tmp_path / "ray"
+    checkpoints.mkdir()
+    for job, steps in (("job-1", (10, 20)), ("job-2", (20, 30))):
+        for step in steps:
+            report = ray_root / job / f"step-{step:08d}"
+            report.mkdir(parents=True)
+            write_pointer(report, checkpoints / f"step-{step:08d}.ckpt", step)
+        (ray_root / job / "checkpoint_manager_snapshot.json").write_text("{}")  # Ray's bookkeeping
+    (checkpoints / "step-00000020.ckpt").write_bytes(b"x")  # step 10 and 30 rotated away (30: by job-2 itself)
+    assert prune_stale(ray_root, "job-2") == [ray_root / "job-1" / "step-00000010"]
+    assert (ray_root / "job-1" / "step-00000020").is_dir()  # still names a file
+    assert (ray_root / "job-2" / "step-00000030").is_dir()  # the running job's reports are Ray's to prune
+    (checkpoints / "step-00000020.ckpt").unlink()
+    assert prune_stale(ray_root, "job-2") == [ray_root / "job-1" / "step-00000020", ray_root / "job-1"]
+    assert sorted(p.name for p in ray_root.iterdir()) == ["job-2"]
+
+
+def test_rays_per_checkpoint_lines_are_dropped_exactly(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import ray.train.v2._internal.execution.context as context
+
+    quiet_checkpoint_reports()
+    quiet_checkpoint_reports()  # once per worker start; filters are not stacked
+    reporting = logging.getLogger(context.__file__)
+    storage = logging.getLogger("ray.train.v2._internal.execution.storage")
+    assert len(reporting.filters) == 1
+    with caplog.at_level(logging.INFO):
+        reporting.info("Reporting training result 1: TrainingReport(checkpoint=None, metrics={'step': 10}) from rank 1")
+        storage.info("Checkpoint successfully created at: Checkpoint(filesystem=local, path=/r/ray/j/step-00000010)")
+        reporting.warning("a report that failed")  # everything else of theirs still speaks
+    assert [r.getMessage() for r in caplog.records] == ["a report that failed"]
+
+
+def test_the_driver_forwards_rays_output_less_the_preemption_watcher_line() -> None:
+    watcher = (
+        "[2026-11-24 06:13:01,078 E 6620 6656] core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' and ID: "
+        "'2c40' has constructor arguments in the object store and max_restarts > 0."
+    )
+    data = {"pid": 6620, "lines": ["Started training worker group of size 2: ", watcher], "is_err": True}
+    assert without_noise(data) == {**data, "lines": ["Started training worker group of size 2: "]}
+    untouched = {"pid": 1, "lines": ["Actor with class name: 'RunCoordinator' died"]}
+    assert without_noise(untouched) is untouched

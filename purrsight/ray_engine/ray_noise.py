@@ -1,0 +1,85 @@
+"""Ray's lines a user cannot act on, each dropped exactly (the rest of its source still speaks).
+
+Two places, because the lines come from two places:
+
+* In each worker: Ray Train logs three INFO lines per checkpoint we report ("Reporting
+  training result N" from every rank, "Checkpoint successfully created at" from rank 0).
+  Ray meant them for its own log files, but the worker's root logger is ours (rank-prefixed
+  lines at INFO, like under torchrun), so they reached the job log in our format.
+* In the driver: Ray's core logs an error line when Train's controller creates its
+  PreemptionWatcher actor (its constructor arguments sit in the object store and it may be
+  restarted, ray-project/ray#53727). Ray's own concern: nothing fails and nothing can be
+  done about it. It reaches the job log through the driver, which prints every Ray
+  process's output (log_to_driver), so the driver filters that stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+# (logger name, start of the message): Ray Train's per-checkpoint lines.
+REPORT_LINES = (
+    ("ray.train.v2._internal.execution.context", "Reporting training result"),
+    ("ray.train.v2._internal.execution.storage", "Checkpoint successfully created at"),
+)
+# Substrings of a Ray process's output line the driver does not forward.
+FORWARDED_NOISE = ("Actor with class name: 'PreemptionWatcher'",)
+PRINT_HANDLER = "ray_print_logs"  # the name ray.init gives its log_to_driver printer
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, starts: str) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+def quiet_checkpoint_reports() -> None:
+    """In a Ray Train worker: drop Ray Train's per-checkpoint INFO lines."""
+    import ray.train.v2._internal.execution.context as context
+
+    for module, starts in REPORT_LINES:
+        # context.py names its logger by its file path, storage.py by its module name.
+        name = context.__file__ if module == context.__name__ else module
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) and f.starts == starts for f in logger.filters):
+            logger.addFilter(_DropMessages(starts))
+
+
+def without_noise(data: dict[str, Any]) -> dict[str, Any]:
+    """One batch of a Ray process's output, as the driver receives it, less the known noise lines."""
+    lines = data.get("lines", [])
+    kept = [line for line in lines if not any(noise in line for noise in FORWARDED_NOISE)]
+    return data if len(kept) == len(lines) else {**data, "lines": kept}
+
+
+def filter_forwarded_output() -> bool:
+    """In the driver, after ray.init: filter what log_to_driver prints. False when Ray's printer is not found.
+
+    Ray has no public hook for this; its printer is a named handler of one dispatcher
+    (Ray 2.60, the minor we pin). Should that change, the lines are printed as before.
+    """
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return False
+    printers: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
+        (name, handler) for name, handler in dispatcher.handlers if name == PRINT_HANDLER
+    ]
+    if not printers:
+        return False
+    (_, printer) = printers[0]
+    dispatcher.remove_handler(PRINT_HANDLER)
+    dispatcher.add_handler(PRINT_HANDLER, functools.partial(_print_filtered, printer))
+    return True
+
+
+def _print_filtered(printer: Callable[[dict[str, Any]], None], data: dict[str, Any]) -> None:
+    filtered = without_noise(data)
+    if filtered.get("lines"):
+        printer(filtered)
