@@ -86,8 +86,16 @@ def refusal(run_dir: Path, found: str) -> str:
     )
 
 
+def refuse_mixing(run_dir: Path, if_exists: str) -> None:
+    """Raise when ``run_dir`` holds a run that a new one would mix with and ``if_exists`` keeps it."""
+    found = existing_run(run_dir)
+    if found is not None and if_exists not in ("archive", "overwrite"):
+        raise RunFolderError(refusal(run_dir, found))
+
+
 def clear_for_new_run(run_dir: Path, if_exists: str) -> None:
     """Make ``run_dir`` ready for a run that does not continue the one in it, as ``if_exists`` allows."""
+    refuse_mixing(run_dir, if_exists)
     found = existing_run(run_dir)
     if found is None:
         return
@@ -98,8 +106,6 @@ def clear_for_new_run(run_dir: Path, if_exists: str) -> None:
     elif if_exists == "overwrite":
         shutil.rmtree(run_dir)
         log.warning("run.if_exists=overwrite: deleted the earlier run in %s (%s)", run_dir, found)
-    else:
-        raise RunFolderError(refusal(run_dir, found))
 
 
 def link_or_copy(source: Path, target: Path) -> None:

@@ -22,6 +22,7 @@ from purrsight.training.run_folder import (
     launch_id,
     launched_here,
     record_launch,
+    refuse_mixing,
     set_aside_later_checkpoints,
 )
 
@@ -38,6 +39,7 @@ class ResumeError(UserError):
 class StartPlan:
     checkpoint: Path | None  # None: a new run from step 0
     step: int  # the step training continues after; the history is kept up to it
+    new_lineage: bool = False  # the folder must be cleared for it first (run.if_exists)
 
 
 def _from(found: tuple[Path, int] | None) -> StartPlan:
@@ -45,14 +47,20 @@ def _from(found: tuple[Path, int] | None) -> StartPlan:
 
 
 def choose_start(config: Config, resume: str | None, generation: int = 0) -> StartPlan:
-    """Where this run starts, decided here and logged (never guessed by Lightning), on rank 0.
+    """Where this run starts (``plan_start``), with the run folder prepared for it; on rank 0."""
+    plan = plan_start(config, resume, generation)
+    prepare_run_folder(config, plan)
+    return plan
+
+
+def plan_start(config: Config, resume: str | None, generation: int = 0) -> StartPlan:
+    """Where this run starts, decided here and logged (never guessed by Lightning); changes nothing.
 
     ``resume`` is a path, NEWEST, AUTO or None. Workers that torchrun started again
     (``generation`` > 0, agreed over all ranks) resume from the newest checkpoint by
     themselves, but only when this launch did start training here: restarts of a start that
-    was refused must be refused too. Prepares the run folder for the decision
-    (run_folder.py): a new run may not mix with an earlier one; a resume from an older
-    checkpoint sets the later ones aside.
+    was refused must be refused too. Every refusal is raised here, so a caller that has
+    more to check (the Ray engine: the cluster) can refuse with the folder as it was.
     """
     run_dir = config.run.run_dir
     folder = checkpoint_dir(run_dir)
@@ -74,16 +82,24 @@ def choose_start(config: Config, resume: str | None, generation: int = 0) -> Sta
             raise ResumeError(f"--resume: no checkpoint in {folder}; start without --resume or pass a checkpoint path")
     elif resume is not None:
         path = Path(resume)
-        plan = StartPlan(path, _step_of(path))
-        if path.resolve().parent != folder.resolve():
-            clear_for_new_run(run_dir, config.run.if_exists)  # another run's checkpoint: a new lineage here
+        step = _step_of(path)
+        plan = StartPlan(path, step, new_lineage=path.resolve().parent != folder.resolve())  # another run's: a new lineage
     else:
-        clear_for_new_run(run_dir, config.run.if_exists)
-        plan = StartPlan(None, 0)
-    if plan.checkpoint is not None and plan.checkpoint.resolve().parent == folder.resolve():
-        set_aside_later_checkpoints(plan.checkpoint, plan.step)
-    record_launch(run_dir, launch)
+        plan = StartPlan(None, 0, new_lineage=True)
+    if plan.new_lineage:
+        refuse_mixing(run_dir, config.run.if_exists)
     return plan
+
+
+def prepare_run_folder(config: Config, plan: StartPlan) -> None:
+    """Make the run folder ready for ``plan`` (run_folder.py): a new run may not mix with an
+    earlier one; a resume from an older checkpoint sets the later ones aside."""
+    run_dir = config.run.run_dir
+    if plan.new_lineage:
+        clear_for_new_run(run_dir, config.run.if_exists)
+    if plan.checkpoint is not None and plan.checkpoint.resolve().parent == checkpoint_dir(run_dir).resolve():
+        set_aside_later_checkpoints(plan.checkpoint, plan.step)
+    record_launch(run_dir, launch_id())
 
 
 def _step_of(path: Path) -> int:

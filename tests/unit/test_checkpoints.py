@@ -13,7 +13,7 @@ from purrsight.training.checkpoints import AtomicCheckpointIO
 from purrsight.training.module import CheckpointMismatchError, verify_checkpoint
 from purrsight.training.optim import warmup_cosine
 from purrsight.training.run_folder import RunFolderError, step_checkpoints
-from purrsight.training.start import ResumeError, choose_start
+from purrsight.training.start import ResumeError, StartPlan, choose_start, plan_start, prepare_run_folder
 from tests.helpers import DEFAULT_CONFIG
 
 
@@ -175,3 +175,24 @@ def test_warmup_then_cosine_to_the_floor() -> None:
     assert values[10] == pytest.approx(1.0)
     assert values[60] == pytest.approx(0.55)
     assert values[110] == pytest.approx(0.1)
+
+
+def test_plan_start_decides_and_refuses_without_touching_the_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Ray driver plans, then checks the cluster, then prepares: a refused submit changes nothing."""
+    monkeypatch.setenv("PURRSIGHT_LAUNCH_ID", "launch-1")
+    config = load_config(DEFAULT_CONFIG, [f"run.output_dir={tmp_path}", "run.if_exists=archive"], check_paths=False)
+    run_dir = tmp_path / "phase2-tiny"
+    assert plan_start(config, None) == StartPlan(None, 0, new_lineage=True)
+    assert not run_dir.exists()  # absent stays absent
+    (run_dir / "checkpoints").mkdir(parents=True)
+    write_checkpoint(run_dir / "checkpoints" / "step-00000010.ckpt", 10)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert plan_start(config, None).new_lineage  # would archive the earlier run: not yet
+    assert plan_start(config, "newest") == StartPlan(run_dir / "checkpoints" / "step-00000010.ckpt", 10)
+    refusing = config.model_copy(update={"run": config.run.model_copy(update={"if_exists": "refuse"})})
+    with pytest.raises(RunFolderError, match="already holds a run"):
+        plan_start(refusing, None)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    prepare_run_folder(config, plan_start(config, None))  # now it happens: archived, and this launch recorded
+    assert not (run_dir / "checkpoints").exists() and (run_dir / ".launch").read_text().strip() == "launch-1"
+    assert len(list(tmp_path.glob("phase2-tiny.archived-*"))) == 1
