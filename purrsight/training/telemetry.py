@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -138,6 +139,10 @@ class Telemetry(pl.Callback):
         self._window_start = 0.0
         self._last_energy: float | None = None
         self._last_step = 0
+        self._header: list[str] = []  # the columns of rows written before (a resume): kept as they are
+        # Which machine wrote each row: node ranks are not machines (Ray's change across
+        # restarts, and a requeue may land elsewhere), so one file can hold several.
+        self._where = {"host": socket.gethostname(), "node_addr": os.environ.get("PURRSIGHT_NODE_ADDR", "")}
         self._on_gpu = False
 
     def _is_node_leader(self, trainer: pl.Trainer) -> bool:
@@ -161,7 +166,7 @@ class Telemetry(pl.Callback):
             path = self.folder / f"node{node}.csv"
             # Rows after the step this run starts from are redone now (a resume) or belong to
             # nothing (a new run): they go, the rows before stay.
-            truncate_history(path, trainer.global_step)
+            self._header = truncate_history(path, trainer.global_step)
             self._file = path.open("a", newline="")
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -228,11 +233,13 @@ class Telemetry(pl.Callback):
                 # The first row has no energy deltas yet (nothing to subtract): name those
                 # columns now, or every later row's would be dropped.
                 energy = ["energy_per_step_j", "energy_per_sample_j"] if gpus else []
-                fields = list(row) + [key for key in energy if key not in row]
+                fields = ["step", "time", *self._where, *list(row)[2:]] + [key for key in energy if key not in row]
+                if self._file.tell() > 0 and self._header:
+                    fields = self._header  # appending: the file's own columns, or its rows would shift
                 self._writer = csv.DictWriter(self._file, fieldnames=fields, restval="", extrasaction="ignore")
                 if self._file.tell() == 0:
                     self._writer.writeheader()
-            self._writer.writerow(row)
+            self._writer.writerow({**row, **self._where})
             self._file.flush()
         self._samples = self._tokens = 0
         self._data_wait = self._compute = 0.0

@@ -4,6 +4,7 @@ import csv
 import importlib.util
 import itertools
 import json
+import socket
 import sys
 import time
 import types
@@ -53,6 +54,7 @@ def test_cpu_run_writes_telemetry_report_profile_and_tensorboard(synthetic_dir: 
         assert 0 <= float(row["data_wait_frac"]) < 1
         assert float(row["rss_gib"]) > 0.05 and float(row["cpu_pct"]) >= 0
         assert "gpu_power_w" not in row  # no NVML on CPU: host metrics only, no error
+        assert row["host"] == socket.gethostname()  # which machine wrote it (node ranks are not machines)
     metrics = read_metrics(tmp_path / "phase2-tiny")
     assert "perf/tokens_per_s" in metrics[0] and "perf/data_wait_frac" in metrics[0]
 
@@ -181,3 +183,27 @@ def test_tensorboard_without_its_package_is_a_config_error(monkeypatch: pytest.M
     config = tiny_config(tmp_path / "data", tmp_path / "runs", logging__tensorboard="true")
     with pytest.raises(ConfigError, match=r"pip install -e \.\[tensorboard\], or set logging.tensorboard=false"):
         build_loggers(config, tmp_path / "run", resumed_step=0)
+
+
+def test_rows_name_their_machine_and_keep_an_older_files_columns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A file begun before the host columns existed (or with other columns) is appended to in its own layout."""
+    monkeypatch.setenv("PURRSIGHT_NODE_ADDR", "10.0.0.7")
+    older = tmp_path / "old"
+    (older / "telemetry").mkdir(parents=True)
+    (older / "telemetry" / "node0.csv").write_text("step,time,samples_per_s\n0.0,1.0,2.0\n")
+    for run_dir in (tmp_path / "new", older):
+        callback = telemetry.Telemetry(run_dir, every_n_steps=2, barrier_every=None, peak_tflops=None, seq_len=6)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=2,
+            callbacks=[callback],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+        )
+        trainer.fit(TokenBatches(4))
+    new_rows = list(csv.DictReader((tmp_path / "new" / "telemetry" / "node0.csv").open()))
+    assert [(r["host"], r["node_addr"]) for r in new_rows] == [(socket.gethostname(), "10.0.0.7")] * 2
+    lines = (older / "telemetry" / "node0.csv").read_text().splitlines()
+    assert lines[:2] == ["step,time,samples_per_s", "0.0,1.0,2.0"] and len(lines) == 4
+    assert all(len(line.split(",")) == 3 for line in lines)  # no column shifted under another's name
