@@ -148,6 +148,17 @@ class RayCluster:
         entry = ["python", "train_phase2.py", "--engine", "ray", *train_args]
         return self.job("submit", *wait, "--working-dir", ".", "--", *entry, timeout=timeout)
 
+    def submit_and_follow(self, *train_args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        """docs/RAY.md's scriptable submit: our wrapper, which exits with the driver's code."""
+        return subprocess.run(
+            [sys.executable, "-m", "purrsight.ray_engine.submit", "--address", self.dashboard, "--", *train_args],
+            cwd=REPO,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
     def stop(self) -> None:
         processes = []
         for node in self.nodes:

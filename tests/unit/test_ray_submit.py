@@ -1,0 +1,62 @@
+"""The scriptable submit (purrsight.ray_engine.submit) without a cluster: arguments, exit codes, refusals.
+
+Submitting, following and the driver's codes on a real two-node cluster are in tests/ray.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray", reason="the Ray engine needs the ray extra (scripts/test.sh installs it)")
+
+from purrsight.ray_engine import submit
+from tests.helpers import free_port
+
+
+def test_everything_after_the_separator_goes_to_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")
+    args = submit.parse_args(["--", "--config", "c.yaml", "--resume", "ray.shared_dir=/s"])
+    assert args.address == "http://head:8265" and args.working_dir == "."
+    assert args.train_args == ["--config", "c.yaml", "--resume", "ray.shared_dir=/s"]  # --resume is the trainer's
+
+
+def test_no_address_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    for name in submit.ADDRESS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exit:
+        submit.parse_args(["--", "x=1"])
+    assert exit.value.code == 2 and "pass --address http://HEAD:8265 or set RAY_ADDRESS" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("status", "driver", "code"),
+    [
+        ("SUCCEEDED", 0, 0),
+        ("FAILED", 2, 2),  # a typo: `ray job submit` would say 1
+        ("FAILED", 3, 3),  # a cluster too small
+        ("FAILED", 86, 86),  # the progress watchdog
+        ("STOPPED", 143, 143),  # our driver relayed the stop and returned 128+SIGTERM
+        ("STOPPED", None, 143),  # killed before it could return
+        ("FAILED", None, 1),  # never ran (runtime env setup failed)
+        ("SUCCEEDED", None, 0),
+    ],
+)
+def test_the_shell_gets_the_drivers_code(status: str, driver: int | None, code: int) -> None:
+    assert submit.exit_code(status, driver) == code
+
+
+def test_a_runtime_env_that_is_not_json_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit:
+        submit.runtime_env(".", "{env_vars: 1}")
+    assert exit.value.code == 2 and "--runtime-env-json is not JSON" in capsys.readouterr().err
+    assert submit.runtime_env("code", '{"env_vars": {"A": "1"}}') == {"working_dir": "code", "env_vars": {"A": "1"}}
+
+
+def test_no_job_server_is_a_cluster_error(capsys: pytest.CaptureFixture[str]) -> None:
+    address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(SystemExit) as exit:
+        submit.connect(address)
+    assert exit.value.code == 3
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: no Ray job server at {address}") and "docs/RAY.md" in line
