@@ -27,7 +27,7 @@ from purrsight.errors import SIGNAL_BASE, ClusterError, ExitCode
 from purrsight.placement import decide
 from purrsight.ray_engine.ray_noise import filter_forwarded_output
 from purrsight.training.data_builder import prepare_synthetic
-from purrsight.training.run_folder import utc_stamp
+from purrsight.training.run_folder import HANGS_LOG, utc_stamp
 from purrsight.training.start import plan_start, prepare_run_folder
 
 log = logging.getLogger("purrsight.ray_engine")
@@ -212,10 +212,11 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
         ),
     )
     log.info("starting %d Ray Train workers, each %s, backend %s", config.ray.num_workers, config.ray.resources_per_worker, backend)
+    hangs = HangsSince(config.run.run_dir / HANGS_LOG)
     try:
         result = trainer.fit()
     except TrainingFailedError as err:
-        return _failed(coordinator, err)
+        return _failed(coordinator, err, hangs)
     user_error = ray.get(coordinator.user_error.remote())
     if user_error:
         return _user_error(user_error)
@@ -240,11 +241,34 @@ def _user_error(lines: list[str]) -> int:
     return ExitCode.USAGE
 
 
-def _failed(coordinator: Any, err: Exception) -> int:
+class HangsSince:
+    """The progress watchdog's lines (hangs.log) written after this point: a watchdog exit
+    kills its worker (exit 86 under torchrun), which Ray reports as just another failure."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.is_file() else 0
+
+    def lines(self) -> list[str]:
+        if not self.path.is_file():
+            return []
+        with self.path.open() as hangs:
+            hangs.seek(self.offset)
+            return [line.strip() for line in hangs if line.strip()]
+
+
+def _failed(coordinator: Any, err: Exception, hangs: HangsSince) -> int:
     import ray
 
     user_error = ray.get(coordinator.user_error.remote())
     if user_error:
         return _user_error(user_error)
+    fired = hangs.lines()
+    if fired:
+        print(
+            f"error: the progress watchdog stopped the workers ({len(fired)} time(s), {hangs.path}); last: {fired[-1]}",
+            file=sys.stderr,
+        )
+        return ExitCode.WATCHDOG
     print(f"error: training failed on the Ray cluster: {err}", file=sys.stderr)
     return ExitCode.FAILED

@@ -16,7 +16,7 @@ matplotlib.use("Agg")  # files only: no display on cluster nodes
 import matplotlib.pyplot as plt  # imported after the backend is chosen
 
 from purrsight.training.attempts import plot_timeline, read_attempts, summarize, summary_lines
-from purrsight.training.watchdog import HANGS_LOG
+from purrsight.training.run_folder import HANGS_LOG
 
 
 def _read(path: Path) -> list[dict[str, str]]:

@@ -35,6 +35,7 @@ CHECKPOINTS = "checkpoints"
 METRICS_CSV = Path("metrics") / "metrics.csv"
 LAST_NAME = "last.ckpt"
 STEP_PATTERN = re.compile(r"^step-(\d+)\.ckpt$")
+HANGS_LOG = "hangs.log"  # one line per progress-watchdog firing (watchdog.py), read by the report and the Ray driver
 LAUNCH_MARKER = ".launch"  # which launch last started training here (see launched_here)
 IF_EXISTS = ("refuse", "archive", "overwrite")
 

@@ -30,6 +30,7 @@ import pytorch_lightning as pl
 from purrsight.errors import ExitCode
 from purrsight.training import flight_recorder
 from purrsight.training.hang_culprit import LINGER_S, ProgressBoard
+from purrsight.training.run_folder import HANGS_LOG
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,6 @@ def node_addresses(trainer: pl.Trainer) -> dict[int, str]:
     gathered: list[Any] = [None] * trainer.world_size
     dist.all_gather_object(gathered, mine)
     return {node: addr for node, addr in gathered if addr and node != mine[0]}
-
-
-HANGS_LOG = "hangs.log"
 
 
 class ProgressWatchdog(pl.Callback):

@@ -243,3 +243,21 @@ def test_the_driver_forwards_rays_output_less_the_preemption_watcher_line() -> N
     assert without_noise(data) == {**data, "lines": ["Started training worker group of size 2: "]}
     untouched = {"pid": 1, "lines": ["Actor with class name: 'RunCoordinator' died"]}
     assert without_noise(untouched) is untouched
+
+
+def test_a_failure_after_the_watchdog_fired_exits_86(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog's os._exit(86) reaches Ray as a dead worker; the driver finds its line in hangs.log."""
+    import ray
+
+    hangs_log = tmp_path / "hangs.log"
+    hangs_log.write_text("2026-11-20 10:00:00 seen by rank 1: hang: an earlier job's\n")
+    hangs = driver.HangsSince(hangs_log)
+    coordinator = SimpleNamespace(user_error=SimpleNamespace(remote=lambda: None))
+    monkeypatch.setattr(ray, "get", lambda ref: ref)  # the coordinator here is a plain object, not an actor
+    assert driver._failed(coordinator, RuntimeError("worker died"), hangs) == 1  # an earlier job's hang is not this one's
+    with hangs_log.open("a") as log:
+        log.write("2026-11-24 10:00:00 seen by rank 0: hang: rank 1 in all_reduce at step 12\n")
+    assert driver._failed(coordinator, RuntimeError("worker died"), hangs) == 86
+    assert "last: 2026-11-24 10:00:00 seen by rank 0: hang: rank 1 in all_reduce at step 12" in capsys.readouterr().err
