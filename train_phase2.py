@@ -26,8 +26,11 @@ Resume from the newest checkpoint of the run, or from a given one::
     python train_phase2.py --config config/train_config.yaml --resume
     python train_phase2.py --config config/train_config.yaml --resume runs/phase2-tiny/checkpoints/step-00000050.ckpt
 
-On a Ray cluster (docs/RAY.md; workers and resources in the config's ray: section)::
+On a Ray cluster (docs/RAY.md; workers and resources in the config's ray: section); the wrapper
+exits with the driver's code, ``ray job submit`` with 1 for any failure::
 
+    python -m purrsight.ray_engine.submit --address http://HEAD:8265 -- \
+        --config config/train_config.yaml ray.shared_dir=/shared/purrsight
     ray job submit --address http://HEAD:8265 --working-dir . -- \
         python train_phase2.py --engine ray --config config/train_config.yaml ray.shared_dir=/shared/purrsight
 

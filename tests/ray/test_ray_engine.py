@@ -6,6 +6,7 @@ in the config taken from ray.shared_dir (a folder both "nodes" see, as NFS would
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import shutil
@@ -48,7 +49,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster: RayCluster, shared: Path) -> subprocess.CompletedProcess[str]:
-    return ray_cluster.submit(*ray_args(shared, "whole"))
+    return ray_cluster.submit_and_follow(*ray_args(shared, "whole"))
 
 
 def wait_for(path: Path, timeout: float) -> None:
@@ -77,12 +78,14 @@ def test_submit_trains_on_two_nodes_and_writes_the_usual_run_folder(
 ) -> None:
     output = uninterrupted.stdout + uninterrupted.stderr
     assert uninterrupted.returncode == 0, output[-4000:]
-    assert "succeeded" in output
+    assert re.search(r"job raysubmit_\w+ SUCCEEDED: exit 0", output), output[-2000:]
     run_dir = shared / "runs" / "whole"  # run.output_dir's default "runs", taken from ray.shared_dir
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.ckpt"))
     assert checkpoints == ["step-00000020.ckpt", "step-00000030.ckpt", "step-00000040.ckpt"]  # keep_last 3
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert sorted(p.name for p in (run_dir / "telemetry").glob("node*.csv")) == ["node0.csv", "node1.csv"]
+    machines = {tuple(row["node_addr"] for row in csv.DictReader(path.open())) for path in (run_dir / "telemetry").iterdir()}
+    assert {rows[0] for rows in machines} == {"127.0.0.2", "127.0.0.3"} and all(len(set(rows)) == 1 for rows in machines)
     assert (run_dir / "report.md").is_file() and (run_dir / "resolved_config.yaml").is_file()
     steps = [int(row["step"]) for row in read_metrics(run_dir) if row.get("train/loss")]
     assert steps == [5, 10, 15, 20, 25, 30, 35, 40]
@@ -93,6 +96,8 @@ def test_submit_trains_on_two_nodes_and_writes_the_usual_run_folder(
     assert re.search(r"\[rank 0\] INFO purrsight\.progress: step 40/40", output), output[-3000:]
     assert "[rank 1]" in output
     assert "RESUME " not in output  # no disassembly leaking from a library's captured print
+    for noise in ("Reporting training result", "Checkpoint successfully created", "PreemptionWatcher", "WebSocket closed"):
+        assert noise not in output, noise  # Ray's lines a user cannot act on (ray_noise.py, submit.py)
 
 
 def test_a_worker_killed_with_sigkill_restarts_the_group_and_resumes_to_the_same_weights(
@@ -126,7 +131,7 @@ def test_a_worker_killed_with_sigkill_restarts_the_group_and_resumes_to_the_same
 
 def test_ray_job_stop_checkpoints_and_a_resubmit_resumes(ray_cluster: RayCluster, shared: Path) -> None:
     run_dir = shared / "runs" / "stopped"
-    submitted = ray_cluster.submit(*ray_args(shared, "stopped", trainer__max_steps=400), no_wait=True)
+    submitted = ray_cluster.submit(*ray_args(shared, "stopped", trainer__max_steps=400, logging__every_n_steps=1), no_wait=True)
     job = submission_id(submitted.stdout + submitted.stderr)
     wait_for(run_dir / "checkpoints" / "step-00000010.ckpt", timeout=300)
     stopped = ray_cluster.job("stop", job, timeout=120)
@@ -140,13 +145,22 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_resumes(ray_cluster: RayCluster
     stop_step = int(stop.group(1))
     assert Path(stop.group(2)) == run_dir / "checkpoints" / f"step-{stop_step:08d}.ckpt"
     assert Path(stop.group(2)).is_file()
-    target = (stop_step // 5 + 2) * 5  # a step that logs a row (logging.every_n_steps=5)
-    resumed = ray_cluster.submit("--resume", *ray_args(shared, "stopped", trainer__max_steps=target))
+    target = stop_step + 25  # a shorter horizon than the 400 the run began with
+    resumed = ray_cluster.submit("--resume", *ray_args(shared, "stopped", trainer__max_steps=target, logging__every_n_steps=1))
     output = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, output[-4000:]
     assert f"step-{stop_step:08d}.ckpt" in output and "resuming from" in output
-    steps = [int(row["step"]) for row in read_metrics(run_dir) if row.get("train/loss")]
+    assert f"trainer.max_steps 400 -> {target}: the learning rate continues from" in output, output[-3000:]
+    rows = read_metrics(run_dir)
+    steps = [int(row["step"]) for row in rows if row.get("train/loss")]
     assert steps == sorted(set(steps)) and steps[-1] == target
+    lr = {int(float(row["step"])): float(row["train/lr"]) for row in rows if row.get("train/lr")}
+    assert lr[stop_step + 1] == pytest.approx(lr[stop_step], rel=0.02), lr  # no jump to the new horizon's cosine
+    end = re.search(rf"cosine decay now ends at step {target} at (\S+)", output)
+    assert end and lr[target] == pytest.approx(float(end.group(1)), rel=0.02), lr  # the rest of the decay, rescaled
+    # Every report Ray still holds names a checkpoint that exists (the stopped job's were pruned).
+    for pointer in (run_dir / "ray").glob("*/step-*/purrsight_checkpoint.json"):
+        assert Path(json.loads(pointer.read_text())["path"]).is_file(), pointer
 
 
 def test_bad_config_ends_in_the_driver_with_exit_2_before_any_worker(ray_cluster: RayCluster, shared: Path) -> None:
@@ -158,6 +172,17 @@ def test_bad_config_ends_in_the_driver_with_exit_2_before_any_worker(ray_cluster
     assert info["status"] == "FAILED" and info["driver_exit_code"] == 2, info
     assert "data.batch_size" in output
     assert "RayTrainWorker" not in output and "Traceback" not in output
+    wrapped = ray_cluster.submit_and_follow(*ray_args(shared, "bad", data__batch_size=0))  # the scriptable way
+    assert wrapped.returncode == 2, wrapped.stderr[-3000:]
+    assert "data.batch_size" in wrapped.stdout + wrapped.stderr
+
+
+def test_a_cluster_too_small_exits_3_and_leaves_no_run_folder(ray_cluster: RayCluster, shared: Path) -> None:
+    submitted = ray_cluster.submit_and_follow(*ray_args(shared, "toobig", ray__num_workers=3))
+    output = submitted.stdout + submitted.stderr
+    assert submitted.returncode == 3, output[-3000:]
+    assert "ray.num_workers=3" in output and "needs CPU 3 (the cluster has 2)" in output
+    assert not (shared / "runs" / "toobig").exists()  # absent stays absent: nothing for the next submit to trip on
 
 
 def test_a_bad_sample_in_a_worker_is_not_retried(
