@@ -44,5 +44,5 @@ def prune_stale(ray_root: Path, current_job: str) -> list[Path]:
             shutil.rmtree(job, ignore_errors=True)
             deleted.append(job)
     if deleted:
-        log.info("pruned %d report(s) of earlier Ray jobs naming deleted checkpoints under %s", len(deleted), ray_root)
+        log.info("removed %d folder(s) of earlier Ray jobs under %s that named deleted checkpoints", len(deleted), ray_root)
     return deleted
