@@ -170,8 +170,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"follow: ray job logs -f {job_id}; stop: ray job stop {job_id}", file=sys.stderr)
         return ExitCode.OK
     submission = Submission(client, job_id)
-    asyncio.run(submission.follow())
-    info = submission.final_info()
+    try:
+        asyncio.run(submission.follow())
+        info = submission.final_info()
+    except (ConnectionError, OSError, RuntimeError) as err:  # the head restarted, the network went
+        fail(
+            ExitCode.CLUSTER,
+            f"lost the job server at {args.address} while following {job_id} ({type(err).__name__}: {err}); "
+            f"the job may still run: ray job status {job_id}",
+        )
     code = exit_code(status_name(info), info.driver_exit_code)
     print(f"job {job_id} {status_name(info)}: exit {code}", file=sys.stderr)
     return code

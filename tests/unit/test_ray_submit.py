@@ -5,6 +5,8 @@ Submitting, following and the driver's codes on a real two-node cluster are in t
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
 
 pytest.importorskip("ray", reason="the Ray engine needs the ray extra (scripts/test.sh installs it)")
@@ -60,3 +62,29 @@ def test_no_job_server_is_a_cluster_error(capsys: pytest.CaptureFixture[str]) ->
     assert exit.value.code == 3
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"error: no Ray job server at {address}") and "docs/RAY.md" in line
+
+
+class VanishingJobServer:
+    """Stands in for a job server that goes away while its log is followed (a head node restarted):
+    on the real test cluster that would mean killing the head under the other Ray tests."""
+
+    def submit_job(self, entrypoint: str, runtime_env: dict[str, object]) -> str:
+        return "raysubmit_gone"
+
+    async def tail_job_logs(self, job_id: str) -> AsyncIterator[str]:
+        yield "step 10/40\n"
+        raise ConnectionResetError("Connection reset by peer")
+
+
+def test_a_job_server_lost_while_following_is_one_line_and_exit_3(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(submit, "connect", lambda address: VanishingJobServer())
+    with pytest.raises(SystemExit) as exit:
+        submit.main(["--address", "http://head:8265", "--", "x=1"])
+    assert exit.value.code == 3
+    out, err = capsys.readouterr()
+    assert out == "step 10/40\n"  # what came before is printed
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "lost the job server at http://head:8265 while following raysubmit_gone" in line
+    assert "ray job status raysubmit_gone" in line and "Traceback" not in err
