@@ -88,11 +88,14 @@ def processes(nproc_per_node: str, accelerator: str, gpus: int) -> int:
 
 
 def check_run_folder(run_dir: Path, if_exists: str, resume: bool) -> None:
-    from purrsight.training.run_folder import existing_run, refusal
+    from purrsight.training.run_folder import RunFolderError, refuse_mixing
 
-    found = existing_run(run_dir)
-    if found and not resume and if_exists == "refuse":
-        raise LauncherError(f"error: {refusal(run_dir, found)}", usage=False)
+    if resume:
+        return
+    try:
+        refuse_mixing(run_dir, if_exists)
+    except RunFolderError as err:
+        raise LauncherError(f"error: {err}", usage=False) from None
 
 
 def plan_environment(plan: Plan, args: argparse.Namespace, nproc: int, backend: str) -> str:

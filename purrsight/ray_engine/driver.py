@@ -181,6 +181,7 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
 
     check_cluster_fits(config, ray.cluster_resources())
     prepare_run_folder(config, plan)
+    ray_root = config.run.run_dir.resolve() / "ray"  # Ray's storage: a folder per job, each report naming our file
     coordinator_actor: Any = ray.remote(num_cpus=0)(RunCoordinator)  # no CPU: it only holds a few values
     coordinator = coordinator_actor.remote()
     relay = StopRelay(coordinator)
@@ -193,6 +194,7 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
             "coordinator": coordinator,
             "launch": launch,
             "placement": placement.environment(),
+            "ray_root": str(ray_root),
         },
         torch_config=TorchConfig(backend=backend, timeout_s=config.distributed.timeout_s),
         scaling_config=ScalingConfig(
@@ -203,7 +205,7 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
         ),
         run_config=RunConfig(
             name=launch,
-            storage_path=str(config.run.run_dir.resolve() / "ray"),
+            storage_path=str(ray_root),
             failure_config=FailureConfig(max_failures=config.ray.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep_last),
             # Ray Train V2 turns every print() of a worker into a log record, also prints a

@@ -20,11 +20,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-# (logger name, start of the message): Ray Train's per-checkpoint lines.
-REPORT_LINES = (
-    ("ray.train.v2._internal.execution.context", "Reporting training result"),
-    ("ray.train.v2._internal.execution.storage", "Checkpoint successfully created at"),
-)
 # Substrings of a Ray process's output line the driver does not forward.
 FORWARDED_NOISE = ("Actor with class name: 'PreemptionWatcher'",)
 PRINT_HANDLER = "ray_print_logs"  # the name ray.init gives its log_to_driver printer
@@ -42,11 +37,13 @@ class _DropMessages(logging.Filter):
 def quiet_checkpoint_reports() -> None:
     """In a Ray Train worker: drop Ray Train's per-checkpoint INFO lines."""
     import ray.train.v2._internal.execution.context as context
+    import ray.train.v2._internal.execution.storage as storage
 
-    for module, starts in REPORT_LINES:
-        # context.py names its logger by its file path, storage.py by its module name.
-        name = context.__file__ if module == context.__name__ else module
-        logger = logging.getLogger(name)
+    reports = {
+        logging.getLogger(context.__file__): "Reporting training result",  # context.py names its logger by its path
+        logging.getLogger(storage.__name__): "Checkpoint successfully created at",
+    }
+    for logger, starts in reports.items():
         if not any(isinstance(f, _DropMessages) and f.starts == starts for f in logger.filters):
             logger.addFilter(_DropMessages(starts))
 
@@ -68,12 +65,11 @@ def filter_forwarded_output() -> bool:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
     except ImportError:
         return False
-    printers: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
-        (name, handler) for name, handler in dispatcher.handlers if name == PRINT_HANDLER
-    ]
-    if not printers:
+    printer: Callable[[dict[str, Any]], None] | None = next(
+        (handler for name, handler in dispatcher.handlers if name == PRINT_HANDLER), None
+    )
+    if printer is None:
         return False
-    (_, printer) = printers[0]
     dispatcher.remove_handler(PRINT_HANDLER)
     dispatcher.add_handler(PRINT_HANDLER, functools.partial(_print_filtered, printer))
     return True

@@ -83,7 +83,7 @@ def train_on_worker(settings: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     strategy = build_strategy(config, resolve_placement(config), RayTrainEnvironment(), device)
-    callbacks = [RelayedStop(coordinator), ReportCheckpointsToRay(config.run.run_dir.resolve() / "ray", settings["launch"])]
+    callbacks = [RelayedStop(coordinator), ReportCheckpointsToRay(Path(settings["ray_root"]), settings["launch"])]
     try:
         outcome = train(config, resume, callbacks, generation=earlier_starts, strategy=strategy)
     except UserError as err:

@@ -87,17 +87,18 @@ def refusal(run_dir: Path, found: str) -> str:
     )
 
 
-def refuse_mixing(run_dir: Path, if_exists: str) -> None:
-    """Raise when ``run_dir`` holds a run that a new one would mix with and ``if_exists`` keeps it."""
+def refuse_mixing(run_dir: Path, if_exists: str) -> str | None:
+    """Raise when ``run_dir`` holds a run that a new one would mix with and ``if_exists`` keeps it;
+    else what it holds (None: nothing)."""
     found = existing_run(run_dir)
     if found is not None and if_exists not in ("archive", "overwrite"):
         raise RunFolderError(refusal(run_dir, found))
+    return found
 
 
 def clear_for_new_run(run_dir: Path, if_exists: str) -> None:
     """Make ``run_dir`` ready for a run that does not continue the one in it, as ``if_exists`` allows."""
-    refuse_mixing(run_dir, if_exists)
-    found = existing_run(run_dir)
+    found = refuse_mixing(run_dir, if_exists)
     if found is None:
         return
     if if_exists == "archive":
