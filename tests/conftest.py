@@ -44,6 +44,11 @@ def host_gpu_count() -> int:
 # Outside tests/unit every test starts the real stack (a trainer, torchrun, launchers, a SLURM
 # or Ray cluster): the quick tier (`bash scripts/test.sh --quick`, `-m "not slow"`) leaves them out.
 QUICK_FOLDERS = ("unit",)
+# Folders whose tests run a real cluster (SLURM's daemons and a PBS job's fixed master port in
+# tests/cluster, the session's Ray cluster in tests/ray): marked `serial`, they run after the
+# others, one at a time and alone (scripts/test.sh), because their timeouts, requeue windows and
+# daemons' own start-up limits assume a machine that is not also running other tests.
+SERIAL_FOLDERS = ("cluster", "ray")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -52,6 +57,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         folder = item.path.relative_to(tests).parts[0]
         if folder not in QUICK_FOLDERS:
             item.add_marker(pytest.mark.slow)
+        if folder in SERIAL_FOLDERS:
+            item.add_marker(pytest.mark.serial)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
