@@ -14,12 +14,16 @@ The wall time from the first launch to the last attempt's end splits into:
 - training: the rest of the attempt, less the work lost;
 - work lost: training of steps that a later attempt trained again (it resumed from an earlier
   checkpoint), at the attempt's own mean step time;
+- wind-down: from the end of training (and of the final validation, or the save on a stop
+  signal) to the process's exit: trackers closing, the run report;
 - between attempts: from an attempt's last record to the next one's launch (a dead node
   noticed, a requeue waiting in the queue, a preemption). A killed attempt's time after its
   last heartbeat is counted here.
 
-An attempt ends when its rank 0 process exits (after the run report). The parts add up to
-the wall time by construction; the tests check them against the wall time they observe.
+An attempt ends when its rank 0 process exits (after the run report). The report itself sees
+its attempt ended when training did: its wind-down is the one part the report cannot show.
+The parts add up to the wall time by construction; the tests check them against the wall
+time they observe.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class Attempt:
     last_step_at: float | None = None
     checkpoint_s: float = 0.0
     updated_at: float = 0.0
-    ended_at: float | None = None
+    training_ended_at: float | None = None  # end() called: training over, wind-down begins
+    ended_at: float | None = None  # the process's exit (rewritten at exit)
     end: str | None = None  # finished / stopped by SIGTERM / watchdog: ... / error: ...; None: killed
 
     @property
@@ -88,11 +93,12 @@ class Split:
     checkpoint: float
     training: float
     lost: float
+    wind_down: float
     steps: tuple[int, int]  # (resumed step, last step)
 
     @property
     def total(self) -> float:
-        return self.waiting_before + self.startup + self.checkpoint + self.training + self.lost
+        return self.waiting_before + self.startup + self.checkpoint + self.training + self.lost + self.wind_down
 
 
 @dataclass
@@ -114,10 +120,11 @@ def summarize(attempts: list[Attempt]) -> Summary:
         return summary
     summary.wall = attempts[-1].until - attempts[0].launched_at
     for index, attempt in enumerate(attempts):
-        first_step = attempt.first_step_at if attempt.first_step_at is not None else attempt.until
+        training_until = attempt.training_ended_at if attempt.training_ended_at is not None else attempt.until
+        first_step = attempt.first_step_at if attempt.first_step_at is not None else training_until
         startup = max(0.0, first_step - attempt.launched_at)
         checkpoint = attempt.checkpoint_s if attempt.first_step_at is not None else 0.0
-        stepping = max(0.0, attempt.until - first_step - checkpoint)
+        stepping = max(0.0, training_until - first_step - checkpoint)
         done = attempt.last_step - attempt.resumed_step
         lost = 0.0
         if index + 1 < len(attempts) and done > 0:
@@ -134,6 +141,7 @@ def summarize(attempts: list[Attempt]) -> Summary:
                 checkpoint=checkpoint,
                 training=stepping - lost,
                 lost=lost,
+                wind_down=max(0.0, attempt.until - training_until),
                 steps=(attempt.resumed_step, attempt.last_step),
             )
         )
@@ -158,6 +166,7 @@ def summary_lines(summary: Summary) -> list[str]:
         ("start-up (launch to first step)", "startup"),
         ("checkpoint writing", "checkpoint"),
         ("work lost (steps trained again after a restart)", "lost"),
+        ("wind-down (trackers closing, report, exit)", "wind_down"),
         ("between attempts (restart, requeue, queue, preemption)", "waiting_before"),
     ]
     lines = [
@@ -170,20 +179,20 @@ def summary_lines(summary: Summary) -> list[str]:
     lines += [f"| {label} | {_duration(summary.part(name))} | {summary.part(name) / wall * 100:.1f}% |" for label, name in parts]
     lines += [
         "",
-        "| attempt | how | steps | waited before | start-up | training | checkpoints | lost | end |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| attempt | how | steps | waited before | start-up | training | checkpoints | lost | wind-down | end |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for split in summary.splits:
         lines.append(
             f"| {split.number} | {split.how} | {split.steps[0]} -> {split.steps[1]} | {_duration(split.waiting_before)} | "
             f"{_duration(split.startup)} | {_duration(split.training)} | {_duration(split.checkpoint)} | "
-            f"{_duration(split.lost)} | {split.end} |"
+            f"{_duration(split.lost)} | {_duration(split.wind_down)} | {split.end} |"
         )
     return lines
 
 
 def plot_timeline(summary: Summary, path: Path) -> Path | None:
-    """One bar per attempt along the wall clock: start-up, training, checkpoints, lost; gaps are waiting."""
+    """One bar per attempt along the wall clock: start-up, training, checkpoints, lost, wind-down; gaps are waiting."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,7 +200,7 @@ def plot_timeline(summary: Summary, path: Path) -> Path | None:
 
     if not summary.splits:
         return None
-    colours = {"start-up": "#999999", "training": "#2e7d32", "checkpoints": "#1565c0", "lost": "#c62828"}
+    colours = {"start-up": "#999999", "training": "#2e7d32", "checkpoints": "#1565c0", "lost": "#c62828", "wind-down": "#bdbdbd"}
     figure, axes = plt.subplots(figsize=(9, 1.4 + 0.4 * len(summary.splits)))
     clock = 0.0
     for row, split in enumerate(summary.splits):
@@ -201,6 +210,7 @@ def plot_timeline(summary: Summary, path: Path) -> Path | None:
             ("training", split.training),
             ("checkpoints", split.checkpoint),
             ("lost", split.lost),
+            ("wind-down", split.wind_down),
         ):
             axes.barh(row, width / 60, left=clock / 60, color=colours[label], label=label if row == 0 else None)
             clock += width
@@ -283,6 +293,7 @@ class AttemptRecorder(pl.Callback):
         if self.attempt is None or self.attempt.end is not None:
             return
         self.attempt.end = how
+        self.attempt.training_ended_at = time.time()
         self._write_end()
         atexit.register(self._write_end)  # the report and the process's exit belong to the attempt too
 

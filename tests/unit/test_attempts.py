@@ -18,7 +18,7 @@ def test_a_killed_attempt_a_requeue_and_a_finish_add_up_to_the_wall_time(tmp_pat
     finished = Attempt(
         number=2, how="new launch, resumed", launched_at=1660.0, resumed_step=80, world_size=2,
         first_step_at=1700.0, last_step=200, last_step_at=2900.0, checkpoint_s=10.0, updated_at=2900.0,
-        ended_at=2910.0, end="finished",
+        training_ended_at=2904.0, ended_at=2910.0, end="finished",
     )  # fmt: skip
     summary = summarize([killed, finished])
     first, second = summary.splits
@@ -27,10 +27,13 @@ def test_a_killed_attempt_a_requeue_and_a_finish_add_up_to_the_wall_time(tmp_pat
     assert first.lost == pytest.approx(980.0 * 20 / 100) and first.training == pytest.approx(980.0 * 80 / 100)
     assert first.end == "killed (no end recorded)"
     assert second.waiting_before == 600.0 and second.startup == 40.0 and second.lost == 0.0
-    assert second.training == pytest.approx(2910.0 - 1700.0 - 10.0)
+    assert second.training == pytest.approx(2904.0 - 1700.0 - 10.0) and second.wind_down == 6.0
+    assert first.wind_down == 0.0  # killed: no end recorded
     assert sum(split.total for split in summary.splits) == pytest.approx(summary.wall)
-    assert summary.effective == pytest.approx((784.0 + 1200.0) / 2910.0)
+    assert summary.effective == pytest.approx((784.0 + 1194.0) / 2910.0)
     lines = summary_lines(summary)
-    assert lines[0] == "Effective training time: **68.2%** of 48 min 30 s wall time, over 2 attempt(s)."
-    assert "| 1 | first start | 0 -> 100 | 0.0 s | 60.0 s | 13 min 04 s | 20.0 s | 3 min 16 s | killed (no end recorded) |" in lines
+    assert lines[0] == "Effective training time: **68.0%** of 48 min 30 s wall time, over 2 attempt(s)."
+    row = "| 1 | first start | 0 -> 100 | 0.0 s | 60.0 s | 13 min 04 s | 20.0 s | 3 min 16 s | 0.0 s | killed (no end recorded) |"
+    assert row in lines
+    assert "| wind-down (trackers closing, report, exit) | 6.0 s | 0.2% |" in lines
     assert plot_timeline(summary, tmp_path / "attempts.png") == tmp_path / "attempts.png"
