@@ -83,18 +83,18 @@ def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Clus
     assert (folder / "step-00000040.ckpt").exists() and not list(folder.glob(".*.tmp"))
 
 
-def test_corrupted_newest_checkpoint_falls_back(synthetic_dir: Path, tmp_path: Path) -> None:
-    overrides = tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=30)
-    first = run_trainer(*overrides)
-    assert first.returncode == 0, first.stderr[-2000:]
+def test_corrupted_newest_checkpoint_falls_back(synthetic_dir: Path, tmp_path_with_a_finished_run: Path) -> None:
+    """The session's finished 20-step run, its newest checkpoint truncated: the resume takes the one before."""
+    tmp_path = tmp_path_with_a_finished_run
     folder = tmp_path / "phase2-tiny" / "checkpoints"
-    newest = folder / "step-00000030.ckpt"
+    newest = folder / "step-00000020.ckpt"
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a full disk or a bad copy
     (folder / "last.ckpt").unlink()
-    again = run_trainer("--resume", *overrides[:-1], "trainer.max_steps=40")
+    again = run_trainer("--resume", *tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=30))
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "step-00000030.ckpt is unreadable (corrupted or truncated)" in again.stderr
-    assert f"resuming from checkpoint {folder / 'step-00000020.ckpt'}" in again.stderr
+    assert "step-00000020.ckpt is unreadable (corrupted or truncated)" in again.stderr
+    assert f"resuming from checkpoint {folder / 'step-00000010.ckpt'}" in again.stderr
+    assert (folder / "step-00000030.ckpt").is_file()
 
 
 def test_full_disk_stops_with_a_clear_error_and_keeps_earlier_checkpoints(synthetic_dir: Path, tmp_path: Path) -> None:
