@@ -292,14 +292,14 @@ class AttemptRecorder(pl.Callback):
         """Record this attempt's end (finished, a stop signal, the watchdog, an error); rank 0 only."""
         if self.attempt is None or self.attempt.end is not None:
             return
-        self.attempt.end = how
-        self.attempt.training_ended_at = time.time()
-        self._write_end()
+        now = time.time()
+        self.attempt.end, self.attempt.training_ended_at = how, now
+        self._write_end(now)  # the report, written next, sees the attempt end here: no wind-down yet
         atexit.register(self._write_end)  # the report and the process's exit belong to the attempt too
 
-    def _write_end(self) -> None:
+    def _write_end(self, now: float | None = None) -> None:
         assert self.attempt is not None
-        now = time.time()
+        now = time.time() if now is None else now
         self.attempt.ended_at = now
         try:
             self._write(now)

@@ -287,16 +287,15 @@ def test_bad_input(case: Case, earlier_run: Path, synthetic_dir: Path, capfd: py
     busy.bind(("127.0.0.1", 0))
     busy.listen()
     args = [a.replace("@BUSY_PORT@", str(busy.getsockname()[1])) for a in case.args]
-    if case.command == "launcher" and not args:  # not the default 29500: other tests run beside this one
-        args = ["1", "0", "127.0.0.1", str(free_port())]
     flags, extra_overrides = split_flags(extra)
     if case.command == "train":
         config = [] if "--config" in flags else ["--config", str(DEFAULT_CONFIG)]
         command = [sys.executable, TRAIN, *config, *flags, *overrides, *extra_overrides, *args]  # the case wins
     elif case.command == "check":
         command = [sys.executable, "-m", "purrsight.config", "check", str(DEFAULT_CONFIG), *args]
-    else:
-        command = ["./cluster_train.sh", str(DEFAULT_CONFIG), *args, "--", *overrides, *extra_overrides]
+    else:  # a case without its own arguments gets a free port, not the default 29500: other tests run beside it
+        placement = args or ["1", "0", "127.0.0.1", str(free_port())]
+        command = ["./cluster_train.sh", str(DEFAULT_CONFIG), *placement, "--", *overrides, *extra_overrides]
     if case.in_process:
         returncode, output = run_in_process(command, capfd)
     else:
