@@ -66,7 +66,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     """USR1 to the batch script (what --signal=B:USR1@120 sends before the time limit).
 
     The run's attempt record splits the job's wall time into its parts: they add up, within 2%,
-    to the wall time the batch script's own log shows, from its first line to "training finished".
+    to the wall time the batch script's own log shows, from its first line to rank 0's "done" line.
     """
     steps = 200  # enough that the stop lands mid-run: USR1 goes out at the step-40 checkpoint
     job = submit(slurm, tmp_path, synthetic_dir, trainer__max_steps=steps, checkpoint__every_n_steps=20)
