@@ -42,7 +42,7 @@ from bench.real_size import REAL_CONFIG, synthetic_tokenizer, training_flops_per
 from purrsight.config import Config, load_config
 from purrsight.data.dataset import Collator, MultiModalDataset, Sample
 from purrsight.training.data_builder import Datasets, build_datasets
-from purrsight.training.telemetry import PEAK_TFLOPS
+from purrsight.training.flops import PEAK_TFLOPS
 
 TARGET_MFU = 0.40
 SAMPLE_RATE = 16000
@@ -116,8 +116,9 @@ def loader_rate(dataset: Dataset[Sample], collator: Collator, workers: int, batc
     return batches * batch_size / (time.perf_counter() - start)
 
 
-def corpus_config(work: Path, name: str, image_dir: Path, audio_dir: Path, **kwargs: object) -> Config:
+def corpus_config(work: Path, name: str, image_dir: Path, audio_dir: Path, batch_size: int | None, **kwargs: object) -> Config:
     index = write_samples(work / name, **kwargs)  # type: ignore[arg-type]
+    batch = [f"data.batch_size={batch_size}"] if batch_size else []
     return load_config(
         REAL_CONFIG,
         [
@@ -127,6 +128,7 @@ def corpus_config(work: Path, name: str, image_dir: Path, audio_dir: Path, **kwa
             f"model.llm.tokenizer={synthetic_tokenizer(work / 'synthetic')}",
             f"model.image_encoder.path={image_dir}",
             f"model.audio_encoder.path={audio_dir}",
+            *batch,
         ],
         check_paths=False,
     )
@@ -150,19 +152,24 @@ def main() -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batches", type=int, default=40, help="timed batches per measurement")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="samples per batch (default: the real config's data.batch_size)"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         work = Path(tmp)
         image_dir, audio_dir = save_processors(work)
-        config = corpus_config(work, "small", image_dir, audio_dir, count=args.samples)
+        config = corpus_config(work, "small", image_dir, audio_dir, args.batch_size, count=args.samples)
         ours = {
             "224 px": build_datasets(config, world_size=1),
             "4000x3000": build_datasets(
-                corpus_config(work, "large", image_dir, audio_dir, count=args.large_samples, size=(4000, 3000)), world_size=1
+                corpus_config(work, "large", image_dir, audio_dir, args.batch_size, count=args.large_samples, size=(4000, 3000)),
+                world_size=1,
             ),
             "224 px + 5-min audio": build_datasets(
-                corpus_config(work, "long", image_dir, audio_dir, count=args.samples, long_audio=True), world_size=1
+                corpus_config(work, "long", image_dir, audio_dir, args.batch_size, count=args.samples, long_audio=True),
+                world_size=1,
             ),
         }
         batch = config.data.batch_size

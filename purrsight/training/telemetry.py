@@ -11,7 +11,7 @@ samples divided by the steps, and by the samples those GPUs ran, in between.
 Throughput: samples/s and tokens/s on this rank and for the job (x world size); the step
 time is split between waiting for data (batch end -> next batch start) and computing
 (batch start -> batch end). MFU on GPUs = achieved FLOP/s / (peak FLOP/s x GPUs), from
-:func:`flops_per_token` and :data:`PEAK_TFLOPS` (bf16 dense; override with telemetry.peak_tflops).
+purrsight/training/flops.py (bf16 dense; override with telemetry.peak_tflops).
 """
 
 from __future__ import annotations
@@ -21,28 +21,14 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import psutil
 import pytorch_lightning as pl
 import torch
-from transformers import PreTrainedModel
 
-from purrsight.model.multimodal import PurrSightModel
+from purrsight.training.flops import gpu_peak_tflops, model_flops_per_token
 from purrsight.training.run_folder import truncate_history
-
-PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}  # bf16 dense, per GPU (vendor figures)
-
-
-def flops_per_token(llm_params: int, trainable_params: int, layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token for a frozen LLM with LoRA (multiply-add = 2 FLOPs).
-
-    forward 2N, backward through the frozen weights to their inputs 2N (their own weight
-    gradients are skipped), trainable weights' gradients 2T on top of their forward and
-    input-gradient share; attention scores and values 2 x 2 x seq_len x hidden per layer
-    forward, twice that backward: 12 x layers x hidden x seq_len.
-    """
-    return 4 * llm_params + 2 * trainable_params + 12 * layers * hidden * seq_len
 
 
 def cuda_uuids_of_this_node(local_ranks: int) -> list[str]:
@@ -94,25 +80,6 @@ class _NVML:
             "gpu_mem_gib": memory,
             "gpu_temp_c": float(temp),
         }
-
-
-def model_flops_per_token(model: PurrSightModel | None, seq_len: int) -> float | None:
-    """flops_per_token() for the built Phase 2 model (None before it exists)."""
-    if model is None:
-        return None
-    config = cast(PreTrainedModel, model.llm.get_base_model()).config
-    llm_params = sum(p.numel() for p in model.llm.parameters())
-    # Per token: the LoRA adapters. The projectors run once per sample, not per token
-    # (6 x their parameters per sample: under 0.1% at the real size), so they are left out.
-    trainable = sum(p.numel() for p in model.llm.parameters() if p.requires_grad)
-    return flops_per_token(llm_params, trainable, config.num_hidden_layers, config.hidden_size, seq_len)
-
-
-def gpu_peak_tflops() -> float | None:
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(0)
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
 def runs_on_gpu(module: pl.LightningModule) -> bool:

@@ -29,14 +29,17 @@ def test_gpu_script_smoke_run_on_cpu() -> None:
 
 
 def test_data_pipeline_script_small_run() -> None:
+    """Batches of 2, two timed (one of the four 12-MP JPEGs): a run of seconds that still reads every figure."""
     done = run_python(
         [
             "-m",
             "bench.data_pipeline",
             "--samples",
-            "24",
+            "6",
             "--large-samples",
-            "16",
+            "4",
+            "--batch-size",
+            "2",
             "--workers",
             "1",
             "--batches",

@@ -18,9 +18,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from purrsight.config import ConfigError
 from purrsight.training import telemetry
+from purrsight.training.flops import flops_per_token
 from purrsight.training.loggers import build_loggers
 from purrsight.training.report import write_report
-from purrsight.training.telemetry import flops_per_token
 from tests.helpers import read_metrics, run_trainer, tiny_config, tiny_overrides
 
 
