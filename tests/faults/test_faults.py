@@ -42,10 +42,15 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, synthetic_dir: Path)
     return final_weights(reference, "reference")
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_kill9_random_rank_at_random_step(seed: int, cluster: Cluster, uninterrupted: dict[str, torch.Tensor]) -> None:
-    """SIGKILL of a random worker at a random step: the job completes with the uninterrupted weights."""
-    rng = random.Random(seed)
+# One seeded draw (a worker, a step): the kill lands at step 15, between the checkpoints of
+# steps 10 and 20, so 5 steps are redone. A kill at a checkpoint's write is its own test below,
+# and tests/launcher kills a worker of a two-node job; a second draw here added a minute, not a case.
+KILL_SEED = 2
+
+
+def test_kill9_random_rank_at_random_step(cluster: Cluster, uninterrupted: dict[str, torch.Tensor]) -> None:
+    """SIGKILL of a worker at a step mid-interval: the job completes with the uninterrupted weights."""
+    rng = random.Random(KILL_SEED)
     kill_after = rng.randrange(12, 45)
     launcher = cluster.start(
         1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=60, run__name="victim", logging__every_n_steps=1, **DETERMINISTIC
