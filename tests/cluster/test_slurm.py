@@ -49,19 +49,6 @@ def batch_output(tmp: Path, job: str) -> str:
     return (tmp / f"purrsight-phase2-{job}.out").read_text(errors="replace")
 
 
-def test_two_node_job_completes(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
-    job = submit(slurm, tmp_path, synthetic_dir, trainer__max_steps=20)
-    assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300) == "COMPLETED", batch_output(
-        tmp_path, job
-    )[-3000:]
-    logs = [(tmp_path / "logs" / f"latest_node{n}.log").read_text() for n in (0, 1)]
-    assert "process group ready: global rank 0 of 2" in logs[0]
-    assert "process group ready: global rank 1 of 2" in logs[1]
-    assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt").exists()
-    out = batch_output(tmp_path, job)
-    assert "2 node(s) node[0-1]; master 127.0.0.1:" in out and "training finished" in out
-
-
 def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
     """USR1 to the batch script (what --signal=B:USR1@120 sends before the time limit).
 
@@ -161,6 +148,7 @@ def unhealthy_second_node_venv(folder: Path) -> Path:
 def test_a_node_that_fails_its_health_checks_is_excluded_and_the_job_completes_on_two_good_nodes(
     slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path
 ) -> None:
+    """Also the plain two-node job: the requeued run, on the two good nodes, trains and finishes as any job does."""
     venv = unhealthy_second_node_venv(tmp_path / "venv")
     job = submit(slurm, tmp_path, synthetic_dir, extra_env={"VENV": str(venv)}, trainer__max_steps=20)
     state = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=400)
@@ -175,3 +163,8 @@ def test_a_node_that_fails_its_health_checks_is_excluded_and_the_job_completes_o
     second_run = slurm.run("scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")).split()
     assert len(second_run) == 2 and bad not in second_run, second_run
     assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt").exists()
+    # The run that completed is an ordinary two-node job: one rank per node, in node order.
+    logs = [(tmp_path / "logs" / f"latest_node{n}.log").read_text() for n in (0, 1)]
+    assert "process group ready: global rank 0 of 2" in logs[0]
+    assert "process group ready: global rank 1 of 2" in logs[1]
+    assert re.search(r"2 node\(s\) \S+; master 127\.0\.0\.1:\d+", out) and "training finished" in out
