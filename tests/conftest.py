@@ -4,10 +4,15 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.preloaded import PreloadedTrainer
 
 # Users run this suite on GPU nodes too, and its CPU expectations (gloo, one process, "no GPU"
 # lines) must hold there: every test sees no GPU, in this process and in what it starts,
@@ -93,3 +98,13 @@ def tmp_path_with_a_finished_run(finished_run: Path, tmp_path: Path) -> Path:
     """``tmp_path`` holding a copy of the finished run in ``phase2-tiny``, as ``train_tiny(synthetic_dir, tmp_path)`` leaves it."""
     shutil.copytree(finished_run, tmp_path / "phase2-tiny", symlinks=True)
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def preloaded_trainer() -> Iterator[PreloadedTrainer]:
+    """The trainer's command line in forked children of one pre-imported interpreter (tests/preloaded.py)."""
+    from tests.preloaded import PreloadedTrainer
+
+    server = PreloadedTrainer()
+    yield server
+    server.close()

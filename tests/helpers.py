@@ -6,10 +6,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from purrsight.config import Config, load_config
+
+if TYPE_CHECKING:
+    from tests.preloaded import PreloadedTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "config" / "train_config.yaml"
@@ -104,17 +108,22 @@ def run_python(
 
 
 def train_tiny(
-    synthetic_dir: Path, out: Path, *extra: str, env: dict[str, str] | None = None, **overrides: object
+    synthetic_dir: Path,
+    out: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    preloaded: PreloadedTrainer | None = None,
+    **overrides: object,
 ) -> subprocess.CompletedProcess[str]:
-    """train_phase2.py on the tiny config in one process; ``extra`` are options such as --resume."""
-    args = [
-        str(REPO / "train_phase2.py"),
-        "--config",
-        str(DEFAULT_CONFIG),
-        *extra,
-        *tiny_overrides(synthetic_dir, out, **overrides),
-    ]
-    return run_python(args, env=env)
+    """train_phase2.py on the tiny config in one process; ``extra`` are options such as --resume.
+
+    ``preloaded`` runs it in a forked child of that server instead of a fresh interpreter
+    (tests/preloaded.py): for starts that end with an error before training.
+    """
+    args = ["--config", str(DEFAULT_CONFIG), *extra, *tiny_overrides(synthetic_dir, out, **overrides)]
+    if preloaded is not None:
+        return preloaded.run("train_phase2", args, {**python_env(), **(env or {})})
+    return run_python([str(REPO / "train_phase2.py"), *args], env=env)
 
 
 def trainable_state(checkpoint: Path) -> dict[str, torch.Tensor]:

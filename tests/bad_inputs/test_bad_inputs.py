@@ -26,6 +26,7 @@ import soundfile
 from PIL import Image
 
 from tests.helpers import DEFAULT_CONFIG, REPO, free_port, launcher_env, python_env, tiny_overrides
+from tests.preloaded import PreloadedTrainer
 
 TRAIN = str(REPO / "train_phase2.py")
 
@@ -35,9 +36,10 @@ class Case:
     id: str
     command: str  # "train", "launcher" or "check"
     culprit: str
-    # A mistake the config check alone finds runs in this process (train_phase2.main or the
-    # check's main): no interpreter start, no imports. Others stay subprocesses, the user's view.
-    in_process: bool = False
+    # Trainer and check cases run in a forked child of the preloaded trainer (tests/preloaded.py):
+    # the same main(), its own process, without 10 s of imports each. A few start a fresh
+    # interpreter, as the user's command does, and so does every launcher case.
+    fresh_interpreter: bool = False
     exit_code: int = 2
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -124,14 +126,12 @@ ONE_PER_STEP = ["data.batch_size=1"]  # every sample is decoded within the first
 
 CASES = [
     # --- config
-    Case("yaml-syntax", "train", "YAML syntax error", prepare=config_file("trainer:\n  max_steps: [1,\n")),
+    Case("yaml-syntax", "train", "YAML syntax error", prepare=config_file("trainer:\n  max_steps: [1,\n"), fresh_interpreter=True),
     Case("unknown-key", "train", "unknown key trainer.max_stepz; did you mean trainer.max_steps?", args=["trainer.max_stepz=3"]),
-    Case(
-        "wrong-type", "train", "trainer.max_steps: Input should be a valid integer", args=["trainer.max_steps=ten"], in_process=True
-    ),
-    Case("out-of-range", "train", "data.batch_size: Input should be greater than 0", args=["data.batch_size=0"], in_process=True),
-    Case("negative-lr", "train", "optim.lr: Input should be greater than 0", args=["optim.lr=-0.001"], in_process=True),
-    Case("bad-enum", "train", "trainer.precision: Input should be", args=["trainer.precision=fp8"], in_process=True),
+    Case("wrong-type", "train", "trainer.max_steps: Input should be a valid integer", args=["trainer.max_steps=ten"]),
+    Case("out-of-range", "train", "data.batch_size: Input should be greater than 0", args=["data.batch_size=0"]),
+    Case("negative-lr", "train", "optim.lr: Input should be greater than 0", args=["optim.lr=-0.001"]),
+    Case("bad-enum", "train", "trainer.precision: Input should be", args=["trainer.precision=fp8"]),
     Case(
         "missing-model-path",
         "train",
@@ -139,9 +139,9 @@ CASES = [
         args=["model.llm.path=models/Qwen2.5-missing", "model.llm.config=null"],
     ),
     Case("lora-target-absent", "train", "qkv_proj not found in the LLM", args=["model.llm.lora.target_modules=[qkv_proj]"]),
-    Case("override-syntax", "train", "expected section.key=value", args=["trainer.max_steps"], in_process=True),
+    Case("override-syntax", "train", "expected section.key=value", args=["trainer.max_steps"]),
     Case("config-missing", "train", "config file not found", prepare=lambda tmp, syn: ["--config", str(tmp / "nope.yaml")]),
-    Case("check-command", "check", "unknown key data.batchsize", args=["data.batchsize=4"], in_process=True),
+    Case("check-command", "check", "unknown key data.batchsize", args=["data.batchsize=4"]),
     # --- data
     Case("malformed-json", "train", "malformed JSON", prepare=data_case('{"id": "x", "prompt": ')),
     Case("missing-field", "train", "missing field 'response'", prepare=data_case(json.dumps({"id": "bad-1", "prompt": "p"}))),
@@ -159,6 +159,7 @@ CASES = [
         prepare=data_case(
             sample(image="bad.png"), {"bad.png": png_bytes(truncate=True)}, keep=1, more=[*ONE_PER_STEP, "data.num_workers=2"]
         ),
+        fresh_interpreter=True,
     ),
     Case(
         "image-above-the-pixel-limit",
@@ -215,7 +216,13 @@ CASES = [
     ),
     # --- checkpoints
     # A second start into the earlier run's folder: refused, and the harness checks that run is untouched.
-    Case("run-folder-in-use", "train", "runs/phase2-tiny already holds a run", prepare=lambda tmp, syn: ["run.name=phase2-tiny"]),
+    Case(
+        "run-folder-in-use",
+        "train",
+        "runs/phase2-tiny already holds a run",
+        prepare=lambda tmp, syn: ["run.name=phase2-tiny"],
+        fresh_interpreter=True,
+    ),
     Case(
         "run-folder-in-use-via-launcher",
         "launcher",
@@ -223,22 +230,16 @@ CASES = [
         prepare=lambda tmp, syn: ["run.name=phase2-tiny"],
     ),
     Case("resume-missing", "train", "checkpoint /nonexistent.ckpt does not exist", args=["--resume", "/nonexistent.ckpt"]),
-    Case("resume-malicious-pickle", "train", "is not a readable PurrSight checkpoint", prepare=malicious_checkpoint),
+    Case(
+        "resume-malicious-pickle",
+        "train",
+        "is not a readable PurrSight checkpoint",
+        prepare=malicious_checkpoint,
+        fresh_interpreter=True,
+    ),
     # --- launcher arguments: the ones bash checks alone are in tests/shell/cluster_train.bats (one place each)
     Case("port-in-use", "launcher", "is already in use", args=["1", "0", "127.0.0.1", "@BUSY_PORT@"]),
 ]
-
-
-def run_in_process(command: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """The exit code and output of ``command`` (train_phase2.py or the config check) run as a call here."""
-    import train_phase2
-    from purrsight.config import main as check_main
-
-    capfd.readouterr()
-    # train_phase2.py ..., or python -m purrsight.config check ...
-    code = train_phase2.main(command[2:]) if command[1] == TRAIN else check_main(command[command.index("check") :])
-    captured = capfd.readouterr()
-    return code, captured.out + captured.err
 
 
 def split_flags(extra: list[str]) -> tuple[list[str], list[str]]:
@@ -277,7 +278,7 @@ def test_the_corpus_is_large_enough() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_bad_input(case: Case, earlier_run: Path, synthetic_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_bad_input(case: Case, earlier_run: Path, synthetic_dir: Path, preloaded_trainer: PreloadedTrainer) -> None:
     tmp = earlier_run
     before = {name: fingerprint(tmp / name) for name in ("runs", "logs")}
     extra = case.prepare(tmp, synthetic_dir) if case.prepare else []
@@ -296,11 +297,13 @@ def test_bad_input(case: Case, earlier_run: Path, synthetic_dir: Path, capfd: py
     else:  # a case without its own arguments gets a free port, not the default 29500: other tests run beside it
         placement = args or ["1", "0", "127.0.0.1", str(free_port())]
         command = ["./cluster_train.sh", str(DEFAULT_CONFIG), *placement, "--", *overrides, *extra_overrides]
-    if case.in_process:
-        returncode, output = run_in_process(command, capfd)
-    else:
+    if case.command == "launcher" or case.fresh_interpreter:
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-        returncode, output = done.returncode, done.stdout + done.stderr
+    elif case.command == "train":
+        done = preloaded_trainer.run("train_phase2", command[2:], env, timeout=120)
+    else:
+        done = preloaded_trainer.run("purrsight.config", command[3:], env, timeout=120)
+    returncode, output = done.returncode, done.stdout + done.stderr
     busy.close()
     assert returncode == case.exit_code, output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith(("error:", "config error:")) or "] error:" in line]

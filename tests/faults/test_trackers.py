@@ -23,6 +23,7 @@ from purrsight.training.attempts import read_attempts, summarize
 from tests.helpers import free_port, train_tiny
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers
+from tests.preloaded import PreloadedTrainer
 from tests.wandb_files import wandb_history
 
 QUEUED_S = 5
@@ -120,9 +121,11 @@ def check_attempts(cluster: Cluster, wall: float) -> None:
     assert (cluster.run_dir / "attempts.png").is_file()
 
 
-def test_an_unreachable_tracker_is_one_line_before_training(synthetic_dir: Path, tmp_path: Path) -> None:
+def test_an_unreachable_tracker_is_one_line_before_training(
+    synthetic_dir: Path, tmp_path: Path, preloaded_trainer: PreloadedTrainer
+) -> None:
     nobody = f"http://127.0.0.1:{free_port()}"
-    done = train_tiny(synthetic_dir, tmp_path, logging__mlflow_tracking_uri=nobody)
+    done = train_tiny(synthetic_dir, tmp_path, preloaded=preloaded_trainer, logging__mlflow_tracking_uri=nobody)
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"logging.mlflow_tracking_uri: cannot use {nobody}" in errors[0], done.stderr[-3000:]

@@ -17,6 +17,7 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, read_metrics, run_python, tiny_overrides, train_tiny
+from tests.preloaded import PreloadedTrainer
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -34,12 +35,14 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.ckpt"))
 
 
-def test_a_second_run_into_the_folder_is_refused_until_asked(synthetic_dir: Path, tmp_path_with_a_finished_run: Path) -> None:
+def test_a_second_run_into_the_folder_is_refused_until_asked(
+    synthetic_dir: Path, tmp_path_with_a_finished_run: Path, preloaded_trainer: PreloadedTrainer
+) -> None:
     tmp_path = tmp_path_with_a_finished_run
     run_dir = tmp_path / "phase2-tiny"
     before = snapshot(run_dir)
 
-    again = train_tiny(synthetic_dir, tmp_path, trainer__max_steps=10)
+    again = train_tiny(synthetic_dir, tmp_path, preloaded=preloaded_trainer, trainer__max_steps=10)
     assert again.returncode == 2
     assert (
         again.stderr.strip()

@@ -30,6 +30,7 @@ from tests.helpers import (
     train_tiny,
     trainable_state,
 )
+from tests.preloaded import PreloadedTrainer
 
 TRAIN = str(REPO / "train_phase2.py")
 
@@ -138,11 +139,15 @@ def test_sigterm_saves_a_checkpoint_and_exits_nonzero(synthetic_dir: Path, tmp_p
     ],
 )
 def test_mismatched_checkpoint_is_refused(
-    trained: Path, synthetic_dir: Path, tmp_path: Path, override: dict[str, object], message: str
+    trained: Path,
+    synthetic_dir: Path,
+    tmp_path: Path,
+    override: dict[str, object],
+    message: str,
+    preloaded_trainer: PreloadedTrainer,
 ) -> None:
-    result = train_tiny(
-        synthetic_dir, tmp_path, "--resume", str(trained / "checkpoints" / "last.ckpt"), trainer__max_steps=110, **override
-    )
+    last = str(trained / "checkpoints" / "last.ckpt")
+    result = train_tiny(synthetic_dir, tmp_path, "--resume", last, preloaded=preloaded_trainer, trainer__max_steps=110, **override)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
 
@@ -192,11 +197,13 @@ def test_export_refuses_a_tokenizer_that_would_not_reload(trained: Path, tmp_pat
         check_tokenizer_reloads(word_level, out)
 
 
-def test_resume_without_checkpoint_and_bad_config_are_one_line(synthetic_dir: Path, tmp_path: Path) -> None:
-    result = train_tiny(synthetic_dir, tmp_path, "--resume")
+def test_resume_without_checkpoint_and_bad_config_are_one_line(
+    synthetic_dir: Path, tmp_path: Path, preloaded_trainer: PreloadedTrainer
+) -> None:
+    result = train_tiny(synthetic_dir, tmp_path, "--resume", preloaded=preloaded_trainer)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: --resume: no checkpoint in")
-    bad = train_tiny(synthetic_dir, tmp_path, optim__lr=-1)
+    bad = train_tiny(synthetic_dir, tmp_path, preloaded=preloaded_trainer, optim__lr=-1)
     assert bad.returncode == 2 and "optim.lr: Input should be greater than 0" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
 
