@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 HOST_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# Two pytest workers share this machine's cores (scripts/test.sh), and each test's trainer
+# would start one OpenMP thread per core: threads that spin-wait on cores another process holds
+# made a 100-step run take 150 s instead of 20 beside a second one. One thread per process,
+# here and in everything the tests start (the launcher keeps a value it is given, as a user's).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 from purrsight.data.synthetic import generate  # noqa: E402 (after hiding the GPUs)
 
@@ -83,12 +88,12 @@ def synthetic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def finished_run(synthetic_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def finished_run(synthetic_dir: Path, tmp_path_factory: pytest.TempPathFactory, preloaded_trainer: PreloadedTrainer) -> Path:
     """One default tiny run (20 steps), trained once for the tests that only start from a finished run."""
     from tests.helpers import train_tiny
 
     out = tmp_path_factory.mktemp("finished")
-    done = train_tiny(synthetic_dir, out)
+    done = train_tiny(synthetic_dir, out, preloaded=preloaded_trainer)
     assert done.returncode == 0, done.stderr[-3000:]
     return out / "phase2-tiny"
 

@@ -118,7 +118,7 @@ def train_tiny(
     """train_phase2.py on the tiny config in one process; ``extra`` are options such as --resume.
 
     ``preloaded`` runs it in a forked child of that server instead of a fresh interpreter
-    (tests/preloaded.py): for starts that end with an error before training.
+    (tests/preloaded.py): the same main(), without the imports; not for output checked for noise.
     """
     args = ["--config", str(DEFAULT_CONFIG), *extra, *tiny_overrides(synthetic_dir, out, **overrides)]
     if preloaded is not None:

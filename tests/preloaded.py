@@ -2,13 +2,15 @@
 
 A trainer process spends about 10 CPU-seconds on this machine importing Lightning, torchmetrics
 and torch before it reads its first argument; a bad-input case that ends at the index, the
-checkpoint or the tracker's address pays that for one line of output. Here one server process
+checkpoint or the tracker's address pays that for one line of output, and a 20-step resume test
+pays it for a second of training. Here one server process
 imports ``train_phase2`` and the training stack once and forks a child per command. Each child
 is its own process, with the environment, working directory, stdout, stderr and exit status the
 command would have, and runs the same ``main()`` as ``python train_phase2.py`` (or
 ``python -m purrsight.config``), exit handlers included; only the interpreter start and the
-imports are shared. The launcher's cases and a few trainer cases still start a fresh
-interpreter (tests/bad_inputs), the user's exact view.
+imports are shared. What a fresh start alone can show stays a fresh start: every launcher and
+torchrun job, a few bad-input cases (tests/bad_inputs), and the runs whose output is checked for
+noise (a warning the imports print comes once, in the server, not in each child).
 
 The server must not run torch before it forks (an OpenMP pool does not survive a fork), and
 it does not: it only imports.

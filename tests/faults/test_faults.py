@@ -16,9 +16,10 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers import fault_env, read_metrics, run_trainer, tiny_overrides, trainable_state
+from tests.helpers import fault_env, read_metrics, run_trainer, tiny_overrides, train_tiny, trainable_state
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers
+from tests.preloaded import PreloadedTrainer
 
 DETERMINISTIC = {"run__deterministic": "true", "checkpoint__every_n_steps": 10, "checkpoint__keep_last": 10}
 
@@ -88,14 +89,16 @@ def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Clus
     assert (folder / "step-00000040.ckpt").exists() and not list(folder.glob(".*.tmp"))
 
 
-def test_corrupted_newest_checkpoint_falls_back(synthetic_dir: Path, tmp_path_with_a_finished_run: Path) -> None:
+def test_corrupted_newest_checkpoint_falls_back(
+    synthetic_dir: Path, tmp_path_with_a_finished_run: Path, preloaded_trainer: PreloadedTrainer
+) -> None:
     """The session's finished 20-step run, its newest checkpoint truncated: the resume takes the one before."""
     tmp_path = tmp_path_with_a_finished_run
     folder = tmp_path / "phase2-tiny" / "checkpoints"
     newest = folder / "step-00000020.ckpt"
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a full disk or a bad copy
     (folder / "last.ckpt").unlink()
-    again = run_trainer("--resume", *tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=30))
+    again = train_tiny(synthetic_dir, tmp_path, "--resume", preloaded=preloaded_trainer, trainer__max_steps=30)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "step-00000020.ckpt is unreadable (corrupted or truncated)" in again.stderr
     assert f"resuming from checkpoint {folder / 'step-00000010.ckpt'}" in again.stderr

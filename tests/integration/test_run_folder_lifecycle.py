@@ -52,7 +52,7 @@ def test_a_second_run_into_the_folder_is_refused_until_asked(
     assert "Traceback" not in again.stderr
     assert snapshot(run_dir) == before  # nothing written, nothing deleted
 
-    archived = train_tiny(synthetic_dir, tmp_path, trainer__max_steps=10, run__if_exists="archive")
+    archived = train_tiny(synthetic_dir, tmp_path, preloaded=preloaded_trainer, trainer__max_steps=10, run__if_exists="archive")
     assert archived.returncode == 0, archived.stderr[-3000:]
     (old,) = tmp_path.glob("phase2-tiny.archived-*")
     assert snapshot(old) == before  # the earlier run, whole, beside the new one
@@ -60,13 +60,15 @@ def test_a_second_run_into_the_folder_is_refused_until_asked(
     assert (run_dir / "checkpoints" / "last.ckpt").samefile(run_dir / "checkpoints" / "step-00000010.ckpt")
     assert logged_steps(run_dir, "train/loss") == [5, 10]
 
-    overwritten = train_tiny(synthetic_dir, tmp_path, trainer__max_steps=5, run__if_exists="overwrite")
+    overwritten = train_tiny(synthetic_dir, tmp_path, preloaded=preloaded_trainer, trainer__max_steps=5, run__if_exists="overwrite")
     assert overwritten.returncode == 0, overwritten.stderr[-3000:]
     assert checkpoint_steps(run_dir) == [5] and logged_steps(run_dir, "train/loss") == [5]
     assert snapshot(old) == before
 
 
-def test_resumes_continue_one_history_in_one_numbering(synthetic_dir: Path, tmp_path: Path) -> None:
+def test_resumes_continue_one_history_in_one_numbering(
+    synthetic_dir: Path, tmp_path: Path, preloaded_trainer: PreloadedTrainer
+) -> None:
     """Metrics, TensorBoard and telemetry keep the rows before the resumed step and redo the rows after it.
 
     Steps are counted as finished optimizer steps everywhere: logging every 5 steps gives
@@ -75,8 +77,8 @@ def test_resumes_continue_one_history_in_one_numbering(synthetic_dir: Path, tmp_
     """
     common = {"logging__tensorboard": "true", "checkpoint__keep_last": 5}
     run_dir = tmp_path / "phase2-tiny"
-    assert train_tiny(synthetic_dir, tmp_path, **common).returncode == 0
-    resumed = train_tiny(synthetic_dir, tmp_path, "--resume", trainer__max_steps=30, **common)
+    assert train_tiny(synthetic_dir, tmp_path, preloaded=preloaded_trainer, **common).returncode == 0
+    resumed = train_tiny(synthetic_dir, tmp_path, "--resume", preloaded=preloaded_trainer, trainer__max_steps=30, **common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step 25/30" in resumed.stderr
     assert logged_steps(run_dir, "train/loss") == [5, 10, 15, 20, 25, 30]
@@ -87,7 +89,9 @@ def test_resumes_continue_one_history_in_one_numbering(synthetic_dir: Path, tmp_
 
     # Back to step 10: the later checkpoints are set aside (not deleted), the history is cut back to 10.
     older = run_dir / "checkpoints" / "step-00000010.ckpt"
-    again = train_tiny(synthetic_dir, tmp_path, "--resume", str(older), trainer__max_steps=20, **common)
+    again = train_tiny(
+        synthetic_dir, tmp_path, "--resume", str(older), preloaded=preloaded_trainer, trainer__max_steps=20, **common
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert checkpoint_steps(run_dir) == [10, 20]
     (aside,) = (run_dir / "checkpoints").glob("superseded-*")

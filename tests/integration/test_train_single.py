@@ -83,16 +83,18 @@ def test_checkpoint_holds_trainable_state_only(trained: Path, synthetic_dir: Pat
     assert checkpoint.stat().st_size < 3 * trainable_bytes + overhead
 
 
-def test_resume_mid_epoch_matches_an_uninterrupted_run(synthetic_dir: Path, tmp_path: Path) -> None:
+def test_resume_mid_epoch_matches_an_uninterrupted_run(
+    synthetic_dir: Path, tmp_path: Path, preloaded_trainer: PreloadedTrainer
+) -> None:
     """Stopped at step 20 (mid-epoch 1: 16 steps per epoch) and resumed == never stopped, to 1e-6.
 
     Past epoch 0 on purpose: a sampler that skips seen samples before set_epoch replays epoch 0.
     """
     common = {"trainer__max_steps": 30, "run__deterministic": "true", "checkpoint__keep_last": 5}
-    whole = train_tiny(synthetic_dir, tmp_path / "a", **common)
+    whole = train_tiny(synthetic_dir, tmp_path / "a", preloaded=preloaded_trainer, **common)
     assert whole.returncode == 0, whole.stderr[-3000:]
     stopped_at = tmp_path / "a" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt"
-    resumed = train_tiny(synthetic_dir, tmp_path / "b", "--resume", str(stopped_at), **common)
+    resumed = train_tiny(synthetic_dir, tmp_path / "b", "--resume", str(stopped_at), preloaded=preloaded_trainer, **common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from checkpoint {stopped_at}" in resumed.stderr
     a = trainable_state(tmp_path / "a" / "phase2-tiny" / "checkpoints" / "last.ckpt")
@@ -103,7 +105,9 @@ def test_resume_mid_epoch_matches_an_uninterrupted_run(synthetic_dir: Path, tmp_
     assert not torch.equal(a[next(iter(a))], trainable_state(stopped_at)[next(iter(a))])  # it did train on
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_nonzero(synthetic_dir: Path, tmp_path: Path) -> None:
+def test_sigterm_saves_a_checkpoint_and_exits_nonzero(
+    synthetic_dir: Path, tmp_path: Path, preloaded_trainer: PreloadedTrainer
+) -> None:
     args = [
         sys.executable,
         TRAIN,
@@ -125,7 +129,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_nonzero(synthetic_dir: Path, tmp_p
     saved = sorted(folder.glob("step-*.ckpt"))[-1]
     step = int(saved.stem.split("-")[1])
     assert step >= 12 and f"checkpoint: {saved}" in rest
-    again = train_tiny(synthetic_dir, tmp_path, "--resume", trainer__max_steps=step + 3)
+    again = train_tiny(synthetic_dir, tmp_path, "--resume", preloaded=preloaded_trainer, trainer__max_steps=step + 3)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resuming from checkpoint {saved}" in again.stderr
     assert (folder / f"step-{step + 3:08d}.ckpt").is_file()
@@ -230,15 +234,20 @@ def test_a_moved_run_folder_still_exports(trained: Path, tmp_path: Path) -> None
     assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "projectors.safetensors").is_file()
 
 
-def test_a_resume_with_a_longer_horizon_and_a_new_peak_continues_the_learning_rate(synthetic_dir: Path, tmp_path: Path) -> None:
+def test_a_resume_with_a_longer_horizon_and_a_new_peak_continues_the_learning_rate(
+    synthetic_dir: Path, tmp_path: Path, preloaded_trainer: PreloadedTrainer
+) -> None:
     """The schedule of a finished 40-step run, resumed to 70 steps with twice the peak LR: no jump.
 
     Without the join the restored scheduler would start the new horizon's cosine at step 40,
     about 0.6 x the old peak where the run had reached its floor (0.1 x).
     """
     common = {"logging__every_n_steps": 1, "checkpoint__every_n_steps": 20}
-    assert train_tiny(synthetic_dir, tmp_path, trainer__max_steps=40, optim__lr=3e-3, **common).returncode == 0
-    resumed = train_tiny(synthetic_dir, tmp_path, "--resume", trainer__max_steps=70, optim__lr=6e-3, **common)
+    first = train_tiny(synthetic_dir, tmp_path, preloaded=preloaded_trainer, trainer__max_steps=40, optim__lr=3e-3, **common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = train_tiny(
+        synthetic_dir, tmp_path, "--resume", preloaded=preloaded_trainer, trainer__max_steps=70, optim__lr=6e-3, **common
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed with another schedule: optim.lr 0.003 -> 0.006, trainer.max_steps 40 -> 70" in resumed.stderr
     rows = [row for row in read_metrics(tmp_path / "phase2-tiny") if row.get("train/lr")]

@@ -23,6 +23,7 @@ def run_prepare(tmp_path: Path, *args: str, gpus: int = 0) -> tuple[int, str]:
     node = probe.NodeInfo("3.x", "2.x", "12.4" if gpus else "none", "2.21" if gpus else "none", gpus, "H100" if gpus else "")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(probe, "probe", lambda: node)
+        patch.delenv("OMP_NUM_THREADS", raising=False)  # a node where the user left it unset (conftest.py sets 1)
         code = prepare.main(
             [
                 str(DEFAULT_CONFIG),
