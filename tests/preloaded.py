@@ -100,7 +100,7 @@ def _child(request: dict[str, Any]) -> int:
         return train_phase2.main(request["argv"])
     from purrsight.config import main as config_main
 
-    sys.argv = ["python -m purrsight.config", *request["argv"]]
+    sys.argv = [str(REPO / "purrsight" / "config.py"), *request["argv"]]  # as `python -m` sets it
     return config_main(request["argv"])
 
 

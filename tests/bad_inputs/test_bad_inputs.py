@@ -291,18 +291,18 @@ def test_bad_input(case: Case, earlier_run: Path, synthetic_dir: Path, preloaded
     flags, extra_overrides = split_flags(extra)
     if case.command == "train":
         config = [] if "--config" in flags else ["--config", str(DEFAULT_CONFIG)]
-        command = [sys.executable, TRAIN, *config, *flags, *overrides, *extra_overrides, *args]  # the case wins
+        entry, argv = "train_phase2", [*config, *flags, *overrides, *extra_overrides, *args]  # the case wins
+        command = [sys.executable, TRAIN, *argv]
     elif case.command == "check":
-        command = [sys.executable, "-m", "purrsight.config", "check", str(DEFAULT_CONFIG), *args]
+        entry, argv = "purrsight.config", ["check", str(DEFAULT_CONFIG), *args]
+        command = [sys.executable, "-m", entry, *argv]
     else:  # a case without its own arguments gets a free port, not the default 29500: other tests run beside it
         placement = args or ["1", "0", "127.0.0.1", str(free_port())]
         command = ["./cluster_train.sh", str(DEFAULT_CONFIG), *placement, "--", *overrides, *extra_overrides]
     if case.command == "launcher" or case.fresh_interpreter:
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    elif case.command == "train":
-        done = preloaded_trainer.run("train_phase2", command[2:], env, timeout=120)
     else:
-        done = preloaded_trainer.run("purrsight.config", command[3:], env, timeout=120)
+        done = preloaded_trainer.run(entry, argv, env, timeout=120)
     returncode, output = done.returncode, done.stdout + done.stderr
     busy.close()
     assert returncode == case.exit_code, output[-3000:]
