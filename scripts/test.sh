@@ -74,8 +74,10 @@ bats tests/shell
 
 # Two workers: most of an end-to-end test's time is waiting (for a rendezvous, a watchdog, a
 # restart), so two tests at a time overlap those waits. The real clusters' tests (marked `serial`
-# by tests/conftest.py) then run one at a time, alone; mypy checks beside them, on the time
-# their waits leave idle. Extra arguments go to both pytest runs; PYTEST_WORKERS=0 runs serially.
+# by tests/conftest.py: they share one SLURM and one Ray cluster) run one at a time in a third
+# pytest, beside the two workers: alone they left a core idle half the time. Their output goes
+# to a file, shown when they end; mypy runs after them. Extra arguments go to both pytest runs;
+# PYTEST_WORKERS=0 runs the rest serially too.
 if ((QUICK)); then
   log "python tests: pytest, quick tier (-m 'not slow and not root'), ${WORKERS} workers"
   exec python -m pytest -n "${WORKERS}" -m "not slow and not root" "$@"
@@ -89,18 +91,21 @@ run_pytest() {
   return "${status}"
 }
 
+serial_output="$(mktemp)"
+mypy_output="$(mktemp)"
+trap 'rm -f "${serial_output}" "${mypy_output}"' EXIT
+log "python tests: pytest -m serial (SLURM, PBS, Ray), one at a time, beside the rest; output shown at its end"
+run_pytest -m serial "$@" >"${serial_output}" 2>&1 &
+serial_pid=$!
 log "python tests: pytest -m 'not serial', ${WORKERS} workers"
 status=0
 run_pytest -n "${WORKERS}" -m "not serial" "$@" || status=$?
-
-mypy_output="$(mktemp)"
-trap 'rm -f "${mypy_output}"' EXIT
-mypy purrsight train_phase2.py bench >"${mypy_output}" 2>&1 &
-mypy_pid=$!
-log "python tests: pytest -m serial (SLURM, PBS, Ray), one at a time; mypy beside them"
-run_pytest -m serial "$@" || status=$?
-mypy_status=0
-wait "${mypy_pid}" || mypy_status=$?
+serial_status=0
+wait "${serial_pid}" || serial_status=$?
+log "python tests: pytest -m serial (SLURM, PBS, Ray)"
+cat "${serial_output}"
+((serial_status == 0)) || status=${serial_status}
+log "mypy"
+mypy purrsight train_phase2.py bench >"${mypy_output}" 2>&1 || { cat "${mypy_output}"; status=1; }
 log "mypy: $(tail -n 1 "${mypy_output}")"
-((mypy_status == 0)) || { cat "${mypy_output}"; status=1; }
 exit "${status}"

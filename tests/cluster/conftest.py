@@ -10,6 +10,10 @@ that does not start fails the test (with its log), it never skips it.
 That wait is what keeps the new run's launch credential from being taken for the old run's
 revoked one, so the tests wait it out rather than forcing an earlier start (`scontrol update
 StartTime=now` raced it and failed the restarted job now and then).
+
+`BatchStartTimeout=60` and `MessageTimeout=30` (defaults 10 and 10): these tests run beside
+the rest of the suite on two cores, where a batch script's launch or an RPC can take longer
+than 10 s; SLURM then requeues a job it is still starting, which no test asks for.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 MinJobAge=3600
 KillWait=60
+BatchStartTimeout=60
+MessageTimeout=30
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none

@@ -32,7 +32,8 @@ def local_rank(process: psutil.Process) -> int:
 
 
 def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Cluster) -> None:
-    """SIGSTOP of global rank 3 (node 1, local rank 1): every waiting rank's watchdog names it, and only it."""
+    """SIGSTOP of global rank 3 (node 1, local rank 1): every waiting rank's watchdog names it, and only it;
+    both nodes' jobs end with the watchdog's code within its timeout, with stacks in the log and no process left."""
     env = {"NPROC_PER_NODE": "2", "MAX_RESTARTS": "0"}
     job = {"trainer__max_steps": 100000, "distributed__progress_timeout_s": WATCHDOG_S, "logging__every_n_steps": 1}
     node0 = cluster.start(2, 0, env=env, **job)
@@ -40,23 +41,29 @@ def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Clust
     link = cluster.log_dir / "latest_node0.log"
     assert wait_for(lambda: link.exists() and "step 8/" in cluster.node_log(0), timeout=300)
     time.sleep(2 * PUBLISH_S)  # the victim has published a step past 8 by now
+    ranks = workers(node0.proc.pid) + workers(node1.proc.pid)
     (victim,) = [process for process in workers(node1.proc.pid) if local_rank(process) == 1]
     victim.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
     try:
-        assert node0.wait(timeout=WATCHDOG_S + 120) == 86, node0.text()[-3000:]
+        assert node0.wait(timeout=WATCHDOG_S + 120) == 86, node0.text()[-3000:]  # the watchdog's code, not torchrun's 1
         assert node1.wait(timeout=60) == 86, node1.text()[-3000:]
+        ended_in = time.monotonic() - stopped_at
     finally:
         if victim.is_running():
             victim.send_signal(signal.SIGCONT)
+    assert ended_in < WATCHDOG_S + 60, ended_in  # the watchdog's timeout plus torchrun's shutdown: nothing hangs
     host = socket.gethostname()
     lines = [line for n in (0, 1) for line in cluster.node_log(n).splitlines() if "watchdog: rank" in line]
     # The first waiting rank to fire ends its node's job, so not every rank gets to say it; the frozen one never does.
     assert lines and {line.split("watchdog: rank ")[1].split(" ")[0] for line in lines} <= {"0", "1", "2"}, lines
     for line in lines:
+        assert " made no progress for " in line, line
         verdict = line.split("; hang: ", 1)[1]
         named = re.match(rf"rank 3 \(node 1, {re.escape(host)}\) last finished training step (\d+), ", verdict)
         assert named and int(named.group(1)) >= 8, line  # its published progress, not the start record
         assert "stopped answering" in verdict and "ranks 0-2 wait" in verdict, line
+    assert "most recent call first" in cluster.node_log(0)  # faulthandler's stack dump reached the node log
     hangs = (cluster.run_dir / "hangs.log").read_text()
     assert "rank 3 (node 1" in hangs, hangs
     # The flight recorder of each waiting rank that fired: its last collective never completed.
@@ -65,6 +72,9 @@ def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Clust
     for dump in dumps:
         entries = pickle.loads(dump.read_bytes())["entries"]
         assert entries and entries[-1]["state"] != "completed", (dump, entries[-1])
+    time.sleep(1)
+    alive = [p.pid for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], alive  # the stopped rank too: torchrun's SIGKILL ends a stopped process
 
 
 @pytest.mark.root  # network namespaces
