@@ -55,9 +55,8 @@ def host_gpu_count() -> int:
 # or Ray cluster): the quick tier (`bash scripts/test.sh --quick`, `-m "not slow"`) leaves them out.
 QUICK_FOLDERS = ("unit",)
 # Folders whose tests run a real cluster (SLURM's daemons and a PBS job's fixed master port in
-# tests/cluster, the session's Ray cluster in tests/ray): marked `serial`, they run after the
-# others, one at a time and alone (scripts/test.sh), because their timeouts, requeue windows and
-# daemons' own start-up limits assume a machine that is not also running other tests.
+# tests/cluster, the session's Ray cluster in tests/ray): marked `serial`, they run one at a time
+# (scripts/test.sh runs them in a pytest of their own, beside the two workers of the others).
 SERIAL_FOLDERS = ("cluster", "ray")
 
 

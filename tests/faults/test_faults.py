@@ -5,69 +5,15 @@ Each test says which fault it injects and how; none of them fakes the part that 
 
 from __future__ import annotations
 
-import random
 import re
-import signal
 import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 
-from tests.helpers import fault_env, read_metrics, run_trainer, tiny_overrides, train_tiny, trainable_state
-from tests.launcher.conftest import Cluster, wait_for
-from tests.launcher.test_launcher import workers
+from tests.helpers import fault_env, run_trainer, tiny_overrides, train_tiny
+from tests.launcher.conftest import Cluster
 from tests.preloaded import PreloadedTrainer
-
-DETERMINISTIC = {"run__deterministic": "true", "checkpoint__every_n_steps": 10, "checkpoint__keep_last": 10}
-
-
-def final_weights(cluster: Cluster, name: str) -> dict[str, torch.Tensor]:
-    return trainable_state(cluster.tmp / "runs" / name / "checkpoints" / "last.ckpt")
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), key
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory, synthetic_dir: Path) -> dict[str, torch.Tensor]:
-    """The reference: the same 2-process job, never interrupted."""
-    reference = Cluster(tmp_path_factory.mktemp("reference"), synthetic_dir)
-    launcher = reference.start(1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=60, run__name="reference", **DETERMINISTIC)
-    assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
-    return final_weights(reference, "reference")
-
-
-# One seeded draw (a worker, a step): the kill lands at step 15, between the checkpoints of
-# steps 10 and 20, so 5 steps are redone. A kill at a checkpoint's write is its own test below,
-# and tests/launcher kills a worker of a two-node job; a second draw here added a minute, not a case.
-KILL_SEED = 2
-
-
-def test_kill9_random_rank_at_random_step(cluster: Cluster, uninterrupted: dict[str, torch.Tensor]) -> None:
-    """SIGKILL of a worker at a step mid-interval: the job completes with the uninterrupted weights."""
-    rng = random.Random(KILL_SEED)
-    kill_after = rng.randrange(12, 45)
-    launcher = cluster.start(
-        1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=60, run__name="victim", logging__every_n_steps=1, **DETERMINISTIC
-    )
-    link = cluster.log_dir / "latest_node0.log"
-    assert wait_for(lambda: link.exists() and f"step {kill_after}/" in cluster.node_log(0), timeout=240)
-    victim = rng.choice(workers(launcher.proc.pid))
-    victim.send_signal(signal.SIGKILL)
-    assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
-    log = cluster.node_log(0)
-    resumed = re.search(r"torchrun restart 1: resuming from .*step-(\d+)\.ckpt", log)
-    assert resumed, log[-3000:]
-    # at most one checkpoint interval redone: the kill landed after step kill_after
-    assert kill_after - int(resumed.group(1)) <= 10 + 2, (kill_after, resumed.group(1))
-    assert_same_weights(final_weights(cluster, "victim"), uninterrupted)
-    # one history: the rows before the resumed step kept, the redone ones once
-    history = read_metrics(cluster.tmp / "runs" / "victim")
-    assert [int(float(row["step"])) for row in history if row.get("train/loss")] == list(range(1, 61))
 
 
 def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Cluster) -> None:

@@ -1,7 +1,8 @@
-"""One experiment-tracker run per run folder, through a torchrun restart and a resume (real parts).
+"""A kill -9 of a worker, torchrun's restart and a resume: the weights, the history, one tracker run (real parts).
 
 MLflow: a real ``mlflow server`` (sqlite backend) on loopback, read back through MLflow's
 client. W&B: offline mode (no network here), its ``.wandb`` files read back record by record.
+The weights are compared with the same job run without a kill (CPU, deterministic).
 """
 
 from __future__ import annotations
@@ -17,16 +18,28 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from purrsight.training.attempts import read_attempts, summarize
-from tests.helpers import free_port, train_tiny
+from tests.helpers import free_port, read_metrics, train_tiny, trainable_state
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers
 from tests.preloaded import PreloadedTrainer
 from tests.wandb_files import wandb_history
 
 QUEUED_S = 5
+# The first launch's job: 35 steps, checkpoints every 15, so a kill after step 26 redoes 11.
+JOB = {"run__deterministic": "true", "checkpoint__every_n_steps": 15, "checkpoint__keep_last": 10}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, synthetic_dir: Path) -> dict[str, torch.Tensor]:
+    """The reference: the first launch's 2-process job, never interrupted, with no tracker."""
+    reference = Cluster(tmp_path_factory.mktemp("reference"), synthetic_dir)
+    launcher = reference.start(1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=35, **JOB)
+    assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
+    return trainable_state(reference.run_dir / "checkpoints" / "last.ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -54,31 +67,40 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.wait(timeout=30)
 
 
-def test_one_tracker_run_and_attempt_record_through_a_kill_a_restart_and_a_resume(cluster: Cluster, mlflow_server: str) -> None:
+def test_a_killed_worker_resumes_to_the_same_weights_with_one_history_and_one_tracker_run(
+    cluster: Cluster, mlflow_server: str, uninterrupted: dict[str, torch.Tensor]
+) -> None:
     """SIGKILL of a worker after step 26 (torchrun restarts from step 15), then RESUME=auto to step 45.
 
-    Steps 16-26 at least are trained twice; each tracker must hold every step once, in one run.
+    The restarted job ends with the weights of the job never killed. Steps 16-26 at least are
+    trained twice; the metrics history and each tracker must hold every step once, in one run.
     """
     trackers = {
         "logging__mlflow_tracking_uri": mlflow_server,
         "logging__mlflow_experiment": "kill-and-resume",
         "logging__wandb_project": "purrsight-tests",
         "logging__every_n_steps": 1,
-        "checkpoint__every_n_steps": 15,
     }
     started = time.time()
-    launcher = cluster.start(1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=35, **trackers)
+    launcher = cluster.start(1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=35, **JOB, **trackers)
     link = cluster.log_dir / "latest_node0.log"
     assert wait_for(lambda: link.exists() and "step 26/" in cluster.node_log(0), timeout=240, interval=0.1)
     workers(launcher.proc.pid)[0].send_signal(signal.SIGKILL)
     assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
     assert re.search(r"torchrun restart 1: resuming from .*step-00000015\.ckpt", cluster.node_log(0)), cluster.node_log(0)[-3000:]
+    restarted = trainable_state(cluster.run_dir / "checkpoints" / "last.ckpt")
+    assert restarted.keys() == uninterrupted.keys()
+    for key in restarted:
+        assert torch.allclose(restarted[key], uninterrupted[key], atol=1e-6, rtol=0), key
     time.sleep(QUEUED_S)  # as a requeued job waits in the queue
-    resumed = cluster.start(1, 0, env={"NPROC_PER_NODE": "2", "RESUME": "auto"}, trainer__max_steps=45, **trackers)
+    resumed = cluster.start(1, 0, env={"NPROC_PER_NODE": "2", "RESUME": "auto"}, trainer__max_steps=45, **JOB, **trackers)
     # The job's end: the run report's line, the last thing rank 0 does (its process exit follows).
     assert wait_for(lambda: "run report:" in resumed.text(), timeout=300, interval=0.05), resumed.text()[-3000:]
     wall = time.time() - started
     assert resumed.wait(timeout=120) == 0, resumed.text()[-3000:]
+    # one history: the rows before each resumed step kept, the redone ones once
+    history = read_metrics(cluster.run_dir)
+    assert [int(float(row["step"])) for row in history if row.get("train/loss")] == list(range(1, 46))
     check_attempts(cluster, wall)
     ledger = json.loads((cluster.run_dir / "trackers.json").read_text())
 
