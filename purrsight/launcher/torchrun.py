@@ -7,6 +7,13 @@ failure is summarised in one line per failed rank instead (each worker's own mes
 already in the log above it), and the exit code is the workers' documented reason (bad
 input 2, a cluster check 3, the watchdog 86) when one of them gave it.
 
+It also stops once per job: torchelastic raises SignalException for every SIGTERM, and a
+second one that lands while it is closing the workers (SLURM signals every process of a step,
+and the launcher forwards the same signal) skips the rest of the close, so the log tail
+threads are never stopped and torchrun hangs at exit until the scheduler's SIGKILL. Here the
+first signal starts the stop and the later ones are noted and ignored: the workers already
+have theirs, and torchelastic's close kills any that are still alive after 30 s.
+
 It also writes one line per rendezvous with torchelastic's own timing of it, so a node
 log shows how long this node waited for the others (docs/SCALING.md reads these lines):
 
@@ -17,10 +24,14 @@ log shows how long this node waited for the others (docs/SCALING.md reads these 
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
+from types import FrameType
 
 from torch.distributed.elastic import metrics
+from torch.distributed.elastic.multiprocessing import api as elastic_processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
@@ -46,6 +57,23 @@ class RendezvousLog(metrics.MetricHandler):
         self.rounds += 1
 
 
+class StopOnce:
+    """The termination handler torchelastic installs in each agent (via its module's
+    ``_terminate_process_handler``), raising SignalException for the first signal only."""
+
+    def __init__(self) -> None:
+        self.stopping: signal.Signals | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        received = signal.Signals(signum)
+        if self.stopping is not None:
+            # os.write, not print: the interrupted frame may be inside a write to stderr
+            os.write(2, f"torchrun: {received.name} again while stopping on {self.stopping.name}: ignored\n".encode())
+            return
+        self.stopping = received
+        raise SignalException(f"Process {os.getpid()} got signal: {received}", sigval=received)
+
+
 def job_exit_code(worker_codes: list[int]) -> int:
     """The job's code from its workers' in the last attempt: the documented reason when one
     gave it (bad input, a cluster check, the watchdog), else torchrun's own 1.
@@ -61,6 +89,8 @@ def job_exit_code(worker_codes: list[int]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     metrics.configure(RendezvousLog(), group="torchelastic")
+    # PContext.start() looks the handler up by this module-level name when it installs it
+    elastic_processes._terminate_process_handler = StopOnce()
     try:
         run(parse_args(argv if argv is not None else sys.argv[1:]))
     except ChildFailedError as err:

@@ -1,4 +1,5 @@
-"""purrsight.launcher.torchrun: its rendezvous line, fed by torchelastic's own metrics API, and its exit code.
+"""purrsight.launcher.torchrun: its rendezvous line, fed by torchelastic's own metrics API, its
+exit code, and its stop on repeated signals.
 
 The launcher tests (tests/launcher/) see the line come out of a real torchrun; here the
 handler's filtering and round count are checked through ``metrics.prof``, the decorator
@@ -7,7 +8,13 @@ torchelastic times its agent's ``_rendezvous`` with.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from torch.distributed.elastic import metrics
@@ -46,3 +53,43 @@ def test_the_job_exit_code_is_the_workers_documented_reason() -> None:
     assert job_exit_code([-15, 86]) == 86  # the watchdog
     assert job_exit_code([3]) == 3
     assert job_exit_code([-9, 1]) == 1  # killed, or a bug: torchrun's own 1
+
+
+SLOW_SAVE_WORKER = """
+import pathlib, signal, sys, time
+def save_then_exit(signum, frame):
+    time.sleep(3)  # a checkpoint being written while more signals arrive
+    print("worker: checkpoint saved", flush=True)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, save_then_exit)
+pathlib.Path(sys.argv[1]).touch()
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_repeated_sigterms_stop_torchrun_once_after_its_worker_saved(tmp_path: Path) -> None:
+    """Three SIGTERMs, as a SLURM step cancel gives torchrun (slurmstepd signals every process
+    of the step, and the launcher forwards its own copy): torchelastic alone hangs at exit after
+    the third (its log tail threads are never stopped), and returns before its worker is done."""
+    worker, ready = tmp_path / "worker.py", tmp_path / "ready"
+    worker.write_text(SLOW_SAVE_WORKER)
+    torchrun = subprocess.Popen(
+        [sys.executable, "-m", "purrsight.launcher.torchrun", "--nnodes", "1", "--nproc-per-node", "1",
+         "--log-dir", str(tmp_path / "logs"), "--tee", "3", str(worker), str(ready)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert torchrun.poll() is None and time.monotonic() < deadline, "the worker never started"
+            time.sleep(0.2)
+        for pause in (1.0, 0.5, 0.0):
+            os.kill(torchrun.pid, signal.SIGTERM)
+            time.sleep(pause)
+        output, _ = torchrun.communicate(timeout=60)
+    finally:
+        torchrun.kill()
+    assert torchrun.returncode == 128 + signal.SIGTERM, output
+    assert output.count("torchrun: SIGTERM again while stopping on SIGTERM: ignored") == 2, output
+    assert output.index("worker: checkpoint saved") < output.index("torchrun: stopped by SIGTERM"), output
