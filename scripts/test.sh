@@ -76,8 +76,12 @@ bats tests/shell
 # restart), so two tests at a time overlap those waits. The real clusters' tests (marked `serial`
 # by tests/conftest.py: they share one SLURM and one Ray cluster) run one at a time in a third
 # pytest, beside the two workers: alone they left a core idle half the time. Their output goes
-# to a file, shown when they end; mypy runs after them. Extra arguments go to both pytest runs;
-# PYTEST_WORKERS=0 runs the rest serially too.
+# to a file, shown when they end. The workers steal queued tests from each other (`--dist
+# worksteal`): plain `load` hands each worker a queue of tests ahead, and near the end one worker
+# could still hold several long ones while the other sat idle. mypy follows the cluster tests
+# in the same background branch: they end minutes before the workers do, and the workers' last
+# tests leave a core free. Extra arguments go to both pytest runs; PYTEST_WORKERS=0 runs the
+# rest serially too.
 if ((QUICK)); then
   log "python tests: pytest, quick tier (-m 'not slow and not root'), ${WORKERS} workers"
   exec python -m pytest -n "${WORKERS}" -m "not slow and not root" "$@"
@@ -93,19 +97,31 @@ run_pytest() {
 
 serial_output="$(mktemp)"
 mypy_output="$(mktemp)"
-trap 'rm -f "${serial_output}" "${mypy_output}"' EXIT
-log "python tests: pytest -m serial (SLURM, PBS, Ray), one at a time, beside the rest; output shown at its end"
-run_pytest -m serial "$@" >"${serial_output}" 2>&1 &
-serial_pid=$!
+trap 'rm -f "${serial_output}"{,.status} "${mypy_output}"{,.status}' EXIT
+# Each step's exit status goes to a file beside its output: the branch runs in a subshell.
+cluster_tests_then_mypy() {
+  local status=0
+  run_pytest -m serial "$@" >"${serial_output}" 2>&1 || status=$?
+  echo "${status}" >"${serial_output}.status"
+  status=0
+  mypy purrsight train_phase2.py bench >"${mypy_output}" 2>&1 || status=$?
+  echo "${status}" >"${mypy_output}.status"
+}
+log "python tests: pytest -m serial (SLURM, PBS, Ray), one at a time, then mypy, beside the rest; output shown at their end"
+cluster_tests_then_mypy "$@" &
+background_pid=$!
 log "python tests: pytest -m 'not serial', ${WORKERS} workers"
 status=0
-run_pytest -n "${WORKERS}" -m "not serial" "$@" || status=$?
-serial_status=0
-wait "${serial_pid}" || serial_status=$?
+run_pytest -n "${WORKERS}" --dist worksteal -m "not serial" "$@" || status=$?
+wait "${background_pid}" || true
 log "python tests: pytest -m serial (SLURM, PBS, Ray)"
 cat "${serial_output}"
-((serial_status == 0)) || status=${serial_status}
-log "mypy"
-mypy purrsight train_phase2.py bench >"${mypy_output}" 2>&1 || { cat "${mypy_output}"; status=1; }
-log "mypy: $(tail -n 1 "${mypy_output}")"
+(($(cat "${serial_output}.status" 2>/dev/null || echo 1) == 0)) || status=1
+if (($(cat "${mypy_output}.status" 2>/dev/null || echo 1) == 0)); then
+  log "mypy: $(tail -n 1 "${mypy_output}")"
+else
+  log "mypy failed:"
+  cat "${mypy_output}"
+  status=1
+fi
 exit "${status}"

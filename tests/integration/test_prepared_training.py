@@ -1,9 +1,10 @@
 """Training from a prepared set on real ranks (torchrun, gloo): exact resume, and resumes on other world sizes.
 
-120 samples (the synthetic set's first 120), 4 per rank and step. Epoch 0 is cut as a
-requeue onto other node counts would cut it: 5 steps on 2 ranks (40 samples), 5 on 1 rank
-(20), then the remaining 60 on 3 ranks, 20 each; then the job moves back to 1 rank mid-epoch 1.
-Every sample of every epoch must be trained exactly once.
+120 samples (the synthetic set's first 120), 4 per rank and step. Both tests resume from the
+step-5 checkpoint of one uninterrupted 10-step run on 2 ranks, the periodic checkpoint a
+requeue finds. Epoch 0 is cut as a requeue onto other node counts would cut it: 5 steps on 2
+ranks (40 samples), 5 on 1 rank (20), then the remaining 60 on 3 ranks, 20 each; then the job
+moves back to 1 rank mid-epoch 1. Every sample of every epoch must be trained exactly once.
 """
 
 from __future__ import annotations
@@ -68,15 +69,25 @@ def probed_run(
     return done.stderr, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(ranks)]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(
+    synthetic_dir: Path, prepared: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[dict[str, Any]]]:
+    """Two ranks, 10 steps, never stopped: (its step-5 checkpoint, each rank's record)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _, probes = probed_run(2, out, synthetic_dir, prepared, trainer__max_steps=10)
+    return out / "phase2-tiny" / "checkpoints" / "step-00000005.ckpt", probes
+
+
 def ids_of_epoch(probes: list[dict[str, Any]], epoch: int) -> list[str]:
     return [sample for probe in probes for seen_epoch, ids in probe["seen"] for sample in ids if seen_epoch == epoch]
 
 
 def test_resumes_on_one_then_three_then_one_rank_train_every_sample_of_each_epoch_once(
-    synthetic_dir: Path, prepared: tuple[Path, Path], tmp_path: Path
+    synthetic_dir: Path, prepared: tuple[Path, Path], uninterrupted: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    _, two = probed_run(2, tmp_path / "a", synthetic_dir, prepared, trainer__max_steps=5)
-    checkpoint = tmp_path / "a" / "phase2-tiny" / "checkpoints" / "step-00000005.ckpt"
+    checkpoint, whole = uninterrupted
+    two = [{"seen": probe["seen"][:5]} for probe in whole]  # the 5 steps on 2 ranks before the checkpoint
     log_one, one = probed_run(1, tmp_path / "b", synthetic_dir, prepared, resume=str(checkpoint), trainer__max_steps=10)
     assert "resuming on 1 processes, saved on 2: epoch 0 continues at sample 40 of 120" in log_one
     assert "global batch 8 -> 4 samples per optimizer step" in log_one and "optim.lr is not rescaled" in log_one
@@ -98,12 +109,10 @@ def test_resumes_on_one_then_three_then_one_rank_train_every_sample_of_each_epoc
 
 
 def test_a_mid_epoch_resume_from_a_prepared_set_matches_an_uninterrupted_run(
-    synthetic_dir: Path, prepared: tuple[Path, Path], tmp_path: Path
+    synthetic_dir: Path, prepared: tuple[Path, Path], uninterrupted: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    """Two ranks: stopped at step 5 of 15 and resumed == never stopped (same samples, same weights)."""
-    _, whole = probed_run(2, tmp_path / "whole", synthetic_dir, prepared, trainer__max_steps=10)
-    probed_run(2, tmp_path / "cut", synthetic_dir, prepared, trainer__max_steps=5)
-    checkpoint = tmp_path / "cut" / "phase2-tiny" / "checkpoints" / "step-00000005.ckpt"
+    """Two ranks: resumed from step 5 of 10 == never stopped (same samples, same weights)."""
+    checkpoint, whole = uninterrupted
     _, resumed = probed_run(2, tmp_path / "resumed", synthetic_dir, prepared, resume=str(checkpoint), trainer__max_steps=10)
     for rank in (0, 1):
         assert resumed[rank]["seen"] == whole[rank]["seen"][5:]
