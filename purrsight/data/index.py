@@ -1,4 +1,4 @@
-"""The JSONL sample index: scanned line by line before training, then held by `datasets`.
+"""The JSONL sample index: scanned line by line before training, then held in an Arrow table.
 
 One sample per line::
 
@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 from purrsight.errors import UserError
 
 if TYPE_CHECKING:
-    import datasets
+    from collections.abc import Iterator
+
+    import pyarrow
 
 REQUIRED_TEXT_FIELDS = ("id", "prompt", "response")
 MEDIA_FIELDS = ("image", "audio")
@@ -30,10 +32,39 @@ class IndexFileError(UserError):
     """A problem in an index file; the message names file, line and sample id."""
 
 
+class RecordTable:
+    """Validated index records in one Arrow table, read back one record at a time.
+
+    One buffer per column instead of a million dicts: loader workers forked from the trainer
+    share it, where touching Python objects would copy their pages one reference count at a
+    time. Plain pyarrow, in memory: no cache folder for many nodes to race on, and none of
+    `datasets`' import (a second per trainer process; prepared sets use `datasets`).
+    """
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        import pyarrow as pa
+
+        text, number = pa.string(), pa.int32()
+        schema = pa.schema([(f, text) for f in (*REQUIRED_TEXT_FIELDS, *MEDIA_FIELDS)] + [("line", number)])
+        self.table: pyarrow.Table = pa.Table.from_pylist(records, schema=schema)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < len(self):  # slice() would clamp it silently
+            raise IndexError(f"record {i} of {len(self)}")
+        return self.table.slice(i, 1).to_pylist()[0]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.table.to_batches():
+            yield from batch.to_pylist()
+
+
 @dataclass(frozen=True)
 class SampleIndex:
     path: Path
-    records: datasets.Dataset  # in memory: no cache folder shared (and raced) by many nodes
+    records: RecordTable
 
     @property
     def root(self) -> Path:
@@ -76,7 +107,7 @@ def read_index(path: str | Path, check_media: bool = True, max_problems: int = 1
     Stops at the first problem by default; ``max_problems`` > 1 goes on and lists up to that
     many (the prepare step reports a whole index in one round trip). ``check_media=False``
     leaves the media files alone: no metadata call per line (they are opened when decoded).
-    Without `datasets` (half a second to import): the launcher's health check calls this.
+    Imports nothing heavy: the launcher's health check calls this.
     """
     path = Path(path)
     if not path.is_file():
@@ -117,23 +148,6 @@ def _parse(line: str, where: str) -> Any:
         raise IndexFileError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from None
 
 
-def records_table(records: list[dict[str, Any]]) -> datasets.Dataset:
-    """Validated records in an Arrow table (one copy, shared by the loader workers)."""
-    import datasets
-
-    features = datasets.Features(
-        {
-            "id": datasets.Value("string"),
-            "prompt": datasets.Value("string"),
-            "response": datasets.Value("string"),
-            "image": datasets.Value("string"),
-            "audio": datasets.Value("string"),
-            "line": datasets.Value("int32"),
-        }
-    )
-    return datasets.Dataset.from_list(records, features=features)
-
-
 def scan_index(path: str | Path, check_media: bool = True) -> SampleIndex:
     """read_index(), then the records in an Arrow table."""
-    return SampleIndex(path=Path(path), records=records_table(read_index(path, check_media)))
+    return SampleIndex(path=Path(path), records=RecordTable(read_index(path, check_media)))

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_prompt_lengths
-from purrsight.data.index import IndexFileError, SampleIndex, read_index, records_table
+from purrsight.data.index import IndexFileError, RecordTable, SampleIndex, read_index
 from purrsight.data.media import AudioDecoder, ImageDecoder
 from purrsight.data.prepared import PreparedSplit
 from purrsight.data.prepared_manifest import (
@@ -190,7 +190,7 @@ def build_datasets(config: Config, world_size: int) -> Datasets:
 
     def raw(index: str) -> MultiModalDataset:
         records = _shared(lambda: scanned_index(index, text, data.max_length))
-        sample_index = SampleIndex(path=Path(index), records=records_table(records))
+        sample_index = SampleIndex(path=Path(index), records=RecordTable(records))
         return MultiModalDataset(sample_index, text, image, audio, data.on_bad_sample, data.max_consecutive_bad_samples)
 
     train: Dataset[Sample]

@@ -103,3 +103,11 @@ def test_node_scaling_script_one_node(tmp_path: Path) -> None:
     assert row[:2] == ["1", "loopback"]
     assert float(row[8]) > 0  # restart after kill -9
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_index_table_script_small_run() -> None:
+    done = run_python(["-m", "bench.index_table", "--records", "2000", "--reads", "100", "--repeats", "1"], timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("RecordTable", "datasets"))]
+    assert [row[0] for row in rows] == ["RecordTable", "datasets.from_list"], done.stdout
+    assert all(float(value) > 0 for row in rows for value in row[-3:])  # build s, read us, import s

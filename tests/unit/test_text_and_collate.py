@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_prompt_lengths
-from purrsight.data.index import scan_index
+from purrsight.data.index import RecordTable, scan_index
 from purrsight.data.media import AudioDecoder, ImageDecoder, SampleError
 from purrsight.data.text import PromptTooLongError, TextEncoder
 from purrsight.labels import IGNORE_INDEX
@@ -79,8 +79,8 @@ def test_bad_sample_error_or_skip(tmp_path: Path, synthetic_dir: Path, tokenizer
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
     index = scan_index(tmp_path / "train.jsonl")
     (tmp_path / "broken.png").write_bytes(b"not a png")  # sample 0 points at it; the shared media stay intact
-    records = index.records.map(lambda r, i: {"image": "broken.png"} if i == 0 else {}, with_indices=True)
-    index = type(index)(index.path, records)
+    records = [{**r, "image": "broken.png"} if i == 0 else r for i, r in enumerate(index.records)]
+    index = type(index)(index.path, RecordTable(records))
     decoders = (ImageDecoder(None, 32), AudioDecoder(None, 16000, 0.25, True))
     with pytest.raises(SampleError, match=r"train\.jsonl:1 \(id 'train-00000'\): .*broken.png: cannot decode image"):
         MultiModalDataset(index, TextEncoder(tokenizer, 64), *decoders, on_bad_sample="error")[0]
@@ -101,8 +101,8 @@ def test_skip_covers_oversized_images_and_stops_at_the_consecutive_limit(
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
     Image.new("L", (3000, 2000)).save(tmp_path / "big.png")
     index = scan_index(tmp_path / "train.jsonl")
-    records = index.records.map(lambda r, i: {"image": "big.png"} if i < 3 else {}, with_indices=True)
-    index = type(index)(index.path, records)
+    records = [{**r, "image": "big.png"} if i < 3 else r for i, r in enumerate(index.records)]
+    index = type(index)(index.path, RecordTable(records))
     decoders = (ImageDecoder(None, 32, max_pixels=1_000_000), AudioDecoder(None, 16000, 0.25, True))
     text = TextEncoder(tokenizer, 64)
     sample = MultiModalDataset(index, text, *decoders, on_bad_sample="skip", max_consecutive_bad=4)[0]
