@@ -86,6 +86,10 @@ def _rank_name(progress: Progress) -> str:
     return f"rank {progress.rank} (node {progress.node}, {progress.host})"
 
 
+def _waiting(ranks: list[int], where: str) -> str:
+    return f"rank {ranks[0]} waits {where}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)} wait {where}"
+
+
 def culprit_line(records: dict[int, Progress | None], world_size: int, now: float) -> str:
     """One line naming the ranks a hang waits for, and where the others wait."""
     missing = [rank for rank in range(world_size) if records.get(rank) is None]
@@ -114,7 +118,7 @@ def culprit_line(records: dict[int, Progress | None], world_size: int, now: floa
     groups: dict[str, list[int]] = {}
     for record in others:
         groups.setdefault(_where(record), []).append(record.rank)
-    waits = "; ".join(f"ranks {rank_ranges(ranks)} wait {where}" for where, ranks in sorted(groups.items()))
+    waits = "; ".join(_waiting(ranks, where) for where, ranks in sorted(groups.items()))
     if not parts:
         return f"no rank is behind: {waits}" if waits else "no rank published progress"
     return "; ".join(parts) + (f"; {waits}" if waits else "")

@@ -27,6 +27,16 @@ from tests.network_hosts import network_hosts
 WATCHDOG_S = 20  # well above the publishing interval (2 s), so the frozen rank's heartbeat is seen to stop
 
 
+def waiting_ranks(verdict: str) -> set[int]:
+    """The ranks a verdict lists as waiting: "rank 1 waits after step 13; ranks 0,2 wait in step 14 (backward)"."""
+    found: set[int] = set()
+    for spans in re.findall(r"ranks? ([\d,-]+) waits? ", verdict):
+        for span in spans.split(","):
+            first, _, last = span.partition("-")
+            found.update(range(int(first), int(last or first) + 1))
+    return found
+
+
 def local_rank(process: psutil.Process) -> int:
     return int(process.environ()["LOCAL_RANK"])
 
@@ -62,7 +72,10 @@ def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Clust
         verdict = line.split("; hang: ", 1)[1]
         named = re.match(rf"rank 3 \(node 1, {re.escape(host)}\) last finished training step (\d+), ", verdict)
         assert named and int(named.group(1)) >= 8, line  # its published progress, not the start record
-        assert "stopped answering" in verdict and "ranks 0-2 wait" in verdict, line
+        assert "stopped answering" in verdict, line
+        # Every other rank waits, though not always in one place: a ring all-reduce relayed through the
+        # frozen rank (the stop vote between steps, stop.py) can release some ranks and hold another.
+        assert waiting_ranks(verdict) == {0, 1, 2}, line
     assert "most recent call first" in cluster.node_log(0)  # faulthandler's stack dump reached the node log
     hangs = (cluster.run_dir / "hangs.log").read_text()
     assert "rank 3 (node 1" in hangs, hangs
@@ -117,4 +130,4 @@ def test_sigstop_of_the_rank_on_the_second_network_host_names_it(synthetic_dir: 
     assert re.search(
         rf"hang: rank 1 \(node 1, {re.escape(socket.gethostname())}\) last finished training step \d+, .*stopped answering", text
     ), text[-3000:]
-    assert "ranks 0 wait" in text
+    assert "rank 0 waits" in text

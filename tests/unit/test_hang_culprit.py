@@ -39,6 +39,6 @@ def test_a_live_rank_stuck_behind_the_others_is_named_by_where_it_is() -> None:
 
 def test_a_rank_that_never_published_and_nobody_behind_are_said() -> None:
     records: dict[int, Progress | None] = {0: record(0, 5, "step done"), 1: None}
-    assert culprit_line(records, 2, NOW) == "rank(s) 1 published no progress; ranks 0 wait after step 5"
+    assert culprit_line(records, 2, NOW) == "rank(s) 1 published no progress; rank 0 waits after step 5"
     level: dict[int, Progress | None] = {r: record(r, 5, "backward") for r in range(2)}
     assert culprit_line(level, 2, NOW) == "no rank is behind: ranks 0-1 wait in step 6 (backward)"
