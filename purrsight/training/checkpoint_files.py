@@ -1,7 +1,7 @@
 """Reading checkpoint files: which step a file holds, and the one a resume takes.
 
-Torch only, no Lightning: the Ray engine's driver decides how a run starts (start.py) before
-any worker runs, and should not pay for importing the trainer to read two numbers.
+No Lightning, and torch only once a file is read: the Ray engine's driver decides how a run
+starts (start.py) before any worker runs, and a fresh start reads no checkpoint at all.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from purrsight.config import safe_yaml_load
 from purrsight.errors import UserError
@@ -31,6 +29,8 @@ def saved_step(path: Path) -> int | None:
     skipping it would resume an older checkpoint, or start over, while it may be whole,
     so that raises CheckpointReadError naming the file and the cause.
     """
+    import torch
+
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as err:
@@ -69,6 +69,8 @@ def training_position(path: Path) -> tuple[dict[str, Any] | None, dict[str, Any]
     checkpoint's size. The sampler state is None when the checkpoint holds none (saved at the
     end of an epoch, or by a loader without one).
     """
+    import torch
+
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     saved = state.get("purrsight", {}).get("config")
     config = safe_yaml_load(saved) if isinstance(saved, str) else {}

@@ -33,7 +33,6 @@ from purrsight.data.prepared_manifest import (
     read_manifest,
     tokenizer_digest,
 )
-from purrsight.data.synthetic import generate
 from purrsight.data.text import TextEncoder
 from purrsight.model.encoders import load_processor
 from purrsight.model.llm import load_tokenizer
@@ -41,14 +40,6 @@ from purrsight.model.loading import ModelLoadError, architecture_digest
 from purrsight.model.multimodal import MODALITIES
 
 log = logging.getLogger(__name__)
-
-
-def prepare_synthetic(config: Config) -> None:
-    """Generate the synthetic set the config names, once (a no-op when it exists); none: nothing."""
-    data = config.data
-    if data.synthetic_dir is not None:
-        s = data.synthetic
-        generate(data.synthetic_dir, s.num_train, s.num_val, s.seed, s.image_size)
 
 
 @dataclass
