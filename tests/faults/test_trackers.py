@@ -1,5 +1,9 @@
 """A kill -9 of a worker, torchrun's restart and a resume: the weights, the history, one tracker run (real parts).
 
+The job is two launchers on loopback, one rank each. The killed worker is node 0's (rank 0,
+which also keeps the attempt record): torchrun's restart must span both nodes, as it must
+when one machine's process dies, and node 1's healthy worker is restarted with it.
+
 MLflow: a real ``mlflow server`` (sqlite backend) on loopback, read back through MLflow's
 client. W&B: offline mode (no network here), its ``.wandb`` files read back record by record.
 The weights are compared with the same job run without a kill (CPU, deterministic).
@@ -35,10 +39,10 @@ JOB = {"run__deterministic": "true", "checkpoint__every_n_steps": 15, "checkpoin
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory, synthetic_dir: Path) -> dict[str, torch.Tensor]:
-    """The reference: the first launch's 2-process job, never interrupted, with no tracker."""
+    """The reference: the first launch's two-node job, never interrupted, with no tracker."""
     reference = Cluster(tmp_path_factory.mktemp("reference"), synthetic_dir)
-    launcher = reference.start(1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=35, **JOB)
-    assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
+    launchers = [reference.start(2, node, trainer__max_steps=35, **JOB) for node in (0, 1)]
+    assert [launcher.wait(timeout=300) for launcher in launchers] == [0, 0], launchers[0].text()[-3000:]
     return trainable_state(reference.run_dir / "checkpoints" / "last.ckpt")
 
 
@@ -70,7 +74,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_a_killed_worker_resumes_to_the_same_weights_with_one_history_and_one_tracker_run(
     cluster: Cluster, mlflow_server: str, uninterrupted: dict[str, torch.Tensor]
 ) -> None:
-    """SIGKILL of a worker after step 26 (torchrun restarts from step 15), then RESUME=auto to step 45.
+    """SIGKILL of node 0's worker after step 26 (torchrun restarts both nodes' from step 15), then RESUME=auto to step 45.
 
     The restarted job ends with the weights of the job never killed. Steps 16-26 at least are
     trained twice; the metrics history and each tracker must hold every step once, in one run.
@@ -82,22 +86,24 @@ def test_a_killed_worker_resumes_to_the_same_weights_with_one_history_and_one_tr
         "logging__every_n_steps": 1,
     }
     started = time.time()
-    launcher = cluster.start(1, 0, env={"NPROC_PER_NODE": "2"}, trainer__max_steps=35, **JOB, **trackers)
+    master, worker = (cluster.start(2, node, trainer__max_steps=35, **JOB, **trackers) for node in (0, 1))
     link = cluster.log_dir / "latest_node0.log"
     assert wait_for(lambda: link.exists() and "step 26/" in cluster.node_log(0), timeout=240, interval=0.1)
-    workers(launcher.proc.pid)[0].send_signal(signal.SIGKILL)
-    assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
+    (victim,) = workers(master.proc.pid)
+    victim.send_signal(signal.SIGKILL)
+    assert master.wait(timeout=300) == 0, master.text()[-3000:]
+    assert worker.wait(timeout=120) == 0, worker.text()[-3000:]  # its healthy worker restarted too, not given up
     assert re.search(r"torchrun restart 1: resuming from .*step-00000015\.ckpt", cluster.node_log(0)), cluster.node_log(0)[-3000:]
     restarted = trainable_state(cluster.run_dir / "checkpoints" / "last.ckpt")
     assert restarted.keys() == uninterrupted.keys()
     for key in restarted:
         assert torch.allclose(restarted[key], uninterrupted[key], atol=1e-6, rtol=0), key
     time.sleep(QUEUED_S)  # as a requeued job waits in the queue
-    resumed = cluster.start(1, 0, env={"NPROC_PER_NODE": "2", "RESUME": "auto"}, trainer__max_steps=45, **JOB, **trackers)
+    resumed = [cluster.start(2, node, env={"RESUME": "auto"}, trainer__max_steps=45, **JOB, **trackers) for node in (0, 1)]
     # The job's end: the run report's line, the last thing rank 0 does (its process exit follows).
-    assert wait_for(lambda: "run report:" in resumed.text(), timeout=300, interval=0.05), resumed.text()[-3000:]
+    assert wait_for(lambda: "run report:" in resumed[0].text(), timeout=300, interval=0.05), resumed[0].text()[-3000:]
     wall = time.time() - started
-    assert resumed.wait(timeout=120) == 0, resumed.text()[-3000:]
+    assert [launcher.wait(timeout=120) for launcher in resumed] == [0, 0], resumed[0].text()[-3000:]
     # one history: the rows before each resumed step kept, the redone ones once
     history = read_metrics(cluster.run_dir)
     assert [int(float(row["step"])) for row in history if row.get("train/loss")] == list(range(1, 46))
