@@ -100,66 +100,87 @@ def test_submit_trains_on_two_nodes_and_writes_the_usual_run_folder(
         assert noise not in output, noise  # Ray's lines a user cannot act on (ray_noise.py, submit.py)
 
 
-def test_a_worker_killed_with_sigkill_restarts_the_group_and_resumes_to_the_same_weights(
+def trained_past(run_dir: Path, step: int) -> bool:
+    """metrics.csv has a training row past ``step`` (read while the trainer may rewrite it)."""
+    try:
+        return any(row.get("train/loss") and float(row["step"]) > step for row in read_metrics(run_dir))
+    except (OSError, KeyError, TypeError, ValueError):  # not written yet, or caught mid-rewrite
+        return False
+
+
+def restarted_group_trained(run_dir: Path) -> bool:
+    """The restarted worker group (the run's second attempt) has finished a training step."""
+    attempts = read_attempts(run_dir) if (run_dir / "attempts").is_dir() else []
+    return len(attempts) >= 2 and attempts[1].first_step_at is not None
+
+
+def test_a_killed_worker_restarts_the_group_and_a_stopped_job_resubmitted_ends_with_the_same_weights(
     ray_cluster: RayCluster, shared: Path, uninterrupted: subprocess.CompletedProcess[str]
 ) -> None:
-    """Also: the Ray restart continues the run's W&B run (offline) and is recorded as the run's second attempt."""
+    """One job through three attempts, each a way a Ray run loses its workers.
+
+    SIGKILL of the worker on the second node: Ray restarts the group, which resumes from the
+    newest checkpoint. Then `ray job stop` once the restarted group trains: the driver checkpoints
+    and the job ends STOPPED. Then a resubmit with --resume finishes the run. The weights end
+    equal to the uninterrupted run's, the history and the W&B run (offline) hold every step once,
+    and the attempt record names all three.
+    """
     run_dir = shared / "runs" / "killed"
-    submitted = ray_cluster.submit(*ray_args(shared, "killed", logging__wandb_project="purrsight-ray"), no_wait=True)
+    args = ray_args(shared, "killed", logging__wandb_project="purrsight-ray", logging__every_n_steps=1)
+    submitted = ray_cluster.submit(*args, no_wait=True)
     assert submitted.returncode == 0, submitted.stderr
     job = submission_id(submitted.stdout + submitted.stderr)
-    wait_for(run_dir / "checkpoints" / "step-00000010.ckpt", timeout=300)
+    # Killed past the step-10 checkpoint, as a node dies mid-interval: the restarted group redoes
+    # steps 11 on. (A kill between a checkpoint's write and its step's metrics row, a moment, leaves
+    # that one row out: Lightning logs a step after its callbacks, the checkpoint saver among them.)
+    deadline = time.monotonic() + 300
+    while not trained_past(run_dir, 10):
+        assert time.monotonic() < deadline, "the job never trained past step 10"
+        time.sleep(0.1)
     train_worker_on(ray_cluster.nodes[1]).kill()  # the worker on the second node, with SIGKILL
-    followed = ray_cluster.job("logs", "--follow", job)  # the README's way to follow a job
-    assert job_info(ray_cluster, job)["status"] == "SUCCEEDED", followed.stdout[-4000:]
-    assert "resuming from" in followed.stdout
+
+    # The stop goes out as soon as the restarted group trains: some 30 steps before the job's end.
+    deadline = time.monotonic() + 300
+    while not restarted_group_trained(run_dir):
+        assert time.monotonic() < deadline, "the restarted worker group never trained a step"
+        time.sleep(0.2)
+    stopped = ray_cluster.job("stop", job, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    info = job_info(ray_cluster, job)
+    assert info["status"] == "STOPPED", info
+    logs = ray_cluster.job("logs", job).stdout
+    assert "resuming from" in logs, logs[-3000:]  # the restarted group, from the newest checkpoint
+    assert "received SIGTERM" in logs
+    stop = re.search(r"stopped by SIGTERM at step (\d+); checkpoint: (\S+)", logs)
+    assert stop, logs[-3000:]
+    stop_step = int(stop.group(1))
+    assert 10 < stop_step < 40, stop_step
+    assert Path(stop.group(2)) == run_dir / "checkpoints" / f"step-{stop_step:08d}.ckpt"
+    assert Path(stop.group(2)).is_file()
+
+    resumed = ray_cluster.submit("--resume", *args)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    assert f"step-{stop_step:08d}.ckpt" in output and "resuming from" in output
     expected = final_weights(shared / "runs" / "whole")
     got = final_weights(run_dir)
     assert expected.keys() == got.keys()
     for key in expected:
         assert torch.allclose(expected[key], got[key], atol=1e-6, rtol=0), key
     steps = [int(row["step"]) for row in read_metrics(run_dir) if row.get("train/loss")]
-    assert steps == sorted(set(steps)), "a redone step must replace its row, not repeat it"
+    assert steps == list(range(1, 41)), "a redone step must replace its row, not repeat it"
     ids, rows = wandb_history(run_dir)
-    assert ids == {json.loads((run_dir / "trackers.json").read_text())["wandb"]["run_id"]}  # one W&B run, both attempts
-    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2
+    assert ids == {json.loads((run_dir / "trackers.json").read_text())["wandb"]["run_id"]}  # one W&B run, all attempts
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 3
     logged = [int(row["trainer/global_step"]) for row in rows if "train/loss" in row]
-    assert logged == sorted(set(logged)) and logged[-1] == 40, logged
-    first, restarted = summarize(read_attempts(run_dir)).splits
-    assert first.how == "first start" and restarted.how.startswith("restart 1 of the launch"), (first, restarted)
-
-
-def test_ray_job_stop_checkpoints_and_a_resubmit_resumes(ray_cluster: RayCluster, shared: Path) -> None:
-    run_dir = shared / "runs" / "stopped"
-    submitted = ray_cluster.submit(*ray_args(shared, "stopped", trainer__max_steps=400, logging__every_n_steps=1), no_wait=True)
-    job = submission_id(submitted.stdout + submitted.stderr)
-    wait_for(run_dir / "checkpoints" / "step-00000010.ckpt", timeout=300)
-    stopped = ray_cluster.job("stop", job, timeout=120)
-    assert stopped.returncode == 0, stopped.stderr
-    info = job_info(ray_cluster, job)
-    assert info["status"] == "STOPPED"
-    logs = ray_cluster.job("logs", job).stdout
-    assert "received SIGTERM" in logs
-    stop = re.search(r"stopped by SIGTERM at step (\d+); checkpoint: (\S+)", logs)
-    assert stop, logs[-3000:]
-    stop_step = int(stop.group(1))
-    assert Path(stop.group(2)) == run_dir / "checkpoints" / f"step-{stop_step:08d}.ckpt"
-    assert Path(stop.group(2)).is_file()
-    target = stop_step + 25  # a shorter horizon than the 400 the run began with
-    resumed = ray_cluster.submit("--resume", *ray_args(shared, "stopped", trainer__max_steps=target, logging__every_n_steps=1))
-    output = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, output[-4000:]
-    assert f"step-{stop_step:08d}.ckpt" in output and "resuming from" in output
-    assert f"trainer.max_steps 400 -> {target}: the learning rate continues from" in output, output[-3000:]
-    rows = read_metrics(run_dir)
-    steps = [int(row["step"]) for row in rows if row.get("train/loss")]
-    assert steps == sorted(set(steps)) and steps[-1] == target
-    lr = {int(float(row["step"])): float(row["train/lr"]) for row in rows if row.get("train/lr")}
-    assert lr[stop_step + 1] == pytest.approx(lr[stop_step], rel=0.02), lr  # no jump to the new horizon's cosine
-    end = re.search(rf"cosine decay now ends at step {target} at (\S+)", output)
-    # The rest of the decay, rescaled to the new end (the last row's LR is the one its step used,
-    # a step before the end: within 5% of it on this short horizon).
-    assert end and lr[target] == pytest.approx(float(end.group(1)), rel=0.05), lr
+    # Once each, in order, and every step from the checkpoint the restart resumed on. W&B writes its
+    # log about once a second, and Ray's restart SIGKILLs the whole group: the points of rank 0's last
+    # second that the checkpoint already covers are gone, and are not sent again (docs/RELIABILITY.md).
+    assert logged == sorted(set(logged)) and set(range(11, 41)) <= set(logged), logged
+    killed, restarted, resubmitted = summarize(read_attempts(run_dir)).splits
+    assert killed.how == "first start" and restarted.how.startswith("restart 1 of the launch"), (killed, restarted)
+    assert restarted.end == "stopped by signal 15" and restarted.steps[1] == stop_step, restarted
+    assert resubmitted.how == "new launch, resumed" and resubmitted.end == "finished", resubmitted
     # Every report Ray still holds names a checkpoint that exists (the stopped job's were pruned).
     for pointer in (run_dir / "ray").glob("*/step-*/purrsight_checkpoint.json"):
         assert Path(json.loads(pointer.read_text())["path"]).is_file(), pointer
@@ -174,9 +195,7 @@ def test_bad_config_ends_in_the_driver_with_exit_2_before_any_worker(ray_cluster
     assert info["status"] == "FAILED" and info["driver_exit_code"] == 2, info
     assert "data.batch_size" in output
     assert "RayTrainWorker" not in output and "Traceback" not in output
-    wrapped = ray_cluster.submit_and_follow(*ray_args(shared, "bad", data__batch_size=0))  # the scriptable way
-    assert wrapped.returncode == 2, wrapped.stderr[-3000:]
-    assert "data.batch_size" in wrapped.stdout + wrapped.stderr
+    # The scriptable way (submit.py) exits with the driver's own code: the next test checks it.
 
 
 def test_a_cluster_too_small_exits_3_and_leaves_no_run_folder(ray_cluster: RayCluster, shared: Path) -> None:
