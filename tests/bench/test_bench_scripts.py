@@ -110,4 +110,4 @@ def test_index_table_script_small_run() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("RecordTable", "datasets"))]
     assert [row[0] for row in rows] == ["RecordTable", "datasets.from_list"], done.stdout
-    assert all(float(value) > 0 for row in rows for value in row[-3:])  # build s, read us, import s
+    assert all(float(value) > 0 for row in rows for value in row[-3:])  # build s, read us, first table s
