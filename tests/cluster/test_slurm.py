@@ -55,7 +55,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     The run's attempt record splits the job's wall time into its parts: they add up, within 2%,
     to the wall time the batch script's own log shows, from its first line to rank 0's "done" line.
     """
-    steps = 200  # enough that the stop lands mid-run: USR1 goes out at the step-40 checkpoint
+    steps = 120  # enough that the stop lands mid-run (80 steps, 20 s or more, to spare): USR1 goes out at the step-40 checkpoint
     job = submit(slurm, tmp_path, synthetic_dir, trainer__max_steps=steps, checkpoint__every_n_steps=20)
     checkpoints = tmp_path / "runs" / "phase2-tiny" / "checkpoints"
     deadline = time.monotonic() + 300
@@ -78,7 +78,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     assert requeued.how == f"new launch, resumed (SLURM job {job}, requeue 1)" and requeued.end == "finished"
     assert requeued.steps == (stopped.steps[1], steps) and stopped.lost == 0  # a stop with a checkpoint loses nothing
     assert requeued.waiting_before > 10  # SLURM's wait before a requeued job may start again (cred_expire)
-    # From the batch script's first line to rank 0's last ("done: step 200"): what comes after it,
+    # From the batch script's first line to rank 0's last ("done: step 120"): what comes after it,
     # torchrun's agents noticing their workers' exit and leaving the rendezvous (1 s idle, 4 s on a
     # loaded machine), is no attempt's and is left out.
     first = datetime.strptime(out.splitlines()[0][:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()

@@ -36,7 +36,7 @@ def test_cut_link_is_noticed_named_and_survived(two_hosts: list[Host], synthetic
     overrides = tiny_overrides(
         synthetic_dir,
         tmp_path / "runs",
-        trainer__max_steps=80,  # cut at step 30: enough steps after it to notice, restart and resume
+        trainer__max_steps=50,  # cut at step 25: 25 steps to spare, and a resume from step 20 to finish
         checkpoint__every_n_steps=20,
         logging__every_n_steps=1,
         distributed__progress_timeout_s=WATCHDOG_S,
@@ -55,7 +55,7 @@ def test_cut_link_is_noticed_named_and_survived(two_hosts: list[Host], synthetic
     ]
     logs = [tmp_path / "logs" / f"latest_node{n}.log" for n in (0, 1)]
     try:
-        assert wait_for(lambda: logs[0].exists() and "step 30/" in logs[0].read_text(), timeout=240)
+        assert wait_for(lambda: logs[0].exists() and "step 25/" in logs[0].read_text(), timeout=240)
         master.set_link(up=False)
         cut = time.monotonic()
         noticed = wait_for(lambda: all("watchdog: rank" in log.read_text() for log in logs), timeout=WATCHDOG_S + 45)
@@ -68,7 +68,7 @@ def test_cut_link_is_noticed_named_and_survived(two_hosts: list[Host], synthetic
         assert [p.wait(timeout=300) for p in procs] == [0, 0]
         text = logs[0].read_text()
         assert re.search(r"torchrun restart 1: resuming from .*step-\d+\.ckpt", text)
-        assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000080.ckpt").exists()
+        assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000050.ckpt").exists()
     finally:
         for proc in procs:
             if proc.poll() is None:
