@@ -25,10 +25,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from bench.common import ROW_EVERY
 from purrsight.config import load_config
-from purrsight.data.synthetic import prepare_synthetic
 from purrsight.training.data_builder import build_datasets
 from purrsight.training.model_builder import build_model
 from purrsight.training.optim import build_optimizer
+from purrsight.training.synthetic_data import prepare_synthetic
 
 
 def main() -> int:

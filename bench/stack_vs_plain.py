@@ -32,7 +32,7 @@ from bench.process_cpu import ROLES, ProcessTreeCPU
 def ensure_synthetic_set() -> None:
     """Generate the tiny default's data once, outside every timed run."""
     from purrsight.config import load_config
-    from purrsight.data.synthetic import prepare_synthetic
+    from purrsight.training.synthetic_data import prepare_synthetic
 
     prepare_synthetic(load_config(TINY_CONFIG, check_paths=False))
 

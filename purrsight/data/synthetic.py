@@ -17,15 +17,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import soundfile
 from PIL import Image, ImageDraw
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-if TYPE_CHECKING:
-    from purrsight.config import Config
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 PITCHES = {"low": 220.0, "middle": 440.0, "high": 880.0}
@@ -154,14 +150,6 @@ def generate(out: str | Path, num_train: int, num_val: int, seed: int, image_siz
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
-
-
-def prepare_synthetic(config: Config) -> None:
-    """Generate the synthetic set the config names, once (a no-op when it exists); none: nothing."""
-    data = config.data
-    if data.synthetic_dir is not None:
-        s = data.synthetic
-        generate(data.synthetic_dir, s.num_train, s.num_val, s.seed, s.image_size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,12 +23,12 @@ from typing import Any
 from purrsight.config import Config, ConfigError, path_problems, with_paths_under
 from purrsight.data.index import read_index
 from purrsight.data.prepared_manifest import read_manifest
-from purrsight.data.synthetic import prepare_synthetic
 from purrsight.errors import SIGNAL_BASE, ClusterError, ExitCode
 from purrsight.placement import decide
 from purrsight.ray_engine.ray_noise import filter_forwarded_output
 from purrsight.training.run_folder import HANGS_LOG, utc_stamp
 from purrsight.training.start import plan_start, prepare_run_folder
+from purrsight.training.synthetic_data import prepare_synthetic
 
 log = logging.getLogger("purrsight.ray_engine")
 WORKING_DIR_COPY = ("runtime_resources", "working_dir_files")  # where Ray unpacks --working-dir

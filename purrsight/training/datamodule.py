@@ -13,9 +13,9 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, Sample
 from purrsight.data.sampler import GlobalPositionSampler, batches_done, resumed_position
-from purrsight.data.synthetic import prepare_synthetic
 from purrsight.training.checkpoint_files import sampler_state_in
 from purrsight.training.data_builder import build_datasets
+from purrsight.training.synthetic_data import prepare_synthetic
 
 
 class Phase2DataModule(pl.LightningDataModule):

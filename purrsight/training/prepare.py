@@ -36,9 +36,9 @@ from purrsight.data.prepared_manifest import (
     read_json,
     shard_name,
 )
-from purrsight.data.synthetic import prepare_synthetic
 from purrsight.data.text import PromptTooLongError, TextEncoder
 from purrsight.training.data_builder import build_decoders, preparation_settings, source_of
+from purrsight.training.synthetic_data import prepare_synthetic
 
 log = logging.getLogger("purrsight.prepare")
 MAX_LISTED_PROBLEMS = 50  # listed in full; the count says how many more there are
