@@ -11,7 +11,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -20,6 +19,7 @@ import torch
 
 from purrsight.training.attempts import read_attempts, summarize
 from tests.helpers import read_metrics, trainable_state
+from tests.launcher.conftest import wait_for
 from tests.ray.cluster import RayCluster, job_info, submission_id
 from tests.wandb_files import wandb_history
 
@@ -50,13 +50,6 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster: RayCluster, shared: Path) -> subprocess.CompletedProcess[str]:
     return ray_cluster.submit_and_follow(*ray_args(shared, "whole"))
-
-
-def wait_for(path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} did not appear in {timeout:.0f} s"
-        time.sleep(0.1)
 
 
 def train_worker_on(node: psutil.Process) -> psutil.Process:
@@ -127,10 +120,7 @@ def test_a_killed_worker_restarts_the_group_and_ray_job_stop_checkpoints_the_res
     # Killed past the step-10 checkpoint, as a node dies mid-interval: the restarted group redoes
     # steps 11 on. (A kill between a checkpoint's write and its step's metrics row, a moment, leaves
     # that one row out: Lightning logs a step after its callbacks, the checkpoint saver among them.)
-    deadline = time.monotonic() + 300
-    while not trained_past(run_dir, 10):
-        assert time.monotonic() < deadline, "the job never trained past step 10"
-        time.sleep(0.1)
+    assert wait_for(lambda: trained_past(run_dir, 10), timeout=300, interval=0.1), "the job never trained past step 10"
     train_worker_on(ray_cluster.nodes[1]).kill()  # the worker on the second node, with SIGKILL
     followed = ray_cluster.job("logs", "--follow", job)  # the README's way to follow a job
     assert job_info(ray_cluster, job)["status"] == "SUCCEEDED", followed.stdout[-4000:]
@@ -144,10 +134,7 @@ def test_a_killed_worker_restarts_the_group_and_ray_job_stop_checkpoints_the_res
     # The finished run continued to a horizon it will not reach, and stopped on the way.
     longer = ray_cluster.submit("--resume", *ray_args(shared, "killed", trainer__max_steps=400, **job_settings), no_wait=True)
     job = submission_id(longer.stdout + longer.stderr)
-    deadline = time.monotonic() + 300
-    while not trained_past(run_dir, 41):
-        assert time.monotonic() < deadline, "the resumed run never trained past step 41"
-        time.sleep(0.2)
+    assert wait_for(lambda: trained_past(run_dir, 41), timeout=300, interval=0.2), "the resumed run never trained past step 41"
     stopped = ray_cluster.job("stop", job, timeout=120)
     assert stopped.returncode == 0, stopped.stderr
     info = job_info(ray_cluster, job)
