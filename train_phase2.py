@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train the PurrSight Phase 2 multi-modal LLM (frozen encoders, projectors, LoRA).
+r"""Train the PurrSight Phase 2 multi-modal LLM (frozen encoders, projectors, LoRA).
 
 Runbook
 -------

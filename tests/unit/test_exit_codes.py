@@ -21,6 +21,8 @@ def test_launcher_and_trainer_help_list_the_same_exit_codes() -> None:
     for line in EXIT_CODE_LINES:
         assert line in launcher, f"cluster_train.sh --help lacks: {line}"
         assert line in trainer, f"train_phase2.py --help lacks: {line}"
+    # A runbook command split over lines keeps its backslash: pasted, it still runs as one.
+    assert "-- \\\n        --config" in trainer
 
 
 def test_launcher_constants_match() -> None:
