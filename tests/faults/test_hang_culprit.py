@@ -11,18 +11,13 @@ import pickle
 import re
 import signal
 import socket
-import subprocess
 import time
-from pathlib import Path
 
 import psutil
-import pytest
 
 from purrsight.training.hang_culprit import PUBLISH_S
-from tests.helpers import REPO, launcher_env, tiny_overrides
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers
-from tests.network_hosts import network_hosts
 
 WATCHDOG_S = 20  # well above the publishing interval (2 s), so the frozen rank's heartbeat is seen to stop
 
@@ -88,46 +83,3 @@ def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Clust
     time.sleep(1)
     alive = [p.pid for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], alive  # the stopped rank too: torchrun's SIGKILL ends a stopped process
-
-
-@pytest.mark.root  # network namespaces
-def test_sigstop_of_the_rank_on_the_second_network_host_names_it(synthetic_dir: Path, tmp_path: Path) -> None:
-    """Two hosts (network namespaces joined by a bridge, tests/network_hosts.py), one rank each: SIGSTOP of rank 1."""
-    env = launcher_env(tmp_path / "logs", OMP_NUM_THREADS="1", MAX_RESTARTS="0", RDZV_TIMEOUT="120")
-    overrides = tiny_overrides(
-        synthetic_dir,
-        tmp_path / "runs",
-        trainer__max_steps=100000,
-        logging__every_n_steps=1,
-        distributed__progress_timeout_s=WATCHDOG_S,
-    )
-    logs = [tmp_path / "logs" / f"latest_node{n}.log" for n in (0, 1)]
-    with network_hosts(2) as hosts:
-        master = hosts[0]
-        procs = [
-            subprocess.Popen(
-                host.command(
-                    "./cluster_train.sh", "config/train_config.yaml", "2", str(rank), master.address, "29917", "--", *overrides
-                ),
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for rank, host in enumerate(hosts)
-        ]
-        try:
-            assert wait_for(lambda: logs[0].exists() and "step 8/" in logs[0].read_text(), timeout=300)
-            time.sleep(2 * PUBLISH_S)
-            (victim,) = workers(procs[1].pid)
-            victim.send_signal(signal.SIGSTOP)
-            assert procs[0].wait(timeout=WATCHDOG_S + 120) == 86
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-    text = logs[0].read_text()
-    assert re.search(
-        rf"hang: rank 1 \(node 1, {re.escape(socket.gethostname())}\) last finished training step \d+, .*stopped answering", text
-    ), text[-3000:]
-    assert "rank 0 waits" in text

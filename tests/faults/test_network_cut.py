@@ -1,14 +1,18 @@
-"""A cut network between two nodes: two network namespaces joined by a bridge.
+"""Two nodes on a real (virtual) network: two network namespaces joined by a bridge.
 
 The test makes two hosts on this machine (10.231.7.1 and 10.231.7.2, tests/network_hosts.py),
 runs one launcher in each, and takes the master's link down mid-run. Both sides must stop
 within the watchdog timeout plus a margin, naming the node they lost; with a restart
-allowed and the link back up, the job resumes and completes.
+allowed and the link back up, the job resumes. In the resumed job the rank on the second
+host is then frozen (SIGSTOP): the master's watchdog names it across the network and ends
+the job with its own code, the restart being spent.
 """
 
 from __future__ import annotations
 
 import re
+import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from purrsight.training.hang_culprit import PUBLISH_S
 from tests.helpers import REPO, launcher_env, tiny_overrides
 from tests.launcher.conftest import wait_for
+from tests.launcher.test_launcher import workers
 from tests.network_hosts import Host, network_hosts
 
 WATCHDOG_S = 15
@@ -29,15 +35,23 @@ def two_hosts() -> Iterator[list[Host]]:
         yield hosts
 
 
+def resumed_part(log: Path) -> str:
+    """The node log from the restart's resume line on ("" before the restart)."""
+    text = log.read_text()
+    return text[text.index("torchrun restart 1: resuming from") :] if "torchrun restart 1: resuming from" in text else ""
+
+
 @pytest.mark.root  # network namespaces
-def test_cut_link_is_noticed_named_and_survived(two_hosts: list[Host], synthetic_dir: Path, tmp_path: Path) -> None:
+def test_cut_link_is_noticed_named_and_survived_then_a_frozen_rank_is_named(
+    two_hosts: list[Host], synthetic_dir: Path, tmp_path: Path
+) -> None:
     master, worker = two_hosts
     env = launcher_env(tmp_path / "logs", OMP_NUM_THREADS="1", MAX_RESTARTS="1", RDZV_TIMEOUT="120")
     overrides = tiny_overrides(
         synthetic_dir,
         tmp_path / "runs",
-        trainer__max_steps=50,  # cut at step 25: 25 steps to spare, and a resume from step 20 to finish
-        checkpoint__every_n_steps=20,
+        trainer__max_steps=100000,  # never reached: the job ends in the frozen rank's hang
+        checkpoint__every_n_steps=20,  # the cut comes at step 25: the restart resumes from step 20
         logging__every_n_steps=1,
         distributed__progress_timeout_s=WATCHDOG_S,
         distributed__timeout_s=60,
@@ -65,11 +79,19 @@ def test_cut_link_is_noticed_named_and_survived(two_hosts: list[Host], synthetic
         assert elapsed < WATCHDOG_S + 45
         assert f"unreachable: node 1 ({worker.address})" in logs[0].read_text()
         assert f"unreachable: node 0 ({master.address})" in logs[1].read_text()
-        assert [p.wait(timeout=300) for p in procs] == [0, 0]
-        text = logs[0].read_text()
-        assert re.search(r"torchrun restart 1: resuming from .*step-\d+\.ckpt", text)
-        assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000050.ckpt").exists()
+        assert wait_for(lambda: "step 24/" in resumed_part(logs[0]), timeout=240), logs[0].read_text()[-3000:]
+        assert re.match(r"torchrun restart 1: resuming from .*step-00000020\.ckpt", resumed_part(logs[0]))
+
+        time.sleep(2 * PUBLISH_S)  # the victim has published a step of the resumed job by now
+        (victim,) = workers(procs[1].pid)
+        victim.send_signal(signal.SIGSTOP)
+        assert procs[0].wait(timeout=WATCHDOG_S + 120) == 86  # the watchdog's code: no restart left
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+    verdict = resumed_part(logs[0])
+    assert re.search(
+        rf"hang: rank 1 \(node 1, {re.escape(socket.gethostname())}\) last finished training step \d+, .*stopped answering", verdict
+    ), verdict[-3000:]
+    assert "rank 0 waits" in verdict
