@@ -31,13 +31,20 @@ def train_two_probed_ranks(run_dir: Path, overrides: list[str]) -> tuple[subproc
     return result, [torch.load(run_dir / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
 
 
-def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir: Path, tmp_path: Path) -> None:
+def test_two_ranks_train_on_disjoint_shards_with_identical_weights_and_all_reduce_once_per_optimizer_step(
+    synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """Learning under DDP, with docs/SCALING.md's settings at 128 nodes: accumulate_grad_batches,
+    bucket_cap_mb, the process-group timeout."""
     overrides = tiny_overrides(
         synthetic_dir,
         tmp_path,
         trainer__max_steps=80,
         trainer__val_every_n_steps=40,
-        data__batch_size=8,
+        trainer__accumulate_grad_batches=2,  # 2 x 4 samples per optimizer step and rank, as 8 without accumulation
+        data__batch_size=4,  # 16 micro-batches per epoch and rank: every optimizer step whole
+        distributed__bucket_cap_mb=100,
+        distributed__timeout_s=1234,
         checkpoint__every_n_steps=40,
     )
     result, ranks = train_two_probed_ranks(tmp_path, overrides)
@@ -48,7 +55,10 @@ def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir
 
     per_epoch: list[dict[int, set[str]]] = [defaultdict(set), defaultdict(set)]
     for rank, probe in enumerate(ranks):
-        assert len(probe["seen"]) == 80  # both ranks take the same number of steps
+        assert len(probe["seen"]) == 160  # micro-batches: both ranks take the same number
+        assert probe["allreduces"] == 80  # optimizer steps: the other micro-batches skip the all-reduce (no_sync)
+        assert probe["bucket_bytes"] == 100 * 2**20
+        assert probe["timeout_s"] == 1234
         for epoch, ids in probe["seen"]:
             per_epoch[rank][epoch].update(ids)
     for epoch in per_epoch[0]:
@@ -59,24 +69,3 @@ def test_two_ranks_train_on_disjoint_shards_with_identical_weights(synthetic_dir
     assert losses[0] - sum(losses[-2:]) / 2 > LEARNED_NATS, losses
     assert column(rows, "val/accuracy")[-1] > CHANCE_ACCURACY + 0.2
     assert (tmp_path / "phase2-tiny" / "checkpoints" / "step-00000080.ckpt").is_file()
-    assert ranks[0]["allreduces"] == 80  # the tiny model's gradients fit one 25 MB bucket: one all-reduce a step
-
-
-def test_accumulation_all_reduces_once_per_optimizer_step(synthetic_dir: Path, tmp_path: Path) -> None:
-    """docs/SCALING.md's settings at 128 nodes: accumulate_grad_batches, bucket_cap_mb, the process-group timeout."""
-    overrides = tiny_overrides(
-        synthetic_dir,
-        tmp_path,
-        trainer__max_steps=12,
-        trainer__accumulate_grad_batches=2,  # 8 batches per epoch and rank: every step whole
-        distributed__bucket_cap_mb=100,
-        distributed__timeout_s=1234,
-        checkpoint__every_n_steps=12,
-    )
-    _, ranks = train_two_probed_ranks(tmp_path, overrides)
-    for probe in ranks:
-        assert len(probe["seen"]) == 24  # micro-batches
-        assert probe["allreduces"] == 12  # optimizer steps: the other micro-batches skip the all-reduce (no_sync)
-        assert probe["bucket_bytes"] == 100 * 2**20
-        assert probe["timeout_s"] == 1234
-    assert (tmp_path / "phase2-tiny" / "checkpoints" / "step-00000012.ckpt").is_file()
