@@ -17,12 +17,15 @@ from tests.preloaded import PreloadedTrainer
 
 
 def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Cluster) -> None:
-    """Rank 0 is killed with SIGKILL half way through its 2nd checkpoint write (step 20; tests/fault_injection)."""
+    """The worker is killed with SIGKILL half way through its 2nd checkpoint write (step 20; tests/fault_injection).
+
+    One rank: a torn write is the writer's own; the other ranks' part in a kill (torchrun ending
+    and restarting them) is the tracker kill test's (tests/faults/test_trackers.py)."""
     launcher = cluster.start(
         1,
         0,
-        env={"NPROC_PER_NODE": "2", **fault_env("kill_during_checkpoint_write:2", cluster.env())},
-        trainer__max_steps=40,
+        env={"NPROC_PER_NODE": "1", **fault_env("kill_during_checkpoint_write:2", cluster.env())},
+        trainer__max_steps=30,
         checkpoint__every_n_steps=10,
     )
     assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
@@ -30,7 +33,7 @@ def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Clus
     assert re.search(r"torchrun restart 1: resuming from .*step-00000010\.ckpt", log), log[-3000:]
     assert "left by an interrupted checkpoint write" in log
     folder = cluster.run_dir / "checkpoints"
-    assert (folder / "step-00000040.ckpt").exists() and not list(folder.glob(".*.tmp"))
+    assert (folder / "step-00000030.ckpt").exists() and not list(folder.glob(".*.tmp"))
 
 
 def test_corrupted_newest_checkpoint_falls_back(
