@@ -13,14 +13,19 @@ from purrsight.training.attempts import read_attempts, summarize
 from tests.cluster.conftest import SlurmCluster
 from tests.helpers import REPO, fault_env, tiny_overrides
 
-# The test nodes have 2 CPUs and no GPUs: these override the script's #SBATCH defaults.
-SMALL_ALLOCATION = ["-N", "2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
+# The test nodes have 2 CPUs and no GPUs: these (and --nodes, 2 unless a test says) override the script's #SBATCH defaults.
+SMALL_ALLOCATION = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
 
 pytestmark = pytest.mark.root  # SLURM's daemons run as root here
 
 
 def submit(
-    slurm: SlurmCluster, tmp: Path, synthetic_dir: Path, extra_env: dict[str, str] | None = None, **overrides: object
+    slurm: SlurmCluster,
+    tmp: Path,
+    synthetic_dir: Path,
+    extra_env: dict[str, str] | None = None,
+    nodes: int = 2,
+    **overrides: object,
 ) -> str:
     env = dict(
         slurm.env,
@@ -33,6 +38,7 @@ def submit(
         "sbatch",
         "--parsable",
         *SMALL_ALLOCATION,
+        f"--nodes={nodes}",
         f"--output={tmp}/%x-%j.out",
         "slurm/train.sbatch",
         "config/train_config.yaml",
@@ -90,9 +96,11 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
 
 
 def test_a_job_that_fails_right_after_each_start_stops_requeueing(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
-    """Every run dies at its first checkpoint write (fault injection) within seconds of starting."""
+    """Every run dies at its first checkpoint write (fault injection) within seconds of starting.
+
+    One node: the count of quick ends is the batch script's, whatever the job's size."""
     fault = {**fault_env("kill_during_checkpoint_write:1", slurm.env), "MAX_RESTARTS": "0", "MAX_QUICK_REQUEUES": "2"}
-    job = submit(slurm, tmp_path, synthetic_dir, extra_env=fault, trainer__max_steps=40)
+    job = submit(slurm, tmp_path, synthetic_dir, extra_env=fault, nodes=1, trainer__max_steps=40)
     state = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=400)
     out = batch_output(tmp_path, job)
     assert state == "FAILED", out[-3000:] + slurm.log("slurmctld")
