@@ -197,7 +197,10 @@ def test_a_cluster_too_small_exits_3_and_leaves_no_run_folder(ray_cluster: RayCl
 def test_a_bad_sample_in_a_worker_is_not_retried(
     ray_cluster: RayCluster, shared: Path, uninterrupted: subprocess.CompletedProcess[str]
 ) -> None:
-    """A user error inside the workers: Ray would restart the group up to max_failures times."""
+    """A user error inside the workers: Ray would restart the group up to max_failures times.
+
+    One worker: the decision not to train again is each worker's own (the error's record in the
+    run folder), and a second worker would add a Ray Train worker's start to each attempt, no check."""
     source = shared / "data" / "synthetic"
     assert (source / "train.jsonl").is_file()  # made by the uninterrupted run's driver
     broken = shared / "broken"
@@ -212,6 +215,7 @@ def test_a_bad_sample_in_a_worker_is_not_retried(
             data__train_index="broken/train.jsonl",
             data__val_index="null",
             model__llm__tokenizer="data/synthetic/tokenizer",
+            ray__num_workers=1,
             ray__max_failures=3,
         )
     )
