@@ -34,15 +34,36 @@ install_system_packages() {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null
 }
 
+# The interpreter a new .venv is made from: PYTHON when set, else the distribution's
+# /usr/bin/python3 when it is recent enough and can make a venv, else python3 from PATH.
+# Why not simply python3: where that is pyenv's default build (libpython shared, no PGO or
+# LTO, as on this project's machines), the suite's Python processes use some 14% more CPU
+# than under Debian's python3.11 (bench/interpreters.py, bench/README.md). An existing .venv
+# keeps its interpreter: making it again would drop what its owner installed into it.
+base_python() {
+  if [[ -n "${PYTHON:-}" ]]; then
+    printf '%s\n' "${PYTHON}"
+  elif /usr/bin/python3 -c 'import sys, ensurepip, venv; ensurepip.version(); sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    printf '%s\n' /usr/bin/python3
+  else
+    printf '%s\n' python3
+  fi
+}
+
 install_python_packages() {
-  local stamp="${VENV_DIR}/.purrsight-requirements" digest
+  local stamp="${VENV_DIR}/.purrsight-requirements" digest python
   digest="$(cat requirements.txt requirements-dev.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
   if [[ -x "${VENV_DIR}/bin/python" && "$(cat "${stamp}" 2>/dev/null)" == "${digest}" ]]; then
     log "python environment in ${VENV_DIR}: up to date"
     return 0
   fi
-  log "python environment in ${VENV_DIR}"
-  python3 -m venv "${VENV_DIR}"
+  if [[ ! -x "${VENV_DIR}/bin/python" ]]; then
+    python="$(base_python)"
+    log "python environment in ${VENV_DIR}: new, from ${python} ($("${python}" -c 'import sys; print(sys.version.split()[0])'))"
+    "${python}" -m venv "${VENV_DIR}"
+  else
+    log "python environment in ${VENV_DIR}: installing the changed requirements"
+  fi
   "${VENV_DIR}/bin/python" -m pip install -q --upgrade pip
   # --no-compile: pip byte-compiles every file of every package one at a time (~24,000 with
   # Ray, MLflow and transformers: 1.8 of its 2.8 minutes here); the imports compile what the

@@ -7,11 +7,13 @@ figures from a 2-core CI machine mean nothing, and bench/README.md holds the mea
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from bench.common import run_plain
+from bench.interpreters import child_cpu_s
 from tests.helpers import run_python
 
 
@@ -111,3 +113,12 @@ def test_index_table_script_small_run() -> None:
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("RecordTable", "datasets"))]
     assert [row[0] for row in rows] == ["RecordTable", "datasets.from_list"], done.stdout
     assert all(float(value) > 0 for row in rows for value in row[-3:])  # build s, read us, first table s
+
+
+def test_interpreters_script_counts_a_childs_cpu_and_names_a_failing_one() -> None:
+    """bench/interpreters.py's measure, on a child that burns a known share of CPU (the whole script
+    trains under each interpreter: too long for a check that it runs)."""
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    assert 0.3 <= child_cpu_s([sys.executable, "-c", burn], {}) < 3
+    with pytest.raises(SystemExit, match="exited 3"):
+        child_cpu_s([sys.executable, "-c", "import sys; sys.exit(3)"], {})
