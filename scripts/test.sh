@@ -8,8 +8,9 @@
 # System tools (shellcheck, bats, iproute2, slurm-wlm + munge for the real SLURM cluster
 # that tests/cluster starts, and alsa-utils + sound-theme-freedesktop for the real speech and
 # sound recordings that tests/unit/test_real_media.py decodes) come from Debian's packages
-# when missing and we are root. The CPU build of torch is installed first and pinned: requirements.txt holds a
-# range (right for GPU users), and with 2.13.0 already present pip fetches nothing larger.
+# when missing and we are root. The CPU build of torch is pinned (torch==2.13.0) in the same pip
+# run as the requirements: requirements.txt holds a range (right for GPU users) that it meets,
+# so pip fetches nothing larger.
 # pip runs only when the requirement files changed since the last install into this .venv
 # (a stamp holds their digest); its download cache (~/.cache/pip) is kept between runs.
 set -euo pipefail
