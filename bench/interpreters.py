@@ -26,17 +26,22 @@ IMPORT = ["-c", "import purrsight.training.run"]
 
 def child_cpu_s(command: list[str], env: dict[str, str]) -> float:
     """User + system CPU seconds of ``command`` and its children."""
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        stderr = process.stderr.read().decode(errors="replace") if process.stderr else ""
-        raise SystemExit(f"bench: {' '.join(command)} exited {process.returncode}:\n{stderr[-2000:]}")
+    # stderr to a file, not a pipe: nobody reads a pipe until wait4 returns, and a trainer that
+    # logs more than the pipe holds would block on it for ever.
+    with tempfile.TemporaryFile() as stderr:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            stderr.seek(0)
+            tail = stderr.read().decode(errors="replace")[-2000:]
+            raise SystemExit(f"bench: {' '.join(command)} exited {process.returncode}:\n{tail}")
     return usage.ru_utime + usage.ru_stime
 
 
 def train_command(python: str, work: Path, run_name: str, steps: int) -> list[str]:
-    """The tiny default shrunk as the tests shrink it; one synthetic set for every run."""
+    """The tiny default with the tests' data size and batch (tests/helpers.tiny_overrides), but the
+    default's validation and checkpoint intervals; one synthetic set for every run."""
     return [
         python,
         str(REPO / "train_phase2.py"),

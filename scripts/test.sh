@@ -38,8 +38,8 @@ install_system_packages() {
 # The interpreter a new .venv is made from: PYTHON when set, else the distribution's
 # /usr/bin/python3 when it is recent enough and can make a venv, else python3 from PATH.
 # Why not simply python3: where that is pyenv's default build (libpython shared, no PGO or
-# LTO, as on this project's machines), the suite's Python processes use some 14% more CPU
-# than under Debian's python3.11 (bench/interpreters.py, bench/README.md). An existing .venv
+# LTO, as on this project's machines), a trainer's import and short run take 1.27x the CPU
+# time they take under Debian's python3.11 (bench/interpreters.py, bench/README.md). An existing .venv
 # keeps its interpreter: making it again would drop what its owner installed into it.
 base_python() {
   if [[ -n "${PYTHON:-}" ]]; then

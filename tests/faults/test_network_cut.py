@@ -37,8 +37,8 @@ def two_hosts() -> Iterator[list[Host]]:
 
 def resumed_part(log: Path) -> str:
     """The node log from the restart's resume line on ("" before the restart)."""
-    text = log.read_text()
-    return text[text.index("torchrun restart 1: resuming from") :] if "torchrun restart 1: resuming from" in text else ""
+    _, marker, rest = log.read_text().partition("torchrun restart 1: resuming from")
+    return marker + rest
 
 
 @pytest.mark.root  # network namespaces
