@@ -2,12 +2,12 @@
 
 Each epoch is one permutation of the whole set (seeded by ``seed + epoch``), consumed in order
 by all ranks together: rank ``r`` of ``W`` takes positions ``start + r``, ``start + r + W``, ...
-After every rank took ``y`` samples the job has consumed exactly the first ``start + y * W``
-positions, so the checkpointed state is that *global* count, not one rank's position in its
-own shard. A resume on another world size derives each rank's new shard from the count: no
-sample of the epoch is trained twice, none is left out (torchdata's StatefulDistributedSampler
-stores rank 0's count in its own shard, which on another world size points into a different
-shard layout).
+After every rank trained ``y`` samples the job has consumed exactly the first ``start + y * W``
+positions, so a checkpoint keeps that *global* count (training/data_position.py), not one
+rank's position in its own shard. A resume on another world size derives each rank's new
+shard from the count: no sample of the epoch is trained twice, none is left out (torchdata's
+StatefulDistributedSampler stores rank 0's count in its own shard, which on another world size
+points into a different shard layout).
 
 At ``start = 0`` the order equals torch's ``DistributedSampler(shuffle=True, drop_last=True)``
 for the same seed, so runs and checkpoints made before this sampler continue unchanged.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -47,32 +46,33 @@ class GlobalPositionSampler(Sampler[int]):
         self.seed = seed
         self.epoch = 0
         self.start = 0  # global position this pass over the epoch starts at (> 0 after a mid-epoch resume)
-        self.yielded = 0  # samples this rank took since `start`
-        self._pending: dict[str, int] | None = None  # a loaded state, applied when its epoch begins
+        self.pass_samples = 0  # samples this rank takes in this pass (from `start` to the epoch's end)
+        self._pending: tuple[int, int] | None = None  # (epoch, consumed) to resume at, applied when that epoch begins
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def _apply_pending(self) -> None:
         self.start = 0
-        pending, self._pending = self._pending, None
-        if pending is None:
+        if self._pending is None:
             return
-        if pending["epoch"] != self.epoch:
-            log.warning("sampler state of epoch %d ignored in epoch %d: the epoch starts over", pending["epoch"], self.epoch)
+        epoch, consumed = self._pending
+        if epoch > self.epoch:  # iterated before the trainer set the resumed epoch: keep it for that epoch
             return
-        self.start = pending["consumed"]
+        self._pending = None
+        if epoch < self.epoch:
+            log.warning("sampler position in epoch %d ignored in epoch %d: the epoch starts over", epoch, self.epoch)
+            return
+        self.start = consumed
 
     def __iter__(self) -> Iterator[int]:
         self._apply_pending()
-        self.yielded = 0
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.size, generator=generator).tolist()  # Python ints: no tensor read per sample
-        remaining = max(0, self.size - self.start) // self.num_replicas  # the tail short of one sample per rank waits
-        for position in range(self.start + self.rank, self.start + remaining * self.num_replicas, self.num_replicas):
-            self.yielded += 1
-            yield order[position]
+        self.pass_samples = max(0, self.size - self.start) // self.num_replicas  # the tail short of one sample per rank waits
+        end = self.start + self.pass_samples * self.num_replicas
+        yield from (order[position] for position in range(self.start + self.rank, end, self.num_replicas))
 
     def __len__(self) -> int:
         # A whole epoch, also the resumed one: the trainer counts the batches done before the
@@ -80,16 +80,13 @@ class GlobalPositionSampler(Sampler[int]):
         # is the epoch, whatever world size the checkpoint was saved on.
         return self.size // self.num_replicas
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "consumed": self.start + self.yielded * self.num_replicas,  # global: survives a change of world size
-            "world_size": self.num_replicas,
-        }
+    def resume_at(self, epoch: int, consumed: int, saved_world: int) -> None:
+        """Start ``epoch``, when it begins, after the first ``consumed`` samples of its order.
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        consumed, saved_world = resumed_position(state, self.num_replicas)
-        epoch = int(state.get("epoch", self.epoch))
+        The position is the whole job's (how many samples all ranks took), not this rank's:
+        with no loader workers the sampler could count it itself, but with workers it runs
+        ahead of training by the prefetched batches, so the trainer counts what it trained.
+        """
         if saved_world != self.num_replicas and self.rank == 0:
             log.warning(
                 "resuming on %d processes, saved on %d: epoch %d continues at sample %d of %d, "
@@ -100,15 +97,4 @@ class GlobalPositionSampler(Sampler[int]):
                 consumed,
                 self.size,
             )
-        self._pending = {"epoch": epoch, "consumed": consumed}
-
-
-def resumed_position(state: dict[str, Any], world: int) -> tuple[int, int]:
-    """(samples of the epoch the job consumed, the world size it ran on) from a saved sampler state."""
-    if "consumed" in state:
-        return int(state["consumed"]), int(state["world_size"])
-    if "yielded" in state:
-        # Saved by torchdata's StatefulDistributedSampler (before this sampler), which only resumed
-        # on the same world size: its per-rank count times this world is the global position.
-        return int(state["yielded"]) * world, world
-    raise ValueError(f"not a sampler state: {sorted(state)}")
+        self._pending = (epoch, consumed)

@@ -31,7 +31,6 @@ REQUIRED_PACKAGES = {
     "transformers": "transformers",
     "peft": "peft",
     "datasets": "datasets",
-    "torchdata": "torchdata",
     "tokenizers": "tokenizers",
     "soundfile": "soundfile",
     "PIL": "pillow",

@@ -12,6 +12,7 @@ from typing import Any
 
 from purrsight.config import safe_yaml_load
 from purrsight.errors import UserError
+from purrsight.training.data_position import DataPosition, saved_position
 from purrsight.training.run_folder import LAST_NAME, step_checkpoints
 
 log = logging.getLogger(__name__)
@@ -62,25 +63,23 @@ def newest_checkpoint(folder: Path) -> tuple[Path, int] | None:
     return None
 
 
-def training_position(path: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(the training sampler's state, the saved run config) in a checkpoint.
+def training_position(path: Path) -> tuple[DataPosition | None, dict[str, Any]]:
+    """(the data position, the saved run config) in a checkpoint file.
 
     Memory-mapped: only the few small entries read here leave the disk, whatever the
-    checkpoint's size. The sampler state is None when the checkpoint holds none (saved at the
-    end of an epoch, or by a loader without one).
+    checkpoint's size. The position is None when the checkpoint holds none.
     """
     import torch
 
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    saved = state.get("purrsight", {}).get("config")
+    config = saved_config(state)
+    batch_size = int(config.get("data", {}).get("batch_size", 1))
+    accumulation = int(config.get("trainer", {}).get("accumulate_grad_batches", 1))
+    return saved_position(state, batch_size, accumulation), config
+
+
+def saved_config(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The run config a loaded checkpoint was trained with ({} when it holds none)."""
+    saved = checkpoint.get("purrsight", {}).get("config")
     config = safe_yaml_load(saved) if isinstance(saved, str) else {}
-    return sampler_state_in(state), (config if isinstance(config, dict) else {})
-
-
-def sampler_state_in(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-    """The training sampler's state inside a loaded checkpoint (the fit loop's loader state), or None."""
-    try:
-        sampler = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["_sampler_iter_state"]["sampler_state"]
-    except (KeyError, IndexError, TypeError):
-        return None
-    return sampler if isinstance(sampler, dict) else None
+    return config if isinstance(config, dict) else {}

@@ -1,4 +1,5 @@
-"""The DataModule: synthetic set on first use, the datasets (training.data_builder), stateful loaders."""
+"""The DataModule: synthetic set on first use, the datasets (training.data_builder), the loaders,
+and the training position (how far the job is in the epoch) that checkpoints keep."""
 
 from __future__ import annotations
 
@@ -6,15 +7,15 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import Dataset, Sampler
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, Sample
-from purrsight.data.sampler import GlobalPositionSampler, batches_done, resumed_position
-from purrsight.training.checkpoint_files import sampler_state_in
+from purrsight.data.sampler import GlobalPositionSampler, batches_done
+from purrsight.training.checkpoint_files import saved_config
 from purrsight.training.data_builder import build_datasets
+from purrsight.training.data_position import DataPosition, saved_position
+from purrsight.training.lightning_loops import drop_loader_states, set_batches_done
 from purrsight.training.synthetic_data import prepare_synthetic
 
 
@@ -26,6 +27,9 @@ class Phase2DataModule(pl.LightningDataModule):
         self.train_set: Dataset[Sample] | None = None
         self.val_set: Dataset[Sample] | None = None
         self.collator: Collator | None = None
+        self.train_sampler: GlobalPositionSampler | None = None
+        self._resume_at: DataPosition | None = None
+        self._taken = (-1, 0)  # (epoch, its micro-batches this process trained)
 
     def prepare_data(self) -> None:
         prepare_synthetic(self.config)
@@ -37,23 +41,18 @@ class Phase2DataModule(pl.LightningDataModule):
         built = build_datasets(self.config, world)
         self.train_set, self.val_set, self.collator = built.train, built.val, built.collator
 
-    def _loader(self, dataset: Dataset[Sample], shuffle: bool) -> StatefulDataLoader:
+    def _world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+
+    def _loader(self, dataset: Dataset[Sample], sampler: Sampler[int], shuffle: bool) -> DataLoader[Sample]:
         data = self.config.data
         trainer = self.trainer
-        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        # Our own distributed samplers (Lightning's injection is off): every rank sees a
-        # disjoint shard, reshuffled per epoch (Lightning calls set_epoch), and every rank
-        # takes the same number of steps. Training keeps the job's global position in the
-        # epoch (data/sampler.py), so a resume continues exactly, on any world size;
-        # validation starts over each time and pads the last shard like DistributedSampler.
-        sampler: Sampler[int]
-        if shuffle:
-            sampler = GlobalPositionSampler(len(dataset), world, rank, self.config.run.seed)  # type: ignore[arg-type]
-        else:
-            sampler = StatefulDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
         on_gpu = trainer is not None and trainer.strategy.root_device.type == "cuda"
         pin = on_gpu if data.pin_memory == "auto" else bool(data.pin_memory)
-        return StatefulDataLoader(
+        # A plain loader: the training position is counted by the trainer (count_trained_batch),
+        # not read from the loader, whose sampler runs ahead of training by the prefetched batches.
+        return DataLoader(
             dataset,
             batch_size=data.batch_size,
             sampler=sampler,
@@ -65,28 +64,75 @@ class Phase2DataModule(pl.LightningDataModule):
             generator=torch.Generator().manual_seed(self.config.run.seed),
         )
 
-    def align_epoch_progress(self, checkpoint: dict[str, Any]) -> None:
-        """Count the resumed epoch's done batches in this world's units, in the checkpoint's loop state.
+    def train_dataloader(self) -> DataLoader[Sample]:
+        assert self.train_set is not None, "setup() runs before the loaders are built"
+        # Our own distributed samplers (Lightning's injection is off): every rank sees a
+        # disjoint shard, reshuffled per epoch (Lightning calls set_epoch), and every rank
+        # takes the same number of steps. Training keeps the job's global position in the
+        # epoch (data/sampler.py), so a resume continues exactly, on any world size.
+        world, rank = self._world()
+        self.train_sampler = GlobalPositionSampler(len(self.train_set), world, rank, self.config.run.seed)  # type: ignore[arg-type]
+        if self._resume_at is not None:
+            at = self._resume_at
+            self.train_sampler.resume_at(at.epoch, at.consumed, at.world_size)
+        if self.trainer is not None:
+            # Lightning creates the loader's iterator before it sets the epoch, and with loader
+            # workers that iterator draws its first indices at once: the restored epoch's, not epoch 0's.
+            self.train_sampler.set_epoch(self.trainer.current_epoch)
+        return self._loader(self.train_set, self.train_sampler, shuffle=True)
+
+    # ------------------------------------------------------------------ training position
+
+    def count_trained_batch(self, epoch: int) -> None:
+        """Called as each training micro-batch starts (it is trained before any save can follow)."""
+        counted_epoch, count = self._taken
+        self._taken = (epoch, count + 1 if counted_epoch == epoch else 1)
+
+    def position(self) -> DataPosition:
+        """Where the job stands in its data now, for a checkpoint."""
+        world, _ = self._world()
+        data, trainer_cfg = self.config.data, self.config.trainer
+        epoch, trained = self._taken
+        sampler = self.train_sampler
+        if sampler is None or trained == 0:  # nothing trained by this process yet: where it started
+            at = self._resume_at
+            return at if at is not None else DataPosition(0, 0, world, data.batch_size, trainer_cfg.accumulate_grad_batches)
+        if trained >= sampler.pass_samples // data.batch_size:  # the epoch is over: the next starts at its beginning
+            epoch, consumed = epoch + 1, 0
+        else:
+            consumed = sampler.start + trained * data.batch_size * world
+        return DataPosition(epoch, consumed, world, data.batch_size, trainer_cfg.accumulate_grad_batches)
+
+    def resume_from(self, checkpoint: dict[str, Any]) -> None:
+        """Take the data position a checkpoint holds, and count its epoch's done batches in this run's units.
 
         Lightning restores its in-epoch batch count as saved and ends the epoch when the count
-        reaches len(loader). Saved on another world size, that count is in the other world's
-        batches: the epoch would end early (samples left out) or run past the sampler. Called from
-        the LightningModule's on_load_checkpoint, before Lightning restores its loops.
+        reaches len(loader); saved on another world size or batch size, that count is in the
+        other run's batches. It is derived again from the position, in whole optimizer steps:
+        the first step after the resume takes accumulate_grad_batches micro-batches, like every
+        other. Called from the LightningModule's on_load_checkpoint, before Lightning restores
+        its loops.
         """
-        state = sampler_state_in(checkpoint)
-        trainer = self.trainer
-        if state is None or self.train_set is None or trainer is None:
+        saved = saved_config(checkpoint)
+        batch_size = int(saved.get("data", {}).get("batch_size", self.config.data.batch_size))
+        accumulation = int(saved.get("trainer", {}).get("accumulate_grad_batches", 1))
+        position = saved_position(checkpoint, batch_size, accumulation)
+        drop_loader_states(checkpoint)
+        if position is None or self.train_set is None:
             return
-        consumed, _ = resumed_position(state, trainer.world_size)
-        done = batches_done(len(self.train_set), trainer.world_size, self.config.data.batch_size, consumed)  # type: ignore[arg-type]
-        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
-        shift = done - progress["ready"]
-        for counter in ("ready", "started", "processed", "completed"):  # their offsets to each other are kept
-            progress[counter] += shift
+        self._resume_at = position
+        world, _ = self._world()
+        size, batch = len(self.train_set), self.config.data.batch_size  # type: ignore[arg-type]
+        if position.epoch > int(checkpoint.get("epoch", 0)):
+            done = (size // world) // batch  # saved as its epoch ended: Lightning's restore moves on to the next
+        else:
+            done = batches_done(size, world, batch, position.consumed)
+            done -= done % self.config.trainer.accumulate_grad_batches
+        set_batches_done(checkpoint, done)
 
-    def train_dataloader(self) -> StatefulDataLoader:
-        assert self.train_set is not None, "setup() runs before the loaders are built"
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> StatefulDataLoader | list[Any]:
-        return self._loader(self.val_set, shuffle=False) if self.val_set is not None else []
+    def val_dataloader(self) -> DataLoader[Sample] | list[Any]:
+        if self.val_set is None:
+            return []
+        # Starts over each time; pads the last shard so every rank validates as many batches.
+        world, rank = self._world()
+        return self._loader(self.val_set, DistributedSampler(self.val_set, world, rank, shuffle=False), shuffle=False)

@@ -15,6 +15,7 @@ from purrsight.data.media import SampleError
 from purrsight.errors import UserError
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
+from purrsight.training.data_position import POSITION_KEY
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
 from purrsight.training.optim import build_optimizer, continue_schedule
@@ -72,6 +73,9 @@ class Phase2Module(pl.LightningModule):
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)  # this process's GPU; CUDA is initialised by now
+        datamodule = self._datamodule()
+        if datamodule is not None:
+            datamodule.count_trained_batch(self.current_epoch)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         assert self.model is not None
@@ -123,6 +127,9 @@ class Phase2Module(pl.LightningModule):
             "trainable_shapes": keep,
             "config": dump_config(self.config),
         }
+        datamodule = self._datamodule()
+        if datamodule is not None:
+            checkpoint[CHECKPOINT_META_KEY][POSITION_KEY] = datamodule.position().as_dict()
 
     def on_train_start(self) -> None:
         # A resume: the optimizer and its schedule were restored before this hook. A schedule
@@ -136,9 +143,14 @@ class Phase2Module(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         verify_checkpoint(checkpoint, self.fingerprint, self.trainable_shapes())
-        datamodule = getattr(self._trainer, "datamodule", None)  # set by fit(); absent when the module is used alone
-        if isinstance(datamodule, Phase2DataModule):  # a resume on another world size counts the epoch in its units
-            datamodule.align_epoch_progress(checkpoint)
+        datamodule = self._datamodule()
+        if datamodule is not None:
+            datamodule.resume_from(checkpoint)
+
+    def _datamodule(self) -> Phase2DataModule | None:
+        """The fit's DataModule (set by fit(); absent when the module is used alone)."""
+        datamodule = getattr(self._trainer, "datamodule", None)
+        return datamodule if isinstance(datamodule, Phase2DataModule) else None
 
 
 def verify_checkpoint(checkpoint: dict[str, Any], fingerprint: str, shapes: dict[str, list[int]]) -> None:

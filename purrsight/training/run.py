@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.strategies import Strategy
@@ -18,6 +17,7 @@ from purrsight.training import flight_recorder
 from purrsight.training.attempts import AttemptRecorder
 from purrsight.training.checkpoint_files import training_position
 from purrsight.training.checkpoints import CheckpointSaver
+from purrsight.training.data_position import DataPosition
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.module import Phase2Module
 from purrsight.training.preflight_callback import Preflight
@@ -30,27 +30,22 @@ from purrsight.training.trainer_builder import build_trainer, resolve_placement
 log = logging.getLogger(__name__)
 
 
-def global_batch_change(
-    sampler_state: dict[str, Any] | None, saved_config: dict[str, Any], config: Config, world: int
-) -> str | None:
+def global_batch_change(saved: DataPosition | None, config: Config, world: int) -> str | None:
     """A line naming a change of the global batch between a checkpoint and this start, or None.
 
     Samples per optimizer step = data.batch_size x accumulate_grad_batches x processes. The
     learning rate is not rescaled with it (no rule is applied): the line says so.
     """
-    saved_batch = saved_config.get("data", {}).get("batch_size")
-    saved_accumulation = saved_config.get("trainer", {}).get("accumulate_grad_batches", 1)
-    saved_world = (sampler_state or {}).get("world_size")
-    if saved_batch is None or saved_world is None:
-        return None  # saved before these were recorded: nothing to compare
-    before = int(saved_batch) * int(saved_accumulation) * int(saved_world)
+    if saved is None:
+        return None  # saved before any training: nothing to compare
     now = config.data.batch_size * config.trainer.accumulate_grad_batches * world
-    if before == now:
+    if saved.global_batch == now:
         return None
     return (
-        f"global batch {before} -> {now} samples per optimizer step (data.batch_size {saved_batch} -> {config.data.batch_size}, "
-        f"accumulate_grad_batches {saved_accumulation} -> {config.trainer.accumulate_grad_batches}, "
-        f"processes {saved_world} -> {world}); optim.lr is not rescaled ({config.optim.lr:g}): scale it yourself if you want a rule"
+        f"global batch {saved.global_batch} -> {now} samples per optimizer step (data.batch_size {saved.batch_size} -> "
+        f"{config.data.batch_size}, accumulate_grad_batches {saved.accumulation} -> {config.trainer.accumulate_grad_batches}, "
+        f"processes {saved.world_size} -> {world}); "
+        f"optim.lr is not rescaled ({config.optim.lr:g}): scale it yourself if you want a rule"
     )
 
 
@@ -106,7 +101,7 @@ def train(
     saver = CheckpointSaver(checkpoint_dir(config.run.run_dir), config.checkpoint.every_n_steps, config.checkpoint.keep_last)
     module = Phase2Module(config)
     if ckpt is not None and int(os.environ.get("RANK", "0")) == 0:
-        change = global_batch_change(*training_position(ckpt), config, int(os.environ.get("WORLD_SIZE", "1")))
+        change = global_batch_change(training_position(ckpt)[0], config, int(os.environ.get("WORLD_SIZE", "1")))
         if change:
             log.warning(change)
     data = Phase2DataModule(config)

@@ -16,6 +16,7 @@ from purrsight.config import Config
 from purrsight.placement import Placement, decide, from_launcher
 from purrsight.training.attempts import AttemptRecorder
 from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
+from purrsight.training.lightning_loops import check_layout
 from purrsight.training.loggers import build_loggers
 from purrsight.training.preflight_callback import Preflight
 from purrsight.training.profiling import StepProfiler
@@ -145,7 +146,7 @@ def build_trainer(
         callbacks.append(ProgressWatchdog(config.distributed.progress_timeout_s, run_dir, generation, on_fire))
     callbacks.append(StepBar(config.logging.every_n_steps) if bar else LineProgress(config.logging.every_n_steps))
     trainer_cfg = config.trainer
-    return pl.Trainer(
+    trainer = pl.Trainer(
         accelerator=placement.accelerator,
         devices=local,
         num_nodes=nodes,
@@ -170,3 +171,5 @@ def build_trainer(
         callbacks=callbacks,
         default_root_dir=str(run_dir),
     )
+    check_layout(trainer)  # a resume sets its loop counters: an upgrade that moved them stops here
+    return trainer

@@ -1,6 +1,6 @@
-"""Run by torchrun in test_train_ddp.py: train, recording each rank's sample ids, final weights,
-how many gradient all-reduces DDP issued (a counting comm hook around the default all-reduce),
-DDP's bucket size and the process group's timeout."""
+"""Run by torchrun in test_train_ddp.py: train, recording each rank's sample ids, the micro-batches
+each optimizer step took, final weights, how many gradient all-reduces DDP issued (a counting comm
+hook around the default all-reduce), DDP's bucket size and the process group's timeout."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ class Probe(pl.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.seen: list[tuple[int, list[str]]] = []
+        self.micro_batches: list[int] = []  # per optimizer step
+        self._since_step = 0
         self.allreduces = 0
         self.bucket_bytes = 0
         self.timeout_s = 0.0
@@ -44,11 +46,17 @@ class Probe(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.seen.append((trainer.current_epoch, list(batch["ids"])))
+        self._since_step += 1
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.micro_batches.append(self._since_step)
+        self._since_step = 0
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         weights = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
         probe = {"seen": self.seen, "weights": weights, "allreduces": self.allreduces, "bucket_bytes": self.bucket_bytes}
         probe["timeout_s"] = self.timeout_s
+        probe["micro_batches"] = self.micro_batches
         torch.save(probe, self.out / f"rank{trainer.global_rank}.pt")
 
 

@@ -1,6 +1,9 @@
 """Training from a prepared set on real ranks (torchrun, gloo): exact resume, and resumes on other world sizes.
 
-120 samples (the synthetic set's first 120), 4 per rank and step. Both tests resume from the
+120 samples (the synthetic set's first 120), 4 per rank and step, in the shipped real config's
+shape: 2 loader workers per rank and 2 micro-batches of 2 per optimizer step (the position is
+kept by the trainer, not read from the loader, whose sampler runs ahead of training by the
+prefetched batches, nor from Lightning's micro-batch counts). Both tests resume from the
 step-5 checkpoint of one uninterrupted 10-step run on 2 ranks, the periodic checkpoint a
 requeue finds. Epoch 0 is cut as a requeue onto other node counts would cut it: 5 steps on 2
 ranks (40 samples), 5 on 1 rank (20), then the remaining 60 on 3 ranks, 20 each; then the job
@@ -23,7 +26,7 @@ from purrsight.training.prepare import prepare
 from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, tiny_config, tiny_overrides
 
 PROBE = REPO / "tests" / "integration" / "ddp_probe.py"
-SAMPLES, BATCH = 120, 4
+SAMPLES, BATCH, ACCUMULATION, WORKERS = 120, 2, 2, 2
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +53,8 @@ def probed_run(
         data__train_index=index,
         data__prepared=folder,
         data__batch_size=BATCH,
+        data__num_workers=WORKERS,
+        trainer__accumulate_grad_batches=ACCUMULATION,
         trainer__val_every_n_steps=1000,
         checkpoint__every_n_steps=5,
         checkpoint__keep_last=10,
@@ -87,7 +92,7 @@ def test_resumes_on_one_then_three_then_one_rank_train_every_sample_of_each_epoc
     synthetic_dir: Path, prepared: tuple[Path, Path], uninterrupted: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     checkpoint, whole = uninterrupted
-    two = [{"seen": probe["seen"][:5]} for probe in whole]  # the 5 steps on 2 ranks before the checkpoint
+    two = [{"seen": probe["seen"][: 5 * ACCUMULATION]} for probe in whole]  # the 5 steps on 2 ranks before the checkpoint
     log_one, one = probed_run(1, tmp_path / "b", synthetic_dir, prepared, resume=str(checkpoint), trainer__max_steps=10)
     assert "resuming on 1 processes, saved on 2: epoch 0 continues at sample 40 of 120" in log_one
     assert "global batch 8 -> 4 samples per optimizer step" in log_one and "optim.lr is not rescaled" in log_one
@@ -104,8 +109,10 @@ def test_resumes_on_one_then_three_then_one_rank_train_every_sample_of_each_epoc
         twice = [sample for sample, count in Counter(taken).items() if count > 1]
         assert not twice, f"trained twice in epoch {epoch}: {twice}"
         assert set(taken) == every, f"left out of epoch {epoch}: {sorted(every - set(taken))}"
-    assert [len(p["seen"]) for p in three] == [7, 7, 7]  # 5 steps end epoch 0, then 2 steps of epoch 1
-    assert [epoch for epoch, _ in last[0]["seen"]] == [1] * 24 + [2] * 30 + [3]
+    assert [len(p["seen"]) for p in three] == [7 * ACCUMULATION] * 3  # 5 steps end epoch 0, then 2 steps of epoch 1
+    assert [epoch for epoch, _ in last[0]["seen"]] == [1] * 24 * ACCUMULATION + [2] * 30 * ACCUMULATION + [3] * ACCUMULATION
+    for probes in (one, three, last):  # every optimizer step after each resume took whole accumulations
+        assert all(probe["micro_batches"] == [ACCUMULATION] * len(probe["micro_batches"]) for probe in probes)
 
 
 def test_a_mid_epoch_resume_from_a_prepared_set_matches_an_uninterrupted_run(
@@ -115,6 +122,7 @@ def test_a_mid_epoch_resume_from_a_prepared_set_matches_an_uninterrupted_run(
     checkpoint, whole = uninterrupted
     _, resumed = probed_run(2, tmp_path / "resumed", synthetic_dir, prepared, resume=str(checkpoint), trainer__max_steps=10)
     for rank in (0, 1):
-        assert resumed[rank]["seen"] == whole[rank]["seen"][5:]
+        assert resumed[rank]["seen"] == whole[rank]["seen"][5 * ACCUMULATION :]
+        assert resumed[rank]["micro_batches"] == whole[rank]["micro_batches"][5:] == [ACCUMULATION] * 5
         for name, weight in whole[rank]["weights"].items():
             assert torch.allclose(resumed[rank]["weights"][name], weight, atol=1e-6, rtol=0), name

@@ -22,20 +22,22 @@ def test_a_fresh_epoch_is_distributed_samplers_order(size: int, world: int) -> N
 
 
 def take(samplers: list[GlobalPositionSampler], per_rank: int, epoch: int) -> tuple[list[int], dict[str, int]]:
-    """``per_rank`` samples from every rank (as lockstep DDP steps take them); what they were, rank 0's state."""
+    """``per_rank`` samples from every rank (as lockstep DDP steps take them); what they were, and the
+    position a checkpoint then records (the trainer's count: start + samples trained x ranks)."""
     taken = []
     for sampler in samplers:
         sampler.set_epoch(epoch)
         iterator = iter(sampler)
         taken += [next(iterator) for _ in range(per_rank)]
-    return taken, samplers[0].state_dict()
+    first = samplers[0]
+    return taken, {"epoch": epoch, "consumed": first.start + per_rank * first.num_replicas, "world_size": first.num_replicas}
 
 
 def world(size: int, count: int, state: dict[str, int] | None) -> list[GlobalPositionSampler]:
     samplers = [GlobalPositionSampler(size, count, rank, seed=7) for rank in range(count)]
     for sampler in samplers:
         if state is not None:
-            sampler.load_state_dict(state)
+            sampler.resume_at(state["epoch"], state["consumed"], state["world_size"])
     return samplers
 
 
@@ -66,20 +68,27 @@ def test_the_order_continues_exactly_as_one_uninterrupted_job() -> None:
         assert list(sampler) == whole[rank][10:]
 
 
-def test_a_state_saved_by_torchdatas_sampler_resumes_on_the_same_world_size() -> None:
-    size = 64
-    whole = list(GlobalPositionSampler(size, 2, 1, seed=3))
-    sampler = GlobalPositionSampler(size, 2, 1, seed=3)
-    sampler.load_state_dict({"yielded": 12})  # StatefulDistributedSampler's whole state
-    assert list(sampler) == whole[12:]
+def test_a_position_waits_for_its_epoch_and_is_dropped_after_it(caplog: pytest.LogCaptureFixture) -> None:
+    """Lightning iterates the loader once before it sets the resumed epoch: that pass must not
+    use up the position; a position of an epoch already past is dropped, with a warning."""
+    sampler = GlobalPositionSampler(32, 2, 0, seed=3)
+    sampler.resume_at(epoch=1, consumed=10, saved_world=2)
+    assert len(list(sampler)) == 16 and sampler.start == 0  # epoch 0, iterated early: the whole epoch
+    sampler.set_epoch(1)
+    assert len(list(sampler)) == 11 and sampler.start == 10 and sampler.pass_samples == 11
+    assert len(list(sampler)) == 16  # applied once: the next pass starts the epoch over
+    sampler.resume_at(epoch=0, consumed=30, saved_world=2)
+    with caplog.at_level("WARNING", logger="purrsight.data.sampler"):
+        assert len(list(sampler)) == 16
+    assert "sampler position in epoch 0 ignored in epoch 1" in caplog.text
 
 
 def test_the_next_epoch_starts_from_its_beginning() -> None:
     sampler = GlobalPositionSampler(32, 2, 0, seed=3)
-    sampler.load_state_dict({"epoch": 0, "consumed": 30, "world_size": 2})
+    sampler.resume_at(epoch=0, consumed=30, saved_world=2)
     assert len(list(sampler)) == 1
     sampler.set_epoch(1)
-    assert len(list(sampler)) == 16 and sampler.state_dict()["consumed"] == 32
+    assert len(list(sampler)) == 16 and sampler.start == 0 and sampler.pass_samples == 16
 
 
 @pytest.mark.parametrize(("size", "world", "batch", "consumed"), [(120, 1, 4, 40), (120, 3, 4, 60), (130, 3, 8, 0), (97, 4, 5, 64)])
@@ -96,8 +105,8 @@ def world_at(size: int, count: int, consumed: int) -> list[GlobalPositionSampler
 def test_a_change_of_world_size_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     sampler = GlobalPositionSampler(64, 1, 0, seed=3)
     with caplog.at_level("WARNING", logger="purrsight.data.sampler"):
-        sampler.load_state_dict({"epoch": 0, "consumed": 20, "world_size": 2})
-        GlobalPositionSampler(64, 2, 0, seed=3).load_state_dict({"epoch": 0, "consumed": 20, "world_size": 2})  # same world: quiet
+        sampler.resume_at(epoch=0, consumed=20, saved_world=2)
+        GlobalPositionSampler(64, 2, 0, seed=3).resume_at(epoch=0, consumed=20, saved_world=2)  # same world: quiet
     assert [r.getMessage() for r in caplog.records] == [
         "resuming on 1 processes, saved on 2: epoch 0 continues at sample 20 of 64, "
         "every rank's shard derived from that position (no sample repeated or left out)"

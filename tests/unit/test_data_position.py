@@ -1,0 +1,80 @@
+"""The data position in our checkpoint entry, and Lightning's loop counters derived from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+
+from purrsight.config import dump_config, load_config
+from purrsight.training.data_position import DataPosition, PositionError, saved_position
+from purrsight.training.datamodule import Phase2DataModule
+from purrsight.training.lightning_loops import BATCH_PROGRESS, LightningLayoutError, check_layout, set_batches_done
+from tests.helpers import DEFAULT_CONFIG
+
+
+def checkpoint_with(current_ready: int, epoch: int = 0, **purrsight: Any) -> dict[str, Any]:
+    """The parts of a Lightning checkpoint saved at a training batch's end that a resume reads."""
+    current = {"ready": current_ready, "started": current_ready, "processed": current_ready, "completed": current_ready - 1}
+    return {"epoch": epoch, "purrsight": purrsight, "loops": {"fit_loop": {"state_dict": {}, BATCH_PROGRESS: {"current": current}}}}
+
+
+def test_the_installed_lightning_keeps_the_counters_a_resume_sets() -> None:
+    """Fails on a Lightning upgrade that moves them: the start would stop with LightningLayoutError."""
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    check_layout(trainer)
+    checkpoint = checkpoint_with(10)
+    set_batches_done(checkpoint, 4)
+    assert checkpoint["loops"]["fit_loop"][BATCH_PROGRESS]["current"] == {"ready": 4, "started": 4, "processed": 4, "completed": 3}
+
+
+def test_a_checkpoint_without_the_counters_is_one_clear_error() -> None:
+    with pytest.raises(LightningLayoutError, match=r"pytorch_lightning .* keeps no fit-loop batch counters at .*install the version"):
+        set_batches_done({"loops": {"fit_loop": {}}}, 3)
+
+
+def test_positions_round_trip_and_refuse_nonsense() -> None:
+    position = DataPosition(epoch=2, consumed=40, world_size=4, batch_size=8, accumulation=4)
+    assert DataPosition.from_dict(position.as_dict()) == position and position.global_batch == 128
+    for bad in ({"epoch": 0}, {**position.as_dict(), "world_size": 0}, "consumed=3"):
+        with pytest.raises(PositionError):
+            DataPosition.from_dict(bad)
+
+
+def test_checkpoints_of_the_landed_main_give_their_position() -> None:
+    """Before this entry the position lay in torchdata's loader state: in the training sampler's own
+    state without loader workers (exact), inside a worker snapshot with them (then the fit loop's
+    batch count, in the saving world's units, is the position)."""
+    in_process = checkpoint_with(5)
+    sampler = {"epoch": 0, "consumed": 40, "world_size": 2}
+    in_process["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"_sampler_iter_state": {"sampler_state": sampler}}]
+    assert saved_position(in_process, batch_size=4, accumulation=1) == DataPosition(0, 40, 2, 4, 1)
+    with_workers = checkpoint_with(6, epoch=1)
+    snapshot = {"_snapshot": {"_main_snapshot": {"_sampler_iter_state": {"sampler_state": {**sampler, "consumed": 64}}}}}
+    with_workers["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [snapshot]
+    assert saved_position(with_workers, batch_size=2, accumulation=2) == DataPosition(1, 6 * 2 * 2, 2, 2, 2)
+    assert saved_position(checkpoint_with(3), batch_size=2, accumulation=1) is None  # nothing recorded at all
+
+
+@pytest.mark.parametrize(
+    ("saved", "epoch", "done"),
+    [
+        (DataPosition(0, 40, 2, 2, 2), 0, 20),  # 40 samples on 1 rank in batches of 2: 10 steps of 2
+        (DataPosition(0, 42, 3, 2, 1), 0, 20),  # 21 batches done: the step boundary comes first (20)
+        (DataPosition(1, 0, 2, 2, 2), 0, 60),  # saved as epoch 0 ended: Lightning counts the whole epoch
+    ],
+)
+def test_a_resume_counts_done_batches_in_this_runs_units_and_whole_steps(saved: DataPosition, epoch: int, done: int) -> None:
+    """One rank, batches of 2, 2 micro-batches per optimizer step, 120 samples: 60 batches an epoch."""
+    config = load_config(DEFAULT_CONFIG, ["data.batch_size=2", "trainer.accumulate_grad_batches=2"], check_paths=False)
+    data = Phase2DataModule(config)
+    data.train_set = list(range(120))  # type: ignore[assignment]  # only its length is read
+    checkpoint = checkpoint_with(7, epoch, position=saved.as_dict(), config=dump_config(config))
+    checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"an earlier version's": "loader state"}]
+    data.resume_from(checkpoint)
+    assert checkpoint["loops"]["fit_loop"][BATCH_PROGRESS]["current"]["ready"] == done
+    assert "combined_loader" not in checkpoint["loops"]["fit_loop"]["state_dict"]  # today's loaders take none
+    sampler = data.train_dataloader().sampler
+    sampler.set_epoch(saved.epoch)  # type: ignore[attr-defined]
+    assert len(list(sampler)) == 120 - saved.consumed  # type: ignore[arg-type]
