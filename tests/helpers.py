@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,6 +64,38 @@ def fault_env(fault: str, environ: dict[str, str] | None = None) -> dict[str, st
     """Variables that plant ``fault`` in every Python process of a job (tests/fault_injection/sitecustomize.py)."""
     path = (environ if environ is not None else os.environ).get("PYTHONPATH", "")
     return {"PURRSIGHT_TEST_FAULT": fault, "PYTHONPATH": os.pathsep.join(p for p in (str(FAULT_INJECTION), str(REPO), path) if p)}
+
+
+def record_samples_env(folder: Path, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Variables that make every training process of a job record the samples it trains and the
+    micro-batches of each optimizer step into ``folder`` (tests/fault_injection/sitecustomize.py)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = (environ if environ is not None else os.environ).get("PYTHONPATH", "")
+    paths = os.pathsep.join(p for p in (str(FAULT_INJECTION), str(REPO), path) if p)
+    return {"PURRSIGHT_TEST_RECORD_SAMPLES": str(folder), "PYTHONPATH": paths}
+
+
+def check_every_sample_once(folder: Path, every_id: set[str], epochs: int, accumulation: int) -> None:
+    """Across every process that recorded into ``folder``: each of the first ``epochs`` epochs
+    trained every id once, and every optimizer step took ``accumulation`` micro-batches.
+
+    For jobs whose every attempt ended at a checkpoint (a stop, a requeue), so nothing recorded
+    was trained again after a resume, and whose set divides into whole global batches (no
+    epoch's tail is left out by design).
+    """
+    by_epoch: dict[int, list[str]] = {}
+    for path in sorted(folder.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "ids" in record:
+                by_epoch.setdefault(record["epoch"], []).extend(record["ids"])
+            else:
+                assert record["micro_batches"] == accumulation, f"step {record['step']} in {path.name}: {record}"
+    for epoch in range(epochs):
+        taken = by_epoch.get(epoch, [])
+        twice = sorted(sample for sample, count in Counter(taken).items() if count > 1)
+        assert not twice, f"trained twice in epoch {epoch}: {twice}"
+        assert set(taken) == every_id, f"left out of epoch {epoch}: {sorted(every_id - set(taken))}"
 
 
 def launcher_env(log_dir: Path, **extra: str) -> dict[str, str]:

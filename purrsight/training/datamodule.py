@@ -3,6 +3,8 @@ and the training position (how far the job is in the epoch) that checkpoints kee
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 from typing import Any
 
 import pytorch_lightning as pl
@@ -17,6 +19,14 @@ from purrsight.training.data_builder import build_datasets
 from purrsight.training.data_position import DataPosition, saved_position
 from purrsight.training.lightning_loops import drop_loader_states, set_batches_done
 from purrsight.training.synthetic_data import prepare_synthetic
+
+
+def _worker_start() -> multiprocessing.context.BaseContext:
+    """Loader workers forked from a fork server that imported the data stack once (not this process)."""
+    context = multiprocessing.get_context("forkserver")
+    # Imported once by the server, so each worker only unpickles its dataset (tokenizer, decoders).
+    context.set_forkserver_preload(["purrsight.data.dataset", "purrsight.data.prepared", "transformers"])
+    return context
 
 
 class Phase2DataModule(pl.LightningDataModule):
@@ -60,6 +70,11 @@ class Phase2DataModule(pl.LightningDataModule):
             num_workers=data.num_workers,
             pin_memory=pin,
             persistent_workers=data.num_workers > 0,
+            # Workers start from a fork server, not by forking this process: by the time the loader
+            # starts them the trainer runs threads (gloo's, the watchdog's, the progress publisher's),
+            # and a fork while one of them holds an interpreter lock leaves the worker hung for ever
+            # (seen: Python 3.11's PyOS_AfterFork_Child waiting on the thread-state lock).
+            multiprocessing_context=_worker_start() if data.num_workers > 0 else None,
             drop_last=shuffle,
             generator=torch.Generator().manual_seed(self.config.run.seed),
         )

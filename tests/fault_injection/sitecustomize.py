@@ -14,12 +14,18 @@ Faults (``PURRSIGHT_TEST_FAULT``):
   mid-save. First worker generation only (restarted workers must be able to finish).
 - ``preflight_delay:RANK:SECONDS``: that rank's local work in the preflight takes SECONDS
   longer, a planted straggler.
+
+Not a fault but a witness, planted the same way: ``PURRSIGHT_TEST_RECORD_SAMPLES=DIR`` makes
+every training process append what it trains to ``DIR/<host>-<pid>-rank<R>.jsonl``: one
+``{"epoch", "ids"}`` line per micro-batch as it starts and one ``{"step", "micro_batches"}``
+line per optimizer step (tests/helpers.py reads them back).
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import json
 import os
 import signal
 import sys
@@ -29,6 +35,7 @@ from types import ModuleType
 from typing import Any
 
 FAULT = os.environ.get("PURRSIGHT_TEST_FAULT", "")
+RECORD_SAMPLES = os.environ.get("PURRSIGHT_TEST_RECORD_SAMPLES", "")
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):
@@ -91,6 +98,36 @@ def _preflight_delay(rank: str, seconds: str) -> Callable[[ModuleType], None]:
 
     return patch
 
+
+def _record_samples(folder: str) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        cls = module.Phase2Module
+        batch_start = cls.on_train_batch_start
+        state: dict[str, Any] = {"sink": None, "since_step": 0}
+
+        def write(self: Any, record: dict[str, Any]) -> None:
+            if state["sink"] is None:
+                name = f"{os.uname().nodename}-{os.getpid()}-rank{self.global_rank}.jsonl"
+                state["sink"] = open(os.path.join(folder, name), "a", buffering=1)  # noqa: SIM115  # open for the process's life
+            state["sink"].write(json.dumps(record) + "\n")
+
+        def recording_batch_start(self: Any, batch: Any, batch_idx: int) -> None:
+            write(self, {"epoch": self.current_epoch, "ids": list(batch["ids"])})
+            state["since_step"] += 1
+            batch_start(self, batch, batch_idx)
+
+        def recording_before_optimizer_step(self: Any, optimizer: Any) -> None:
+            write(self, {"step": self.trainer.global_step + 1, "micro_batches": state["since_step"]})
+            state["since_step"] = 0
+
+        cls.on_train_batch_start = recording_batch_start
+        cls.on_before_optimizer_step = recording_before_optimizer_step
+
+    return patch
+
+
+if RECORD_SAMPLES:
+    sys.meta_path.insert(0, PatchOnImport("purrsight.training.module", _record_samples(RECORD_SAMPLES)))
 
 if FAULT:
     kind, _, arguments = FAULT.partition(":")
