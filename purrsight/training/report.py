@@ -8,6 +8,7 @@ attempt's record (effective training time, attempts.py) and the hangs the watchd
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import matplotlib
@@ -17,6 +18,8 @@ import matplotlib.pyplot as plt  # imported after the backend is chosen
 
 from purrsight.training.attempts import plot_timeline, read_attempts, summarize, summary_lines
 from purrsight.training.run_folder import HANGS_LOG
+from purrsight.training.tracker_sender import Lost
+from purrsight.training.trackers import LEDGER_NAME
 
 
 def _read(path: Path) -> list[dict[str, str]]:
@@ -45,6 +48,21 @@ def _plot(path: Path, title: str, ylabel: str, curves: dict[str, tuple[list[floa
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+def _lost_tracker_points(run_dir: Path) -> list[str]:
+    """A section naming what a tracker server never received (trackers.json, written by the sender)."""
+    ledger = run_dir / LEDGER_NAME
+    if not ledger.is_file():
+        return []
+    lost = [(name, entry["lost"]) for name, entry in json.loads(ledger.read_text()).items() if entry.get("lost")]
+    if not lost:
+        return []
+    lines = ["", "## Tracker points never delivered", ""]
+    for name, entry in lost:
+        item = Lost(int(entry["count"]), entry.get("first_step"), entry.get("last_step"))
+        lines.append(f"- {name}: {item} never reached the server; metrics/metrics.csv holds every point")
+    return lines
 
 
 def write_report(run_dir: Path, preflight_table: str | None = None) -> Path:
@@ -87,6 +105,7 @@ def write_report(run_dir: Path, preflight_table: str | None = None) -> Path:
     hangs = run_dir / HANGS_LOG
     if hangs.is_file():
         lines += ["", "## Hangs the watchdog named", "", "```", hangs.read_text().rstrip(), "```"]
+    lines += _lost_tracker_points(run_dir)
     if preflight_table:
         lines += ["", "## Preflight all-reduce", "", "```", preflight_table, "```"]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots if p is not None]

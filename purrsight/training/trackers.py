@@ -15,17 +15,21 @@ leave a week-long run's dashboard one checkpoint interval behind, which is the t
 whole point.
 
 - MLflow keeps every point it is sent (a second point at the same step). The ledger keeps
-  the highest step sent, and which metrics were sent at it; a point below it, or a metric
-  already sent at it, is not sent again. Points are sent synchronously, so the ledger is
-  true: it is written before a point is sent, and a kill between the two loses that one
-  point from the tracker instead of sending it twice.
+  the highest step the server acknowledged, and which metrics it acknowledged at it; a point
+  below it, or a metric already acknowledged at it, is not sent again. Points are sent from a
+  thread of their own (tracker_sender.py): training never waits for the server, a dead server
+  costs no step, and what was queued during an outage is sent when it is back (within the
+  queue's bound) or named as lost in the log, in ``trackers.json`` and in the run report. A
+  point is recorded in the ledger after the server acknowledged it: a kill between the two can
+  send that one point twice after the restart, never lose it.
 - W&B skips by itself: its step is the training step here, and it drops a step lower than
   one the run has. A killed W&B process loses what it had not yet written to its file, so
   a ledger could claim points W&B never kept; W&B's own rule keeps exactly what arrived.
-  It writes its file every second here (W&B's default is 15 s).
+  It writes its file every second here (W&B's default is 15 s); its own service process does
+  the network, so its calls stay on the training thread.
 
-A tracker that cannot be reached while
-training is warned about and skipped; training goes on (the CSV keeps every point).
+A tracker that cannot be reached while training is warned about (every 20 failures) and
+retried; training goes on (the CSV keeps every point).
 """
 
 from __future__ import annotations
@@ -45,11 +49,14 @@ from pytorch_lightning.utilities import rank_zero_only
 from purrsight.atomic_file import write_json_atomically
 from purrsight.config import Config, ConfigError
 from purrsight.training.step_numbering import RunStepNumbering
+from purrsight.training.tracker_sender import WARN_EVERY_N_FAILURES, BackgroundSender, Call, Lost
 
 log = logging.getLogger(__name__)
 
 LEDGER_NAME = "trackers.json"
-WARN_EVERY_N_FAILURES = 100  # a tracker down for hours must not flood the log
+# The MLflow client's own retries (exponential, minutes) and timeout, for the sender's calls:
+# retrying is the sender's job, and a call must give up soon enough for a stop to be prompt.
+SENDER_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
 
 class TrackerLedger:
@@ -69,6 +76,9 @@ class TrackerLedger:
         self.run_id: str | None = entry.get("run_id")
         self.through_step: int = entry.get("through_step", -1)
         self.keys_at_step: set[str] = set(entry.get("keys_at_step", []))
+        self.lost = Lost(**entry.get("lost", {}))
+        # Queued in this process but not yet acknowledged: never queued twice, never recorded early.
+        self._claimed_step, self._claimed_keys = self.through_step, set(self.keys_at_step)
 
     def _read(self) -> dict[str, Any]:
         if not self.path.is_file():
@@ -82,6 +92,7 @@ class TrackerLedger:
             "run_id": self.run_id,
             "through_step": self.through_step,
             "keys_at_step": sorted(self.keys_at_step),
+            **({"lost": self.lost.as_dict()} if self.lost.count else {}),
         }
         write_json_atomically(self.path, ledger)
 
@@ -90,31 +101,52 @@ class TrackerLedger:
         self._write()
 
     def unsent(self, metrics: Mapping[str, Any], step: int) -> dict[str, Any]:
-        """The points of ``metrics`` at ``step`` that were never sent, recorded as sent."""
-        if step < self.through_step:
+        """The points of ``metrics`` at ``step`` neither acknowledged nor queued yet; now counted as queued."""
+        if step < self._claimed_step:
             return {}
+        if step > self._claimed_step:
+            self._claimed_step, self._claimed_keys = step, set()
+        fresh = {key: value for key, value in metrics.items() if key not in self._claimed_keys}
+        self._claimed_keys.update(fresh)
+        return fresh
+
+    def acknowledge(self, metrics: Mapping[str, Any], step: int) -> None:
+        """The server took these points: a restart will not send them again."""
+        if step < self.through_step:
+            return
         if step > self.through_step:
             self.through_step, self.keys_at_step = step, set()
-        fresh = {key: value for key, value in metrics.items() if key not in self.keys_at_step}
-        if fresh:
-            self.keys_at_step.update(fresh)
-            self._write()
-        return fresh
+        self.keys_at_step.update(metrics)
+        self._write()
+
+    def record_lost(self, lost: Lost) -> None:
+        """Points this attempt could not deliver, added to the run's count (the run report shows it)."""
+        self.lost.add_all(lost)
+        self._write()
 
 
 class _SendEachStepOnce:
-    """Mixin for a tracker logger: skips what a restart logs again; a tracker error is a warning, not a crash."""
+    """Mixin for a tracker logger: skips what a restart logs again; a tracker error is a warning, not a crash.
+
+    With a ``sender`` (set on rank 0 by ``attach``) the calls go through its thread; without
+    one (W&B) they are made here.
+    """
+
+    ledger: TrackerLedger
+    sender: BackgroundSender | None = None
+    _failures = 0
 
     def _unsent(self, metrics: Mapping[str, float], step: int) -> dict[str, float]:
         return self.ledger.unsent(metrics, step)
-
-    ledger: TrackerLedger
-    _failures = 0
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         fresh = dict(metrics) if step is None else self._unsent(metrics, step)
         if not fresh:
+            return
+        if self.sender is not None:
+            acknowledge = None if step is None else (lambda: self.ledger.acknowledge(fresh, step))
+            self.sender.put(Call(lambda: self._send(fresh, step), step, acknowledge))
             return
         try:
             self._send(fresh, step)
@@ -131,6 +163,20 @@ class _SendEachStepOnce:
 
     def _send(self, metrics: Mapping[str, float], step: int | None) -> None:
         super().log_metrics(metrics, step)  # type: ignore[misc]  # the Lightning logger this is mixed into
+
+    def close_sender(self) -> None:
+        """Wait a bounded time for the queued calls; name and record what never reached the server."""
+        if self.sender is None:
+            return
+        lost = self.sender.close()
+        self.sender = None
+        if lost.count:
+            log.warning(
+                "%s: %s never reached the server before the run ended; metrics/metrics.csv keeps them",
+                self.ledger.tracker,
+                lost,
+            )
+            self.ledger.record_lost(lost)
 
 
 def flat_params(value: Any, prefix: str = "") -> dict[str, str]:
@@ -186,8 +232,19 @@ class RunMLflowLogger(RunStepNumbering, _SendEachStepOnce, MLFlowLogger):
         if not continuing:
             self.ledger.remember_run(run_id)
             self.log_hyperparams(self._params)
+        for name, value in SENDER_HTTP.items():
+            os.environ.setdefault(name, value)  # a user's own setting wins: it only affects the sender's thread
+        self.sender = BackgroundSender("mlflow")
         state = "continued" if continuing else "new"
         return f"MLflow run {run_id} ({state}) in experiment {self._experiment_name} at {self._tracking_uri}"
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        """Mark the run ended after the queued points, from the sender's thread (a dead server must not hold the end)."""
+        if self.sender is None:
+            super().finalize(status)
+        else:
+            self.sender.put(Call(lambda: MLFlowLogger.finalize(self, status), None))
 
 
 def wandb_settings() -> Any:
@@ -245,6 +302,8 @@ def close_trackers(loggers: list[Logger]) -> None:
     for logger in loggers:
         if isinstance(logger, RunWandbLogger):
             logger.close()
+        if isinstance(logger, _SendEachStepOnce):
+            logger.close_sender()
 
 
 def require(package: str, setting: str, extra: str) -> None:

@@ -11,18 +11,23 @@ from purrsight.config import ConfigError
 from purrsight.training.trackers import TrackerLedger, flat_params, require
 
 
-def test_a_restart_skips_the_points_already_sent_and_sends_the_rest(tmp_path: Path) -> None:
+def test_a_restart_skips_the_points_the_server_acknowledged_and_sends_the_rest(tmp_path: Path) -> None:
     first = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")
     first.remember_run("run-1")
     for step in (1, 2, 3):
-        assert first.unsent({"train/loss": 1.0, "epoch": 0}, step) == {"train/loss": 1.0, "epoch": 0}
+        fresh = first.unsent({"train/loss": 1.0, "epoch": 0}, step)
+        assert fresh == {"train/loss": 1.0, "epoch": 0}
+        assert first.unsent({"train/loss": 1.0}, step) == {}  # queued once in this process
+        first.acknowledge(fresh, step)
     assert first.unsent({"val/loss": 2.0, "epoch": 0}, 3) == {"val/loss": 2.0}  # same step, a metric not yet there
+    first.acknowledge({"val/loss": 2.0}, 3)
+    assert first.unsent({"train/loss": 1.0}, 4) == {"train/loss": 1.0}  # queued, never acknowledged: the server never took it
 
     again = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")  # the restarted process, resumed at step 1
     assert again.run_id == "run-1"
     assert again.unsent({"train/loss": 9.0}, 2) == {}
     assert again.unsent({"train/loss": 9.0, "val/loss": 9.0, "val/accuracy": 0.5}, 3) == {"val/accuracy": 0.5}
-    assert again.unsent({"train/loss": 9.0}, 4) == {"train/loss": 9.0}
+    assert again.unsent({"train/loss": 9.0}, 4) == {"train/loss": 9.0}  # step 4 was queued, not acknowledged: sent again
 
 
 def test_another_target_is_another_run_and_the_other_tracker_is_kept(tmp_path: Path) -> None:

@@ -1,0 +1,87 @@
+"""The tracker's sender thread (purrsight/training/tracker_sender.py): training never waits for it.
+
+The "server" here is a function that fails, hangs or answers as each test needs; the real
+MLflow server dying and coming back is tests/faults/test_tracker_outage.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from purrsight.training.tracker_sender import BackgroundSender, Call
+
+
+class Server:
+    def __init__(self) -> None:
+        self.up = threading.Event()
+        self.received: list[int] = []
+
+    def call(self, step: int) -> Call:
+        def send() -> None:
+            if not self.up.is_set():
+                raise ConnectionError("connection refused")
+            self.received.append(step)
+
+        return Call(send, step)
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_points_queued_during_an_outage_are_sent_in_order_once_the_server_is_back() -> None:
+    server = Server()
+    sender = BackgroundSender("test", retry_first_s=0.05)
+    acknowledged: list[int] = []
+    started = time.monotonic()
+    for step in range(1, 101):
+        call = server.call(step)
+        call.on_sent = lambda step=step: acknowledged.append(step)  # type: ignore[misc]
+        sender.put(call)
+    assert time.monotonic() - started < 1.0  # queued, not sent: the caller never waited for the server
+    assert wait_until(lambda: sender.failures >= 2) and server.received == []
+    server.up.set()
+    assert wait_until(lambda: len(server.received) == 100)
+    assert server.received == acknowledged == list(range(1, 101))
+    assert sender.close().count == 0
+
+
+def test_a_full_queue_drops_the_oldest_and_counts_them_lost() -> None:
+    server = Server()
+    sender = BackgroundSender("test", capacity=10, retry_first_s=0.05)
+    for step in range(1, 31):
+        sender.put(server.call(step))
+    assert sender.lost.count == 20 and (sender.lost.first_step, sender.lost.last_step) == (1, 20)
+    server.up.set()
+    assert wait_until(lambda: len(server.received) == 10)
+    assert server.received == list(range(21, 31))
+
+
+def test_close_during_an_outage_gives_up_after_one_more_try_and_names_what_is_lost() -> None:
+    server = Server()
+    sender = BackgroundSender("test", retry_first_s=60)  # would wait a minute before its next try
+    for step in (5, 6, 7):
+        sender.put(server.call(step))
+    assert wait_until(lambda: sender.failures >= 1)
+    started = time.monotonic()
+    lost = sender.close(timeout_s=30)
+    assert time.monotonic() - started < 5  # one more try, not the 30 s nor the minute's backoff
+    assert (lost.count, lost.first_step, lost.last_step) == (3, 5, 7) and str(lost) == "3 calls (steps 5-7)"
+
+
+def test_close_waits_a_bounded_time_for_a_server_that_hangs() -> None:
+    """A call that never returns (a server that accepts and never answers) holds only the sender's thread."""
+    hang = threading.Event()
+    sender = BackgroundSender("test")
+    sender.put(Call(hang.wait, 1))
+    sender.put(Call(lambda: None, 2))
+    started = time.monotonic()
+    lost = sender.close(timeout_s=0.5)
+    assert 0.4 < time.monotonic() - started < 3 and lost.count == 2
+    hang.set()
