@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
-from purrsight.config import safe_yaml_load
 from purrsight.errors import UserError
 from purrsight.training.data_position import DataPosition, saved_position
 from purrsight.training.run_folder import LAST_NAME, step_checkpoints
@@ -63,23 +61,12 @@ def newest_checkpoint(folder: Path) -> tuple[Path, int] | None:
     return None
 
 
-def training_position(path: Path) -> tuple[DataPosition | None, dict[str, Any]]:
-    """(the data position, the saved run config) in a checkpoint file.
+def training_position(path: Path) -> DataPosition | None:
+    """The data position in a checkpoint file (None when it holds none).
 
     Memory-mapped: only the few small entries read here leave the disk, whatever the
-    checkpoint's size. The position is None when the checkpoint holds none.
+    checkpoint's size.
     """
     import torch
 
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    config = saved_config(state)
-    batch_size = int(config.get("data", {}).get("batch_size", 1))
-    accumulation = int(config.get("trainer", {}).get("accumulate_grad_batches", 1))
-    return saved_position(state, batch_size, accumulation), config
-
-
-def saved_config(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The run config a loaded checkpoint was trained with ({} when it holds none)."""
-    saved = checkpoint.get("purrsight", {}).get("config")
-    config = safe_yaml_load(saved) if isinstance(saved, str) else {}
-    return config if isinstance(config, dict) else {}
+    return saved_position(torch.load(path, map_location="cpu", weights_only=True, mmap=True))

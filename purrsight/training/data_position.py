@@ -17,6 +17,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from purrsight.config import safe_yaml_load
 from purrsight.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -55,27 +56,29 @@ class DataPosition:
         return position
 
 
-def saved_position(checkpoint: dict[str, Any], batch_size: int, accumulation: int) -> DataPosition | None:
-    """The data position a loaded checkpoint holds; None when it holds none (no training yet).
-
-    ``batch_size`` and ``accumulation`` are the saved run's (its config): they only fill the
-    shape of a position derived from a checkpoint written before positions were recorded.
-    """
+def saved_position(checkpoint: dict[str, Any]) -> DataPosition | None:
+    """The data position a loaded checkpoint holds; None when it holds none (no training yet)."""
     meta = checkpoint.get("purrsight")
     if isinstance(meta, dict) and POSITION_KEY in meta:
         return DataPosition.from_dict(meta[POSITION_KEY])
-    return _position_before_this_entry(checkpoint, batch_size, accumulation)
+    return _position_before_this_entry(checkpoint)
 
 
-def _position_before_this_entry(checkpoint: dict[str, Any], batch_size: int, accumulation: int) -> DataPosition | None:
+def _position_before_this_entry(checkpoint: dict[str, Any]) -> DataPosition | None:
     """The position in a checkpoint of a PurrSight that kept it in the loader's state.
 
     Those wrote it into torchdata's StatefulDataLoader state, inside Lightning's loop state.
     Without loader workers the training sampler's own state is there, exact. With workers it
     was a snapshot taken ahead of training; then the fit loop's count of the epoch's batches,
     in the saving world's units, gives the position (exact unless that epoch had already
-    changed world size, which with workers those versions miscounted anyway).
+    changed world size, which with workers those versions miscounted anyway). The batch shape
+    comes from the run config saved beside it.
     """
+    saved = checkpoint.get("purrsight", {}).get("config")
+    config = safe_yaml_load(saved) if isinstance(saved, str) else {}
+    config = config if isinstance(config, dict) else {}
+    batch_size = int(config.get("data", {}).get("batch_size", 1))
+    accumulation = int(config.get("trainer", {}).get("accumulate_grad_batches", 1))
     loops = checkpoint.get("loops", {}).get("fit_loop", {})
     loader_states = loops.get("state_dict", {}).get("combined_loader") or [{}]
     in_process = loader_states[0].get("_sampler_iter_state", {}).get("sampler_state")  # no loader workers

@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, Sample
 from purrsight.data.sampler import GlobalPositionSampler, batches_done
-from purrsight.training.checkpoint_files import saved_config
 from purrsight.training.data_builder import build_datasets
 from purrsight.training.data_position import DataPosition, saved_position
 from purrsight.training.lightning_loops import drop_loader_states, set_batches_done
@@ -47,8 +46,7 @@ class Phase2DataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        world = self.trainer.world_size if self.trainer is not None else 1
-        built = build_datasets(self.config, world)
+        built = build_datasets(self.config, self._world()[0])
         self.train_set, self.val_set, self.collator = built.train, built.val, built.collator
 
     def _world(self) -> tuple[int, int]:
@@ -128,10 +126,7 @@ class Phase2DataModule(pl.LightningDataModule):
         other. Called from the LightningModule's on_load_checkpoint, before Lightning restores
         its loops.
         """
-        saved = saved_config(checkpoint)
-        batch_size = int(saved.get("data", {}).get("batch_size", self.config.data.batch_size))
-        accumulation = int(saved.get("trainer", {}).get("accumulate_grad_batches", 1))
-        position = saved_position(checkpoint, batch_size, accumulation)
+        position = saved_position(checkpoint)
         drop_loader_states(checkpoint)
         if position is None or self.train_set is None:
             return

@@ -101,7 +101,7 @@ def train(
     saver = CheckpointSaver(checkpoint_dir(config.run.run_dir), config.checkpoint.every_n_steps, config.checkpoint.keep_last)
     module = Phase2Module(config)
     if ckpt is not None and int(os.environ.get("RANK", "0")) == 0:
-        change = global_batch_change(training_position(ckpt)[0], config, int(os.environ.get("WORLD_SIZE", "1")))
+        change = global_batch_change(training_position(ckpt), config, int(os.environ.get("WORLD_SIZE", "1")))
         if change:
             log.warning(change)
     data = Phase2DataModule(config)

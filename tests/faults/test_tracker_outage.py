@@ -8,42 +8,17 @@ the same store and port. The trainer is the tiny default in one process, every s
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, tiny_overrides
 from tests.launcher.conftest import wait_for
-
-
-def start_mlflow(folder: Path, port: int) -> subprocess.Popen[bytes]:
-    folder.mkdir(exist_ok=True)
-    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    command += ["--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--default-artifact-root", str(folder / "artifacts")]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with (folder / "server.log").open("a") as sink:
-        server = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
-
-    assert wait_for(healthy, timeout=90, interval=0.2), (folder / "server.log").read_text()[-2000:]
-    return server
-
-
-def kill_server(server: subprocess.Popen[bytes]) -> None:
-    os.killpg(server.pid, signal.SIGKILL)
-    server.wait(timeout=30)
+from tests.mlflow_server import kill_server, start_mlflow
 
 
 def start_training(synthetic_dir: Path, out: Path, uri: str, steps: int) -> tuple[subprocess.Popen[str], Path]:

@@ -12,13 +12,9 @@ The weights are compared with the same job run without a kill (CPU, deterministi
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +26,7 @@ from purrsight.training.attempts import read_attempts, summarize
 from tests.helpers import free_port, read_metrics, train_tiny, trainable_state
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers
+from tests.mlflow_server import kill_server, start_mlflow
 from tests.preloaded import PreloadedTrainer
 from tests.wandb_files import wandb_history
 
@@ -49,30 +46,12 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, synthetic_dir: Path)
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    folder = tmp_path_factory.mktemp("mlflow")
     port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    command += ["--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--default-artifact-root", str(folder / "artifacts")]
-    # No job execution: tracking needs none, and the server would otherwise keep a job runner and
-    # seven huey consumers polling (half a core, measured, for as long as the module's tests run).
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with (folder / "server.log").open("w") as sink:
-        server = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
-
+    server = start_mlflow(tmp_path_factory.mktemp("mlflow"), port)
     try:
-        assert wait_for(healthy, timeout=90), (folder / "server.log").read_text()[-2000:]
-        yield uri
+        yield f"http://127.0.0.1:{port}"
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        kill_server(server)
 
 
 def test_a_killed_worker_resumes_to_the_same_weights_with_one_history_and_one_tracker_run(
