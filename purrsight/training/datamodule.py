@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context
+import os
+from functools import partial
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from lightning_fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, Sample
+from purrsight.data.fork_server_signals import ignore_stop_signals
 from purrsight.data.sampler import GlobalPositionSampler, batches_done
 from purrsight.training.data_builder import build_datasets
 from purrsight.training.data_position import DataPosition, saved_position
@@ -23,9 +27,19 @@ from purrsight.training.synthetic_data import prepare_synthetic
 def _worker_start() -> multiprocessing.context.BaseContext:
     """Loader workers forked from a fork server that imported the data stack once (not this process)."""
     context = multiprocessing.get_context("forkserver")
-    # Imported once by the server, so each worker only unpickles its dataset (tokenizer, decoders).
-    context.set_forkserver_preload(["purrsight.data.dataset", "purrsight.data.prepared", "transformers"])
+    # Imported once by the server, so each worker only unpickles its dataset (tokenizer, decoders);
+    # fork_server_signals leaves stop signals to the trainer (its docstring says why).
+    preload = ["purrsight.data.fork_server_signals", "purrsight.data.dataset", "purrsight.data.prepared", "transformers"]
+    context.set_forkserver_preload(preload)
     return context
+
+
+def _init_loader_worker(worker_id: int, rank: int, seed_workers: bool) -> None:
+    """Each loader worker's start: stop signals left to the trainer (fork_server_signals.py), and the
+    seeds Lightning's own init function sets (it adds it only to loaders that have none)."""
+    ignore_stop_signals()  # after torch's worker loop installed its SIGTERM handler
+    if seed_workers:
+        pl_worker_init_function(worker_id, rank)
 
 
 class Phase2DataModule(pl.LightningDataModule):
@@ -58,6 +72,7 @@ class Phase2DataModule(pl.LightningDataModule):
         trainer = self.trainer
         on_gpu = trainer is not None and trainer.strategy.root_device.type == "cuda"
         pin = on_gpu if data.pin_memory == "auto" else bool(data.pin_memory)
+        seed_workers = os.environ.get("PL_SEED_WORKERS") == "1"  # set by seed_everything(workers=True)
         # A plain loader: the training position is counted by the trainer (count_trained_batch),
         # not read from the loader, whose sampler runs ahead of training by the prefetched batches.
         return DataLoader(
@@ -73,6 +88,7 @@ class Phase2DataModule(pl.LightningDataModule):
             # and a fork while one of them holds an interpreter lock leaves the worker hung for ever
             # (seen: Python 3.11's PyOS_AfterFork_Child waiting on the thread-state lock).
             multiprocessing_context=_worker_start() if data.num_workers > 0 else None,
+            worker_init_fn=partial(_init_loader_worker, rank=self._world()[1], seed_workers=seed_workers),
             drop_last=shuffle,
             generator=torch.Generator().manual_seed(self.config.run.seed),
         )

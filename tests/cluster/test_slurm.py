@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from datetime import datetime
@@ -11,7 +12,7 @@ import pytest
 
 from purrsight.training.attempts import read_attempts, summarize
 from tests.cluster.conftest import SlurmCluster
-from tests.helpers import REPO, fault_env, tiny_overrides
+from tests.helpers import REPO, check_every_sample_once, fault_env, record_samples_env, tiny_overrides
 
 # The test nodes have 2 CPUs and no GPUs: these (and --nodes, 2 unless a test says) override the script's #SBATCH defaults.
 SMALL_ALLOCATION = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
@@ -56,13 +57,21 @@ def batch_output(tmp: Path, job: str) -> str:
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
-    """USR1 to the batch script (what --signal=B:USR1@120 sends before the time limit).
+    """USR1 to the batch script (what --signal=B:USR1@120 sends before the time limit), in the
+    shipped real config's shape: 2 loader workers per rank, 2 micro-batches per optimizer step.
 
-    The run's attempt record splits the job's wall time into its parts: they add up, within 2%,
-    to the wall time the batch script's own log shows, from its first line to rank 0's "done" line.
+    Every epoch of the job, across the stop and the requeue, trains every sample once, and every
+    optimizer step takes 2 micro-batches (each process records what it trains). The run's
+    attempt record splits the job's wall time into its parts: they add up, within 2%, to the wall
+    time the batch script's own log shows, from its first line to rank 0's "done" line.
     """
     steps = 120  # enough that the stop lands mid-run (80 steps, 20 s or more, to spare): USR1 goes out at the step-40 checkpoint
-    job = submit(slurm, tmp_path, synthetic_dir, trainer__max_steps=steps, checkpoint__every_n_steps=20)
+    real_shape = {"data__num_workers": 2, "data__batch_size": 4, "trainer__accumulate_grad_batches": 2}
+    records = tmp_path / "samples"
+    job = submit(
+        slurm, tmp_path, synthetic_dir, record_samples_env(records, slurm.env),
+        trainer__max_steps=steps, checkpoint__every_n_steps=20, **real_shape,
+    )  # fmt: skip
     checkpoints = tmp_path / "runs" / "phase2-tiny" / "checkpoints"
     deadline = time.monotonic() + 300
     while not (checkpoints / "step-00000040.ckpt").exists():
@@ -78,6 +87,9 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     resumed = re.search(r"resume=auto: continuing from .*step-(\d+)\.ckpt", log)
     assert resumed and int(resumed.group(1)) >= 40, log[-3000:]
     assert (checkpoints / f"step-{steps:08d}.ckpt").exists()
+    # 128 samples, 2 ranks x 4 x 2 per step: 8 steps an epoch, 15 epochs in 120 steps.
+    every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
+    check_every_sample_once(records, every_id, epochs=15, accumulation=2)
     summary = summarize(read_attempts(tmp_path / "runs" / "phase2-tiny"))
     stopped, requeued = summary.splits
     assert (stopped.how, stopped.end) == ("first start", "stopped by signal 15")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -111,28 +112,33 @@ def test_resume_mid_epoch_matches_an_uninterrupted_run(
 def test_sigterm_saves_a_checkpoint_and_exits_nonzero(
     synthetic_dir: Path, tmp_path: Path, preloaded_trainer: PreloadedTrainer
 ) -> None:
+    """SIGTERM to the trainer's whole process group, as a scheduler's preemption or a terminal's
+    Ctrl-C sends it, in the shipped real config's shape: 2 loader workers, 2 micro-batches per
+    step. The workers must outlive it until the stop checkpoint is written (they once died of it,
+    and the trainer failed with "DataLoader worker exited unexpectedly" instead of saving)."""
+    real_shape = {"data__num_workers": 2, "data__batch_size": 4, "trainer__accumulate_grad_batches": 2}
     args = [
         sys.executable,
         TRAIN,
         "--config",
         str(DEFAULT_CONFIG),
-        *tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=100000, logging__every_n_steps=1),
+        *tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=100000, logging__every_n_steps=1, **real_shape),
     ]
-    proc = subprocess.Popen(args, cwd=REPO, env=python_env(), stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, cwd=REPO, env=python_env(), stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stderr is not None
     deadline = time.monotonic() + 120
     for line in proc.stderr:
         if "step 12/" in line or time.monotonic() > deadline:
             break
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
     rest = proc.stderr.read()
-    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, rest[-3000:]
     assert "stopped by SIGTERM at step" in rest, rest[-2000:]
     folder = tmp_path / "phase2-tiny" / "checkpoints"
     saved = sorted(folder.glob("step-*.ckpt"))[-1]
     step = int(saved.stem.split("-")[1])
     assert step >= 12 and f"checkpoint: {saved}" in rest
-    again = train_tiny(synthetic_dir, tmp_path, "--resume", preloaded=preloaded_trainer, trainer__max_steps=step + 3)
+    again = train_tiny(synthetic_dir, tmp_path, "--resume", preloaded=preloaded_trainer, trainer__max_steps=step + 3, **real_shape)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resuming from checkpoint {saved}" in again.stderr
     assert (folder / f"step-{step + 3:08d}.ckpt").is_file()
