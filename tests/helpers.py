@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,27 +75,36 @@ def record_samples_env(folder: Path, environ: dict[str, str] | None = None) -> d
     return {"PURRSIGHT_TEST_RECORD_SAMPLES": str(folder), "PYTHONPATH": paths}
 
 
-def check_every_sample_once(folder: Path, every_id: set[str], epochs: int, accumulation: int) -> None:
-    """Across every process that recorded into ``folder``: each of the first ``epochs`` epochs
-    trained every id once, and every optimizer step took ``accumulation`` micro-batches.
+def check_every_sample_once(folder: Path, every_id: set[str], whole_epochs: int, accumulation: int) -> None:
+    """What a job's processes recorded into ``folder``: every optimizer step took ``accumulation``
+    micro-batches, no epoch trained a sample twice, and the first ``whole_epochs`` epochs trained
+    every id (for sets that divide into whole global batches: no tail left out by design).
 
-    For jobs whose every attempt ended at a checkpoint (a stop, a requeue), so nothing recorded
-    was trained again after a resume, and whose set divides into whole global batches (no
-    epoch's tail is left out by design).
+    A step trained again after a restart (the steps after the checkpoint a killed attempt had
+    passed) counts in the last attempt that trained it, as the checkpoints do; micro-batches
+    after a process's last step never reached an optimizer step, and count nowhere.
     """
-    by_epoch: dict[int, list[str]] = {}
-    for path in sorted(folder.glob("*.jsonl")):
+    steps: dict[tuple[str, int], list[dict[str, Any]]] = {}  # (rank, step) -> its micro-batches, last attempt's
+    for path in sorted(folder.glob("*.jsonl")):  # in the order the processes started
+        rank = path.stem.rsplit("-", 1)[1]
+        pending: list[dict[str, Any]] = []
         for line in path.read_text().splitlines():
             record = json.loads(line)
             if "ids" in record:
-                by_epoch.setdefault(record["epoch"], []).extend(record["ids"])
-            else:
-                assert record["micro_batches"] == accumulation, f"step {record['step']} in {path.name}: {record}"
-    for epoch in range(epochs):
-        taken = by_epoch.get(epoch, [])
+                pending.append(record)
+                continue
+            assert record["micro_batches"] == accumulation, f"step {record['step']} in {path.name}: {record}"
+            steps[rank, record["step"]], pending = pending, []
+    by_epoch: dict[int, list[str]] = {}
+    for micro_batches in steps.values():
+        for micro_batch in micro_batches:
+            by_epoch.setdefault(micro_batch["epoch"], []).extend(micro_batch["ids"])
+    assert by_epoch, f"nothing recorded in {folder}"
+    for epoch, taken in sorted(by_epoch.items()):
         twice = sorted(sample for sample, count in Counter(taken).items() if count > 1)
         assert not twice, f"trained twice in epoch {epoch}: {twice}"
-        assert set(taken) == every_id, f"left out of epoch {epoch}: {sorted(every_id - set(taken))}"
+        if epoch < whole_epochs:
+            assert set(taken) == every_id, f"left out of epoch {epoch}: {sorted(every_id - set(taken))}"
 
 
 def launcher_env(log_dir: Path, **extra: str) -> dict[str, str]:

@@ -89,7 +89,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     assert (checkpoints / f"step-{steps:08d}.ckpt").exists()
     # 128 samples, 2 ranks x 4 x 2 per step: 8 steps an epoch, 15 epochs in 120 steps.
     every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
-    check_every_sample_once(records, every_id, epochs=15, accumulation=2)
+    check_every_sample_once(records, every_id, whole_epochs=15, accumulation=2)
     summary = summarize(read_attempts(tmp_path / "runs" / "phase2-tiny"))
     stopped, requeued = summary.splits
     assert (stopped.how, stopped.end) == ("first start", "stopped by signal 15")

@@ -16,7 +16,8 @@ Faults (``PURRSIGHT_TEST_FAULT``):
   longer, a planted straggler.
 
 Not a fault but a witness, planted the same way: ``PURRSIGHT_TEST_RECORD_SAMPLES=DIR`` makes
-every training process append what it trains to ``DIR/<host>-<pid>-rank<R>.jsonl``: one
+every training process append what it trains to ``DIR/<start time ns>-<host>-<pid>-rank<R>.jsonl``
+(names sort in the order the processes started): one
 ``{"epoch", "ids"}`` line per micro-batch as it starts and one ``{"step", "micro_batches"}``
 line per optimizer step (tests/helpers.py reads them back).
 """
@@ -107,7 +108,7 @@ def _record_samples(folder: str) -> Callable[[ModuleType], None]:
 
         def write(self: Any, record: dict[str, Any]) -> None:
             if state["sink"] is None:
-                name = f"{os.uname().nodename}-{os.getpid()}-rank{self.global_rank}.jsonl"
+                name = f"{time.time_ns()}-{os.uname().nodename}-{os.getpid()}-rank{self.global_rank}.jsonl"
                 state["sink"] = open(os.path.join(folder, name), "a", buffering=1)  # noqa: SIM115  # open for the process's life
             state["sink"].write(json.dumps(record) + "\n")
 

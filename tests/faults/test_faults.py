@@ -5,28 +5,37 @@ Each test says which fault it injects and how; none of them fakes the part that 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
 
 import torch
 
-from tests.helpers import fault_env, run_trainer, tiny_overrides, train_tiny
+from tests.helpers import check_every_sample_once, fault_env, record_samples_env, run_trainer, tiny_overrides, train_tiny
 from tests.launcher.conftest import Cluster
 from tests.preloaded import PreloadedTrainer
 
 
-def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Cluster) -> None:
+def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Cluster, synthetic_dir: Path) -> None:
     """The worker is killed with SIGKILL half way through its 2nd checkpoint write (step 20; tests/fault_injection).
 
     One rank: a torn write is the writer's own; the other ranks' part in a kill (torchrun ending
-    and restarting them) is the tracker kill test's (tests/faults/test_trackers.py)."""
+    and restarting them) is the tracker kill test's (tests/faults/test_trackers.py). In the shipped
+    real config's shape (2 loader workers, 2 micro-batches per step): the restart redoes steps 11-20
+    and then trains on, and across both attempts every step took 2 micro-batches and no epoch
+    trained a sample twice (epoch 0, 16 steps of 8 samples, every sample once)."""
+    records = cluster.tmp / "samples"
+    env = {"NPROC_PER_NODE": "1", **fault_env("kill_during_checkpoint_write:2", cluster.env())}
     launcher = cluster.start(
         1,
         0,
-        env={"NPROC_PER_NODE": "1", **fault_env("kill_during_checkpoint_write:2", cluster.env())},
+        env={**env, **record_samples_env(records, env)},
         trainer__max_steps=30,
         checkpoint__every_n_steps=10,
+        data__num_workers=2,
+        data__batch_size=4,
+        trainer__accumulate_grad_batches=2,
     )
     assert launcher.wait(timeout=300) == 0, launcher.text()[-3000:]
     log = cluster.node_log(0)
@@ -34,6 +43,8 @@ def test_kill_during_checkpoint_write_uses_the_previous_checkpoint(cluster: Clus
     assert "left by an interrupted checkpoint write" in log
     folder = cluster.run_dir / "checkpoints"
     assert (folder / "step-00000030.ckpt").exists() and not list(folder.glob(".*.tmp"))
+    every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
+    check_every_sample_once(records, every_id, whole_epochs=1, accumulation=2)
 
 
 def test_corrupted_newest_checkpoint_falls_back(
