@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from purrsight.atomic_file import write_text_atomically
 from purrsight.errors import ExitCode, UserError
 
 
@@ -516,9 +517,7 @@ def write_resolved(config: Config, folder: Path) -> Path:
     """The config actually used, beside the checkpoints, so a run can be reproduced."""
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / "resolved_config.yaml"
-    tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_config(config))
-    tmp.replace(target)
+    write_text_atomically(target, dump_config(config))
     return target
 
 

@@ -6,7 +6,6 @@ The folder's layout and manifest: data/prepared_manifest.py.
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from purrsight.atomic_file import publishing
 from purrsight.data.dataset import Sample
 from purrsight.data.media import AudioDecoder, ImageDecoder
 
@@ -54,9 +54,10 @@ def write_shard(path: Path, rows: Iterable[dict[str, Any]], batch_rows: int = 64
     import pyarrow as pa
 
     schema = shard_schema()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     count, pending = 0, []
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+    # Published whole and durable (atomic_file.py): the manifest, written after every shard, never
+    # reaches the disk before a shard it names.
+    with publishing(path) as sink, pa.ipc.new_stream(sink, schema) as writer:
         for row in rows:
             pending.append(row)
             if len(pending) == batch_rows:
@@ -65,7 +66,6 @@ def write_shard(path: Path, rows: Iterable[dict[str, Any]], batch_rows: int = 64
         if pending:
             writer.write_batch(pa.RecordBatch.from_pylist(pending, schema=schema))
             count += len(pending)
-    os.replace(tmp, path)
     return count
 
 

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
+from purrsight.atomic_file import write_text_atomically
 from purrsight.errors import ExitCode
 from purrsight.launcher import health, launch_env, network, probe
 
@@ -178,9 +179,7 @@ def prepare(args: argparse.Namespace, say: Say) -> tuple[Plan, int]:
 
 
 def write_plan(path: Path, plan: Plan) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(plan.bash())
-    tmp.replace(path)  # the launcher sources a whole plan or none
+    write_text_atomically(path, plan.bash())  # the launcher sources a whole plan or none
 
 
 class Say:

@@ -9,10 +9,8 @@ and renamed, so a process killed mid-write leaves the previous checkpoint whole.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from purrsight.atomic_file import publish, stale_temp_files
 from purrsight.errors import UserError
 from purrsight.training.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
 from purrsight.training.stop import StopRequest, StopVote
@@ -29,33 +28,21 @@ log = logging.getLogger(__name__)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save to a temp file in the target folder, fsync, then rename over the target."""
+    """torch.save published whole or not at all (purrsight/atomic_file.py: temp file, fsync, rename)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        except OSError as err:
-            raise CheckpointWriteError(f"cannot create a checkpoint in {target.parent}: {err.strerror}") from None
-        try:
-            with os.fdopen(handle, "wb") as stream:
-                torch.save(checkpoint, stream)
-                stream.flush()
-                os.fsync(stream.fileno())
-            os.replace(tmp_name, target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            publish(target, lambda stream: torch.save(checkpoint, stream))
         except (OSError, RuntimeError) as err:
             # torch.save's zip writer reports a full disk as RuntimeError ("unexpected pos").
-            Path(tmp_name).unlink(missing_ok=True)
             reason = getattr(err, "strerror", None) or (
                 "No space left on device" if shutil.disk_usage(target.parent).free < 4 * 2**20 else str(err)
             )
             raise CheckpointWriteError(
                 f"cannot write checkpoint {target}: {reason}; the checkpoints already in {target.parent} are intact"
             ) from None
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         # Checkpoints hold tensors, numbers, strings and the loops' plain dicts: no pickled
@@ -103,7 +90,7 @@ class CheckpointSaver(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and self.folder.is_dir():
-            for stale in self.folder.glob(".*.tmp"):  # a write that was killed half way
+            for stale in stale_temp_files(self.folder):  # a write that was killed half way
                 log.warning("removing %s, left by an interrupted checkpoint write", stale)
                 stale.unlink(missing_ok=True)
         # Installed here, after Lightning registered its own SIGTERM handler (which

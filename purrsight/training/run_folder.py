@@ -19,6 +19,7 @@ rendezvous.
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import os
 import re
@@ -27,6 +28,7 @@ import socket
 import time
 from pathlib import Path
 
+from purrsight.atomic_file import write_text_atomically
 from purrsight.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -154,7 +156,7 @@ def truncate_history(path: Path, through_step: int) -> list[str]:
     """Keep the rows of the CSV ``path`` up to ``through_step``; its header (empty if no file).
 
     Rows after the step a run resumes from are redone by it: kept, they would show twice.
-    The file is rewritten to a temporary name and renamed, so a crash leaves one version.
+    The file is published anew whole (atomic_file.py), so a crash leaves one version.
     """
     if not path.is_file():
         return []
@@ -165,12 +167,11 @@ def truncate_history(path: Path, through_step: int) -> list[str]:
     kept = [row for row in rows if not row.get("step") or float(row["step"]) <= through_step]
     if len(kept) == len(rows):
         return header
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=header)
-        writer.writeheader()
-        writer.writerows(kept)
-    os.replace(tmp, path)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=header)
+    writer.writeheader()
+    writer.writerows(kept)
+    write_text_atomically(path, text.getvalue())
     dropped = len(rows) - len(kept)
     log.info("%s: kept %d rows up to step %d, dropped %d after it (redone now)", path, len(kept), through_step, dropped)
     return header
@@ -193,9 +194,7 @@ def launch_id() -> str:
 
 def record_launch(run_dir: Path, launch: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f"{LAUNCH_MARKER}.tmp"
-    tmp.write_text(launch + "\n")
-    os.replace(tmp, run_dir / LAUNCH_MARKER)
+    write_text_atomically(run_dir / LAUNCH_MARKER, launch + "\n")
 
 
 def launched_here(run_dir: Path, launch: str) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import io
 import json
 import os
 import signal
@@ -62,7 +63,9 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 class _SaveThenKill:
-    """Stands in for the ``torch`` name inside purrsight.training.checkpoints: ``save`` kills after writing."""
+    """Stands in for the ``torch`` name inside purrsight.training.checkpoints: the ``kill_at``-th
+    ``save`` writes half of the checkpoint's bytes into its stream (the temp file), flushes them to
+    the disk, and SIGKILLs the process: a torn temp file, as a node that dies mid-write leaves."""
 
     def __init__(self, torch: Any, kill_at: int) -> None:
         self._torch, self._kill_at, self._writes = torch, kill_at, 0
@@ -71,11 +74,16 @@ class _SaveThenKill:
         return getattr(self._torch, name)
 
     def save(self, obj: Any, stream: Any, *args: Any, **kwargs: Any) -> None:
-        self._torch.save(obj, stream, *args, **kwargs)
         self._writes += 1
-        if self._writes == self._kill_at:
-            stream.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self._writes != self._kill_at:
+            self._torch.save(obj, stream, *args, **kwargs)
+            return
+        whole = io.BytesIO()
+        self._torch.save(obj, whole, *args, **kwargs)
+        stream.write(whole.getbuffer()[: whole.tell() // 2])
+        stream.flush()
+        os.fsync(stream.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _kill_during_checkpoint_write(count: str) -> Callable[[ModuleType], None]:
