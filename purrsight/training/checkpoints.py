@@ -12,6 +12,7 @@ import logging
 import shutil
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +58,14 @@ class CheckpointWriteError(UserError):
 class CheckpointSaver(pl.Callback):
     """Saves every N optimizer steps, at the end, and when a stop signal arrives."""
 
-    def __init__(self, folder: Path, every_n_steps: int, keep_last: int) -> None:
+    def __init__(self, folder: Path, every_n_steps: int, keep_last: int, collective_timeout: timedelta | None = None) -> None:
         self.folder = folder
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.last_saved_step = -1
         self.last_saved_path: Path | None = None
         self.stop = StopRequest()
-        self.vote = StopVote()
+        self.vote = StopVote(collective_timeout)
         self.stopped_by_signal: int | None = None
         self.seconds_saving = 0.0  # wall time in saves, barrier included (the attempt ledger reports it)
 

@@ -5,12 +5,17 @@ The ranks that wait in a collective cannot tell which rank never arrived, and th
 from a thread of its own at a low rate (on progress, at most every 0.5 s, and a heartbeat
 every 2 s), where it is: the last training step it finished,
 the phase it is in (forward, backward, validation, checkpoint) and a heartbeat. When a
-watchdog fires, it reads every rank's record and names:
+watchdog fires, it reads every rank's record twice, ``OBSERVE_S`` apart, and names:
 
-- ranks whose heartbeat stopped: the process is frozen (SIGSTOP, a stuck driver call holding
-  the interpreter) or its node is gone;
+- ranks whose heartbeat did not move between the two reads: the process is frozen (SIGSTOP, a
+  stuck driver call holding the interpreter) or its node is gone;
 - otherwise, the ranks furthest behind in (step, phase): alive but stuck (a deadlock, a
   loader that never returns).
+
+Every age is measured on one clock: whether a heartbeat moved is seen on the reader's (the
+two reads), and how long a rank has been in its phase on the writer's own (its last heartbeat
+minus when it entered the phase). Hosts' wall clocks disagree by seconds on real clusters;
+comparing one host's timestamps with another's named healthy ranks as frozen.
 
 The store is the one the process group uses (MASTER_ADDR:MASTER_PORT), through connections
 of our own with a short timeout: the process group's connection may be the one that hangs.
@@ -37,9 +42,9 @@ log = logging.getLogger(__name__)
 
 PUBLISH_S = 2.0  # the heartbeat: a small store write per rank every 2 s, and on progress...
 MIN_INTERVAL_S = 0.5  # ...at most every 0.5 s (2,048 writes/s for 1,024 ranks, a fraction of what a TCPStore serves)
-STALE_AFTER_S = 3 * PUBLISH_S  # a heartbeat older than this: the process stopped answering
+OBSERVE_S = 3 * PUBLISH_S  # a heartbeat that does not move in this long: the process stopped answering
 STORE_TIMEOUT_S = 10.0
-LINGER_S = STORE_TIMEOUT_S  # the store's host stays this long after its watchdog fires
+LINGER_S = OBSERVE_S + STORE_TIMEOUT_S  # the store's host stays this long after its watchdog fires (two reads)
 PHASES = ("start", "forward", "backward", "step done", "validation", "checkpoint")
 
 
@@ -90,11 +95,13 @@ def _waiting(ranks: list[int], where: str) -> str:
     return f"rank {ranks[0]} waits {where}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)} wait {where}"
 
 
-def culprit_line(records: dict[int, Progress | None], world_size: int, now: float) -> str:
-    """One line naming the ranks a hang waits for, and where the others wait."""
-    missing = [rank for rank in range(world_size) if records.get(rank) is None]
+def culprit_line(before: dict[int, Progress | None], after: dict[int, Progress | None], world_size: int, window_s: float) -> str:
+    """One line naming the ranks a hang waits for, and where the others wait, from every rank's
+    record read twice, ``window_s`` apart (by the reader's clock)."""
+    records = {rank: after.get(rank) or before.get(rank) for rank in range(world_size)}
+    missing = [rank for rank in range(world_size) if records[rank] is None]
     known = [record for record in records.values() if record is not None]
-    stale = [record for record in known if now - record.beat > STALE_AFTER_S]
+    stale = [record for record in known if (earlier := before.get(record.rank)) is not None and earlier.beat == record.beat]
     if stale:
         culprits = stale
     elif known:
@@ -106,12 +113,15 @@ def culprit_line(records: dict[int, Progress | None], world_size: int, now: floa
         culprits = []
     parts = []
     for record in sorted(culprits, key=lambda r: r.rank):
-        part = f"{_rank_name(record)} last finished training step {record.step}, {now - record.phase_at:.0f} s ago"
+        in_phase = record.beat - record.phase_at  # both on the writer's clock
+        finished = f"{_rank_name(record)} last finished training step {record.step}"
         if record in stale:
-            part += f", and stopped answering {now - record.beat:.0f} s ago (frozen, or its node is gone)"
+            parts.append(
+                f"{finished}, {in_phase:.0f} s before its last heartbeat, "
+                f"and stopped answering (no heartbeat for {window_s:.0f} s: frozen, or its node is gone)"
+            )
         else:
-            part += f", and is still {_where(record)}"
-        parts.append(part)
+            parts.append(f"{finished}, {in_phase:.0f} s ago, and is still {_where(record)}")
     if missing:
         parts.append(f"rank(s) {rank_ranges(missing)} published no progress")
     others = [record for record in known if record not in culprits]
@@ -193,12 +203,15 @@ class ProgressBoard:
         }
 
     def verdict(self) -> str:
+        """The culprit line, from two reads of every record ``OBSERVE_S`` apart (the call takes that long)."""
         try:
-            records = self.read_all()
+            before = self.read_all()
+            time.sleep(OBSERVE_S)
+            after = self.read_all()
         except Exception as error:
             host, port = self.address
             where = f"the job's store at {host}:{port}, hosted by the training process torchrun made rank 0 on node 0,"
             if "refused" in str(error).lower():
                 return f"{where} is gone: that process exited (its own log says why)"
             return f"{where} does not answer ({type(error).__name__}): that process is frozen, or node 0 is gone"
-        return culprit_line(records, self.world_size, time.time())
+        return culprit_line(before, after, self.world_size, OBSERVE_S)

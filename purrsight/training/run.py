@@ -74,7 +74,8 @@ def train(
     flight_recorder.enable(config.run.run_dir)  # before the process group starts: it reads the settings then
     # Our own process group (Lightning skips its init when one exists): node-ordered ranks,
     # and a collective decision about resuming, so no rank starts over while others resume.
-    distributed = init_process_group(backend, timedelta(seconds=config.distributed.timeout_s))
+    timeout = timedelta(seconds=config.distributed.timeout_s)  # every collective's: the process group's, the stop vote's
+    distributed = init_process_group(backend, timeout)
     if generation is None:
         generation = worker_generation(os.environ)
     if distributed:
@@ -98,7 +99,10 @@ def train(
     pl.seed_everything(config.run.seed, workers=True, verbose=False)
     if int(os.environ.get("RANK", "0")) == 0:
         write_resolved(config, config.run.run_dir)
-    saver = CheckpointSaver(checkpoint_dir(config.run.run_dir), config.checkpoint.every_n_steps, config.checkpoint.keep_last)
+    timeout = timedelta(seconds=config.distributed.timeout_s)
+    saver = CheckpointSaver(
+        checkpoint_dir(config.run.run_dir), config.checkpoint.every_n_steps, config.checkpoint.keep_last, timeout
+    )
     module = Phase2Module(config)
     if ckpt is not None and int(os.environ.get("RANK", "0")) == 0:
         change = global_batch_change(training_position(ckpt), config, int(os.environ.get("WORLD_SIZE", "1")))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from datetime import timedelta
 from types import FrameType
 from typing import Any
 
@@ -61,7 +62,8 @@ class StopVote:
     for every kernel queued before it, each step, and the host could never run ahead.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        self.timeout = timeout  # the job's collective timeout (distributed.timeout_s), not torch's 30 minutes
         self._group: Any = None
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._outcome = self._flag.numpy()  # a view of the same host memory, read without torch
@@ -71,7 +73,7 @@ class StopVote:
         """Create the gloo group; every rank calls this at the same point (train start)."""
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or self._group is not None:
             return
-        self._group = vote_group(torch.distributed.get_backend())
+        self._group = vote_group(torch.distributed.get_backend(), self.timeout)
 
     def exchange(self, local_stop: bool) -> bool:
         """Start this step's vote; return the previous step's outcome (False at the first)."""
@@ -93,8 +95,9 @@ class StopVote:
         return bool(self._outcome[0])
 
 
-def vote_group(default_backend: str) -> Any:
-    """The group the stop vote runs in: the default one when it is gloo, else a new gloo group."""
+def vote_group(default_backend: str, timeout: timedelta | None) -> Any:
+    """The group the stop vote runs in: the default one when it is gloo (its timeout is the job's,
+    set when the process group started), else a new gloo group with the job's timeout."""
     if default_backend == "gloo":
         return torch.distributed.group.WORLD
-    return torch.distributed.new_group(backend="gloo")
+    return torch.distributed.new_group(backend="gloo", timeout=timeout)
