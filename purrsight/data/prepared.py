@@ -50,7 +50,7 @@ def sample_row(
 
 
 def write_shard(path: Path, rows: Iterable[dict[str, Any]], batch_rows: int = 64) -> int:
-    """Rows into one Arrow stream file (the format ``datasets`` memory-maps); the number written."""
+    """Rows into one Arrow stream file (PreparedSplit memory-maps it with pyarrow); the number written."""
     import pyarrow as pa
 
     schema = shard_schema()

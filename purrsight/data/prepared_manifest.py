@@ -1,8 +1,8 @@
 """A prepared dataset's folder: its layout, manifest and digests (no torch: the health check reads it).
 
 A prepared dataset holds every sample decoded once, in memory-mapped Arrow shards (data/prepared.py).
-Training from one opens no original file: a sample is a row of an Arrow file (``datasets``
-maps it into memory, so the ranks of a node share one copy in the page cache), and its
+Training from one opens no original file: a sample is a row of an Arrow file (pyarrow maps it
+into memory, so the ranks of a node share one copy in the page cache), and its
 per-sample work is reading and normalising. Made by ``python train_phase2.py prepare``
 (training/prepare.py); this module knows the folder's layout and reads it::
 
