@@ -15,6 +15,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -78,25 +79,49 @@ def _init_worker(config: Config) -> None:
     )
 
 
+class _ShardRefusedError(Exception):
+    """A bad sample under data.on_bad_sample=error: the shard is not published."""
+
+
+def _init_pool_worker(config: Config) -> None:
+    # A terminal's Ctrl-C reaches every process of the group: the parent ends the workers
+    # (pool.terminate) and says so in one line, instead of each printing a KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(config)
+
+
 def _prepare_shard(task: ShardTask, out: Path) -> ShardResult:
+    """Decode one shard's samples and stream them into its Arrow file (64 rows in memory at a time).
+
+    Under ``on_bad_sample: error`` a bad sample stops the writing (nothing of the shard is
+    published) but not the decoding: every bad sample of the shard is listed at once.
+    """
     config: Config = _WORKER["config"]
     image, audio, text = _WORKER["image"], _WORKER["audio"], _WORKER["text"]
+    refuse_bad = config.data.on_bad_sample == "error"
     root = Path(task.index).parent
-    rows, bad = [], []
-    for record in task.records:
-        where = f"{task.index}:{record['line']} (id {record['id']!r})"
-        try:
-            encoded = text(record["prompt"], record["response"])
-            pixels = image.stored(image.load(root / record["image"])) if image and record["image"] else None
-            wave = audio.window(root / record["audio"]) if audio and record["audio"] else None
-        except (SampleError, PromptTooLongError) as err:
-            bad.append({"where": where, "error": str(err)})
-            continue
-        rows.append(sample_row(record["id"], record["line"], encoded.input_ids, encoded.labels, pixels, wave))
-    if bad and config.data.on_bad_sample == "error":
-        return ShardResult(task.split, task.number, 0, bad, written=False)  # done again once the files are fixed
+    bad: list[dict[str, str]] = []
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for record in task.records:
+            where = f"{task.index}:{record['line']} (id {record['id']!r})"
+            try:
+                encoded = text(record["prompt"], record["response"])
+                pixels = image.stored(image.load(root / record["image"])) if image and record["image"] else None
+                wave = audio.window(root / record["audio"]) if audio and record["audio"] else None
+            except (SampleError, PromptTooLongError) as err:
+                bad.append({"where": where, "error": str(err)})
+                continue
+            if not (bad and refuse_bad):  # once refused, the rest is decoded only to list its bad samples
+                yield sample_row(record["id"], record["line"], encoded.input_ids, encoded.labels, pixels, wave)
+        if bad and refuse_bad:
+            raise _ShardRefusedError  # leaves the write: its temp file is removed, nothing is published
+
     name = shard_name(task.split, task.number)
-    count = write_shard(out / f"{name}.arrow", rows)
+    try:
+        count = write_shard(out / f"{name}.arrow", rows())
+    except _ShardRefusedError:
+        return ShardResult(task.split, task.number, 0, bad, written=False)  # done again once the files are fixed
     write_json(out / f"{name}.json", {"rows": count, "bad": bad})  # the receipt, last: the shard is done
     return ShardResult(task.split, task.number, count, bad, written=True)
 
@@ -250,7 +275,7 @@ def prepare(config: Config, out: Path, processes: int, part: tuple[int, int], sh
         _init_worker(config)
         results = map(_run_shard, work)
     else:
-        pool = multiprocessing.get_context("fork").Pool(processes, initializer=_init_worker, initargs=(config,))
+        pool = multiprocessing.get_context("fork").Pool(processes, initializer=_init_pool_worker, initargs=(config,))
         results = pool.imap_unordered(_run_shard, work)
     try:
         for number, result in enumerate(results, start=1):
@@ -267,10 +292,17 @@ def prepare(config: Config, out: Path, processes: int, part: tuple[int, int], sh
                 elapsed,
                 done_samples / max(elapsed, 1e-9),
             )
-    finally:
+    except BaseException:
         if pool is not None:
-            pool.close()
+            # A worker's error or Ctrl-C: end every worker now instead of decoding the queued
+            # shards first (hours on a large set). A shard cut short publishes nothing (its temp
+            # file stays, hidden; done shards keep their receipts for the next prepare).
+            pool.terminate()
             pool.join()
+        raise
+    if pool is not None:
+        pool.close()
+        pool.join()
     if bad and (data.on_bad_sample == "error" or len(bad) > data.max_bad_samples):
         raise PreparedSetError(problems=_bad_sample_problems(config, bad))
     manifest = write_manifest_when_whole(out, plan, tasks)
@@ -284,7 +316,11 @@ def prepare_command(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else (Path(config.data.prepared) if config.data.prepared else None)
     if out is None:
         raise PreparedSetError("prepare: no output folder: pass --out DIR or set data.prepared in the config")
-    manifest = prepare(config, out, args.num_proc or default_processes(), args.part, args.shard_size)
+    try:
+        manifest = prepare(config, out, args.num_proc or default_processes(), args.part, args.shard_size)
+    except KeyboardInterrupt:
+        log.warning("prepare interrupted: the shards done are kept; the same command continues from them")
+        return 128 + signal.SIGINT
     if manifest is not None:
         splits = manifest["splits"].items()
         counts = ", ".join(f"{split} {entry['samples']} samples ({entry['bad']} left out)" for split, entry in splits)

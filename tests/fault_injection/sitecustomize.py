@@ -14,6 +14,8 @@ Faults (``PURRSIGHT_TEST_FAULT``):
   mid-save. First worker generation only (restarted workers must be able to finish).
 - ``preflight_delay:RANK:SECONDS``: that rank's local work in the preflight takes SECONDS
   longer, a planted straggler.
+- ``slow_prepare_shard:SECONDS``: every shard of ``train_phase2.py prepare`` takes SECONDS longer
+  (as 4,096 12-MP photos would), so a stop has queued shards to not wait for.
 
 Not a fault but a witness, planted the same way: ``PURRSIGHT_TEST_RECORD_SAMPLES=DIR`` makes
 every training process append what it trains to ``DIR/<start time ns>-<host>-<pid>-rank<R>.jsonl``
@@ -135,6 +137,19 @@ def _record_samples(folder: str) -> Callable[[ModuleType], None]:
     return patch
 
 
+def _slow_prepare_shard(seconds: str) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        prepare_shard = module._prepare_shard
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(float(seconds))
+            return prepare_shard(*args, **kwargs)
+
+        module._prepare_shard = slow
+
+    return patch
+
+
 if RECORD_SAMPLES:
     sys.meta_path.insert(0, PatchOnImport("purrsight.training.module", _record_samples(RECORD_SAMPLES)))
 
@@ -142,6 +157,8 @@ if FAULT:
     kind, _, arguments = FAULT.partition(":")
     if kind == "kill_during_checkpoint_write":
         sys.meta_path.insert(0, PatchOnImport("purrsight.training.checkpoints", _kill_during_checkpoint_write(arguments)))
+    elif kind == "slow_prepare_shard":
+        sys.meta_path.insert(0, PatchOnImport("purrsight.training.prepare", _slow_prepare_shard(arguments)))
     elif kind == "preflight_delay":
         sys.meta_path.insert(0, PatchOnImport("purrsight.distributed.preflight", _preflight_delay(*arguments.split(":"))))
     else:

@@ -6,13 +6,28 @@ Each test says which fault it injects and how; none of them fakes the part that 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import torch
 
-from tests.helpers import check_every_sample_once, fault_env, record_samples_env, run_trainer, tiny_overrides, train_tiny
+from tests.helpers import (
+    DEFAULT_CONFIG,
+    REPO,
+    check_every_sample_once,
+    fault_env,
+    python_env,
+    record_samples_env,
+    run_trainer,
+    tiny_overrides,
+    train_tiny,
+)
 from tests.launcher.conftest import Cluster
 from tests.preloaded import PreloadedTrainer
 
@@ -81,3 +96,35 @@ def test_full_disk_stops_with_a_clear_error_and_keeps_earlier_checkpoints(synthe
         assert not list(folder.glob(".*.tmp"))
     finally:
         subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_ctrl_c_during_prepare_ends_every_worker_at_once_and_a_second_prepare_continues(
+    synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """SIGINT to prepare's process group (a terminal's Ctrl-C) with 2 processes and 32 shards of
+    2 s each queued (tests/fault_injection: slow_prepare_shard): every process ends within
+    seconds instead of after the queue (30 s), the shards done keep their receipts, nothing is
+    half-published, and the same command then finishes the set."""
+    out = tmp_path / "set"
+    command = [sys.executable, str(REPO / "train_phase2.py"), "prepare", "--config", str(DEFAULT_CONFIG), "--out", str(out)]
+    command += ["--num-proc", "2", "--shard-size", "4", *tiny_overrides(synthetic_dir, tmp_path, data__val_index="null")]
+    env = {**python_env(), **fault_env("slow_prepare_shard:2")}
+    prepare = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert prepare.stderr is not None
+    for line in prepare.stderr:
+        if "shard 1/32 done" in line:
+            break
+    group = [prepare.pid, *(child.pid for child in psutil.Process(prepare.pid).children(recursive=True))]
+    stopped = time.monotonic()
+    os.killpg(prepare.pid, signal.SIGINT)
+    rest = prepare.communicate(timeout=60)[1]  # before the fix: hung here, waiting for the queued shards' workers
+    assert prepare.returncode == 130, rest[-3000:]
+    assert time.monotonic() - stopped < 10, rest[-3000:]
+    assert not [pid for pid in group if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert "prepare interrupted: the shards done are kept" in rest and "Traceback" not in rest, rest[-3000:]
+    receipts = sorted((out / "train").glob("*.json"))
+    assert 1 <= len(receipts) < 32 and not (out / "manifest.json").exists()
+    assert {p.stem for p in (out / "train").glob("*.arrow")} == {p.stem for p in receipts}  # no shard without its receipt
+    again = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "prepared set complete" in again.stdout, again.stderr[-3000:]
+    assert f"{32 - len(receipts)} shards to do" in again.stderr
