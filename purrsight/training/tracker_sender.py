@@ -1,7 +1,8 @@
 """A tracker's network calls on a thread of their own: a slow or dead server never holds training.
 
 The training thread only queues (never blocks, never raises). The sender thread sends in
-order, one call at a time; a failed call is retried with our own backoff (the tracker
+order; queued points travel together, up to ``BATCH_LIMIT`` in one request (after an outage the
+queue drains in a few requests, not one per step); a failed call is retried with our own backoff (the tracker
 client's retries are turned off: MLflow's run for minutes on the calling thread). A point
 counts as sent when its call returned, and only then does ``on_sent`` run (the ledger's
 record). The queue is bounded: in a long outage the oldest points give way and are counted
@@ -16,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +25,7 @@ CAPACITY = 20_000  # queued calls; at one call per logged step, hours of a typic
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0
 CLOSE_TIMEOUT_S = 10.0  # the most a run's end waits for a reachable server to take what is queued
 WARN_EVERY_N_FAILURES = 20  # a server down for hours must not flood the log
+BATCH_LIMIT = 100  # points per request: a few metrics each, well inside MLflow's 1,000 per log_batch
 
 
 @dataclass
@@ -30,6 +33,7 @@ class Call:
     send: Callable[[], None]
     step: int | None  # the training step it carries, for the log and the lost-points record
     on_sent: Callable[[], None] | None = None
+    point: Any = None  # a point's payload: queued neighbours go together through the sender's send_points
 
 
 @dataclass
@@ -61,8 +65,15 @@ class Lost:
 
 
 class BackgroundSender:
-    def __init__(self, name: str, capacity: int = CAPACITY, retry_first_s: float = RETRY_FIRST_S) -> None:
+    def __init__(
+        self,
+        name: str,
+        capacity: int = CAPACITY,
+        retry_first_s: float = RETRY_FIRST_S,
+        send_points: Callable[[list[Any]], None] | None = None,
+    ) -> None:
         self.name = name
+        self.send_points = send_points  # sends several points' payloads in one request
         self.capacity = capacity
         self.retry_first_s = retry_first_s
         self.lost = Lost()
@@ -109,6 +120,24 @@ class BackgroundSender:
             self._changed.notify_all()
         return self.lost
 
+    def _next_calls(self) -> list[Call]:
+        """The head of the queue: one call, or the run of points at its head (lock held)."""
+        head = self._queue[0]
+        if head.point is None or self.send_points is None:
+            return [head]
+        calls: list[Call] = []
+        for call in self._queue:
+            if call.point is None or len(calls) == BATCH_LIMIT:
+                break
+            calls.append(call)
+        return calls
+
+    def _send(self, calls: list[Call]) -> None:
+        if calls[0].point is not None and self.send_points is not None:
+            self.send_points([call.point for call in calls])
+        else:
+            calls[0].send()
+
     def _run(self) -> None:
         backoff = self.retry_first_s
         while True:
@@ -117,11 +146,11 @@ class BackgroundSender:
                     self._changed.wait()
                 if not self._queue:
                     return
-                call = self._queue[0]
+                calls = self._next_calls()
             try:
-                call.send()
+                self._send(calls)
             except Exception as error:  # any failure of the tracker client: retried, never raised into training
-                self._note_failure(call, error)
+                self._note_failure(calls[0], error)
                 with self._changed:
                     self._failing = True
                     self._tried_since_close = self._closing
@@ -131,14 +160,16 @@ class BackgroundSender:
                 continue
             backoff = self.retry_first_s
             with self._changed:
-                if self._queue and self._queue[0] is call:  # not dropped by an overflow while it was sent
-                    self._queue.popleft()
+                for call in calls:
+                    if self._queue and self._queue[0] is call:  # not dropped by an overflow while it was sent
+                        self._queue.popleft()
                 if self._failing:
-                    log.info("%s: reachable again; sending the %d queued calls", self.name, len(self._queue))
+                    log.info("%s: reachable again; sending the %d queued calls", self.name, len(self._queue) + len(calls))
                 self._failing = False
                 self._changed.notify_all()
-            if call.on_sent is not None:
-                call.on_sent()
+            for call in calls:
+                if call.on_sent is not None:
+                    call.on_sent()
 
     def _note_failure(self, call: Call, error: Exception) -> None:
         if self.failures % WARN_EVERY_N_FAILURES == 0:

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import secrets
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -146,7 +147,7 @@ class _SendEachStepOnce:
             return
         if self.sender is not None:
             acknowledge = None if step is None else (lambda: self.ledger.acknowledge(fresh, step))
-            self.sender.put(Call(lambda: self._send(fresh, step), step, acknowledge))
+            self.sender.put(Call(lambda: self._send(fresh, step), step, acknowledge, point=self._point(fresh, step)))
             return
         try:
             self._send(fresh, step)
@@ -163,6 +164,10 @@ class _SendEachStepOnce:
 
     def _send(self, metrics: Mapping[str, float], step: int | None) -> None:
         super().log_metrics(metrics, step)  # type: ignore[misc]  # the Lightning logger this is mixed into
+
+    def _point(self, metrics: Mapping[str, float], step: int | None) -> Any:
+        """A point's payload for a sender that sends several in one request (None: sent alone)."""
+        return None
 
     def close_sender(self) -> None:
         """Wait a bounded time for the queued calls; name and record what never reached the server."""
@@ -234,9 +239,19 @@ class RunMLflowLogger(RunStepNumbering, _SendEachStepOnce, MLFlowLogger):
             self.log_hyperparams(self._params)
         for name, value in SENDER_HTTP.items():
             os.environ.setdefault(name, value)  # a user's own setting wins: it only affects the sender's thread
-        self.sender = BackgroundSender("mlflow")
+        self.sender = BackgroundSender("mlflow", send_points=self._send_points)
         state = "continued" if continuing else "new"
         return f"MLflow run {run_id} ({state}) in experiment {self._experiment_name} at {self._tracking_uri}"
+
+    def _point(self, metrics: Mapping[str, float], step: int | None) -> Any:
+        """The point as MLflow entities, stamped when it was logged (not when the queue reaches it)."""
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        return [Metric(key=key, value=float(value), timestamp=stamp, step=step or 0) for key, value in metrics.items()]
+
+    def _send_points(self, points: list[Any]) -> None:
+        self.experiment.log_batch(run_id=self.run_id, metrics=[metric for point in points for metric in point], synchronous=True)
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:

@@ -85,3 +85,26 @@ def test_close_waits_a_bounded_time_for_a_server_that_hangs() -> None:
     lost = sender.close(timeout_s=0.5)
     assert 0.4 < time.monotonic() - started < 3 and lost.count == 2
     hang.set()
+
+
+def test_queued_points_travel_together_and_other_calls_alone_in_order() -> None:
+    """After an outage the queue drains in a few requests, not one per step."""
+    requests: list[list[object]] = []
+    up = threading.Event()
+
+    def send_points(points: list[object]) -> None:
+        if not up.is_set():
+            raise ConnectionError("connection refused")
+        requests.append(points)
+
+    sender = BackgroundSender("test", retry_first_s=0.05, send_points=send_points)
+    acknowledged: list[int] = []
+    for step in range(1, 251):
+        sender.put(Call(lambda: None, step, lambda step=step: acknowledged.append(step), point=step))  # type: ignore[misc]
+    ended: list[str] = []
+    sender.put(Call(lambda: ended.append("run ended"), None))  # not a point: sent by itself, after them
+    assert wait_until(lambda: sender.failures >= 1)
+    up.set()
+    assert wait_until(lambda: ended == ["run ended"])
+    assert [len(points) for points in requests] == [100, 100, 50]
+    assert [point for points in requests for point in points] == acknowledged == list(range(1, 251))
