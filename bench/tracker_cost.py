@@ -17,14 +17,11 @@ Samples/s over steps 20..(steps - 10), from the telemetry's step times (bench/co
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import statistics
 import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from bench.common import (
@@ -38,32 +35,15 @@ from bench.common import (
     telemetry_step_times,
     timing_from_step_times,
 )
+from tests.mlflow_server import kill_server, start_mlflow  # the tracker tests' real server
 
 BATCH = 8
-
-
-def start_server(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    folder.mkdir(parents=True, exist_ok=True)
-    command = [PYTHON, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    command += ["--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--default-artifact-root", str(folder / "artifacts")]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2):
-                return server, uri
-        except OSError:
-            time.sleep(0.3)
-    raise SystemExit("bench: the mlflow server did not come up in 120 s")
 
 
 def kill_when_logged(server: subprocess.Popen[bytes], log: Path, step: int) -> None:
     while f"step {step}/" not in (log.read_text(errors="replace") if log.exists() else ""):
         time.sleep(0.05)
-    os.killpg(server.pid, signal.SIGKILL)
+    kill_server(server)
 
 
 def one_run(work: Path, case: str, steps: int) -> float:
@@ -71,7 +51,8 @@ def one_run(work: Path, case: str, steps: int) -> float:
     overrides = [*steps_overrides(steps, run_dir, BATCH), "logging.every_n_steps=1", "logging.progress=lines"]
     server = None
     if case != "no tracker":
-        server, uri = start_server(work / "mlflow")
+        port = free_port()
+        server, uri = start_mlflow(work / f"mlflow-{port}", port), f"http://127.0.0.1:{port}"
         overrides += [f"logging.mlflow_tracking_uri={uri}", "logging.mlflow_experiment=bench"]
     log = run_dir / "trainer.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +69,7 @@ def one_run(work: Path, case: str, steps: int) -> float:
             raise SystemExit(f"bench: the {case} run failed; see {log}")
     finally:
         if server is not None and server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
+            kill_server(server)
     names = {p.name for p in run_dir.iterdir()}
     (folder,) = [run_dir / n for n in names if (run_dir / n / "telemetry").is_dir()]
     return timing_from_step_times(launched, telemetry_step_times(folder), steps, BATCH).samples_per_s

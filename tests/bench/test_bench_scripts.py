@@ -122,3 +122,13 @@ def test_interpreters_script_counts_a_childs_cpu_and_names_a_failing_one() -> No
     assert 0.3 <= child_cpu_s([sys.executable, "-c", burn], {}) < 3
     with pytest.raises(SystemExit, match="exited 3"):
         child_cpu_s([sys.executable, "-c", "import sys; sys.exit(3)"], {})
+
+
+def test_prepare_memory_script_small_run() -> None:
+    """Two photos behind 16 lines, one shard size: the script prepares through the CLI and reads its memory."""
+    args = ["-m", "bench.prepare_memory", "--photos", "2", "--lines", "16", "--shard-sizes", "8"]
+    done = run_python(args, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("| this tree")]
+    assert len(rows) == 1 and rows[0][1].strip() == "8"
+    assert float(rows[0][3]) > 0 and float(rows[0][4]) > 0  # the main process's and a worker's peak (2 shards: a pool)
