@@ -67,6 +67,8 @@ class CheckpointSaver(pl.Callback):
         self.stop = StopRequest()
         self.vote = StopVote(collective_timeout)
         self.stopped_by_signal: int | None = None
+        self._stop_agreed = False
+        self._step_before = -1  # the optimizer step count at the previous micro-batch's end
         self.seconds_saving = 0.0  # wall time in saves, barrier included (the attempt ledger reports it)
 
     def save(self, trainer: pl.Trainer) -> Path:
@@ -99,10 +101,18 @@ class CheckpointSaver(pl.Callback):
         self.stop.install()
         self.vote.setup()
         self.last_saved_step = trainer.global_step  # a resumed run's start is already saved
+        self._step_before, self._stop_agreed = trainer.global_step, False
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
-        stop = self.vote.exchange(self.stop.signum is not None)
+        self._stop_agreed |= self.vote.exchange(self.stop.signum is not None)  # every micro-batch: a collective
+        stepped, self._step_before = step != self._step_before, step
+        if not stepped:
+            # Mid-accumulation: a checkpoint here would count the micro-batches taken so far as
+            # trained while their gradients are in no file; a stop waits for the step's end (at
+            # most accumulate_grad_batches - 1 micro-batches, the same on every rank).
+            return
+        stop = self._stop_agreed
         # The last step is saved here too, not in on_train_end: by then Lightning has closed the
         # epoch in its loop state, and a resume from that file (RESUME=auto with a larger
         # trainer.max_steps) started the next epoch, leaving the rest of this one out.

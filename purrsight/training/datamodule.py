@@ -137,10 +137,8 @@ class Phase2DataModule(pl.LightningDataModule):
 
         Lightning restores its in-epoch batch count as saved and ends the epoch when the count
         reaches len(loader); saved on another world size or batch size, that count is in the
-        other run's batches. It is derived again from the position, in whole optimizer steps:
-        the first step after the resume takes accumulate_grad_batches micro-batches, like every
-        other. Called from the LightningModule's on_load_checkpoint, before Lightning restores
-        its loops.
+        other run's batches. It is derived again from the position, in this run's batches.
+        Called from the LightningModule's on_load_checkpoint, before Lightning restores its loops.
         """
         position = saved_position(checkpoint)
         drop_loader_states(checkpoint)
@@ -152,8 +150,12 @@ class Phase2DataModule(pl.LightningDataModule):
         if position.epoch > int(checkpoint.get("epoch", 0)):
             done = (size // world) // batch  # saved as its epoch ended: Lightning's restore moves on to the next
         else:
+            # Exact, not rounded to whole steps: Lightning finds the epoch's last batch by this
+            # count (a rounded one missed it, and the epoch's last micro-batches joined the next
+            # epoch's first step). Checkpoints are taken at step ends, so on the same world size
+            # the count is whole steps; after a change of world size the first step takes the
+            # micro-batches left to the new world's next step boundary.
             done = batches_done(size, world, batch, position.consumed)
-            done -= done % self.config.trainer.accumulate_grad_batches
         set_batches_done(checkpoint, done)
 
     def val_dataloader(self) -> DataLoader[Sample] | list[Any]:

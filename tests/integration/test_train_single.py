@@ -138,6 +138,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_nonzero(
     saved = sorted(folder.glob("step-*.ckpt"))[-1]
     step = int(saved.stem.split("-")[1])
     assert step >= 12 and f"checkpoint: {saved}" in rest
+    # Saved at a step's end, never between its 2 micro-batches (whose first would count as
+    # trained while its gradient is in no file): the position is whole steps of 4 x 2 samples.
+    assert torch.load(saved, weights_only=True)["purrsight"]["position"]["consumed"] % (4 * 2) == 0
     again = train_tiny(synthetic_dir, tmp_path, "--resume", preloaded=preloaded_trainer, trainer__max_steps=step + 3, **real_shape)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resuming from checkpoint {saved}" in again.stderr
