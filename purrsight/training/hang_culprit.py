@@ -5,7 +5,8 @@ The ranks that wait in a collective cannot tell which rank never arrived, and th
 from a thread of its own at a low rate (on progress, at most every 0.5 s, and a heartbeat
 every 2 s), where it is: the last training step it finished,
 the phase it is in (forward, backward, validation, checkpoint) and a heartbeat. When a
-watchdog fires, it reads every rank's record twice, ``OBSERVE_S`` apart, and names:
+watchdog fires, it has read every rank's record twice, ``OBSERVE_S`` apart (the first read
+while its rank was idle, ahead of the timeout), and names:
 
 - ranks whose heartbeat did not move between the two reads: the process is frozen (SIGSTOP, a
   stuck driver call holding the interpreter) or its node is gone;
@@ -44,7 +45,7 @@ PUBLISH_S = 2.0  # the heartbeat: a small store write per rank every 2 s, and on
 MIN_INTERVAL_S = 0.5  # ...at most every 0.5 s (2,048 writes/s for 1,024 ranks, a fraction of what a TCPStore serves)
 OBSERVE_S = 3 * PUBLISH_S  # a heartbeat that does not move in this long: the process stopped answering
 STORE_TIMEOUT_S = 10.0
-LINGER_S = OBSERVE_S + STORE_TIMEOUT_S  # the store's host stays this long after its watchdog fires (two reads)
+LINGER_S = STORE_TIMEOUT_S  # the store's host stays this long after its watchdog fires (the others' second read)
 PHASES = ("start", "forward", "backward", "step done", "validation", "checkpoint")
 
 
@@ -202,11 +203,15 @@ class ProgressBoard:
             rank: Progress(**json.loads(bytes(values[key]).decode())) if key in values else None for rank, key in enumerate(keys)
         }
 
-    def verdict(self) -> str:
-        """The culprit line, from two reads of every record ``OBSERVE_S`` apart (the call takes that long)."""
+    def verdict(self, first_read: tuple[float, dict[int, Progress | None]] | None = None) -> str:
+        """The culprit line, from two reads of every record at least ``OBSERVE_S`` apart: ``first_read``
+        (when, by time.monotonic(), and what; a watchdog takes it before it fires) and one now;
+        without one, this call reads, waits ``OBSERVE_S`` and reads again."""
         try:
-            before = self.read_all()
-            time.sleep(OBSERVE_S)
+            if first_read is None:
+                first_read = (time.monotonic(), self.read_all())
+            read_at, before = first_read
+            time.sleep(max(0.0, read_at + OBSERVE_S - time.monotonic()))
             after = self.read_all()
         except Exception as error:
             host, port = self.address

@@ -29,7 +29,7 @@ import pytorch_lightning as pl
 
 from purrsight.errors import ExitCode
 from purrsight.training import flight_recorder
-from purrsight.training.hang_culprit import LINGER_S, ProgressBoard
+from purrsight.training.hang_culprit import LINGER_S, OBSERVE_S, ProgressBoard
 from purrsight.training.run_folder import HANGS_LOG
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class ProgressWatchdog(pl.Callback):
         self._where = "start of training"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._first_read: tuple[float, dict[int, Any]] | None = None  # (when, every rank's record) before a possible firing
 
     def _progress(self, where: str, step: int, phase: str) -> None:
         self._last = time.monotonic()
@@ -109,7 +110,19 @@ class ProgressWatchdog(pl.Callback):
             return f"unreachable: {', '.join(lost)}"
         if self.board is None:
             return "every node answers: a rank is hung or stuck"
-        return f"hang: {self.board.verdict()}"
+        return f"hang: {self.board.verdict(self._first_read)}"
+
+    def _read_ahead(self, idle: float) -> None:
+        """The verdict's first read of every record, taken OBSERVE_S before the timeout while idle,
+        so that firing takes only the second read (no firing is delayed by the observation)."""
+        if self.board is None or idle < self.timeout_s - OBSERVE_S:
+            self._first_read = None  # progress since: a later firing reads afresh
+            return
+        if self._first_read is None:
+            try:
+                self._first_read = (time.monotonic(), self.board.read_all())
+            except Exception as error:  # the store does not answer: the verdict says so when it fires
+                log.debug("progress records not read ahead: %s", error)
 
     def _record(self, rank: int, line: str) -> None:
         if self.on_fire is not None:
@@ -124,6 +137,7 @@ class ProgressWatchdog(pl.Callback):
     def _watch(self, rank: int) -> None:
         while not self._stop.wait(self.poll_s):
             idle = time.monotonic() - self._last
+            self._read_ahead(idle)
             if idle > self.timeout_s:
                 verdict = self._verdict(rank)
                 log.error(
