@@ -285,7 +285,10 @@ class AttemptRecorder(pl.Callback):
         if first:
             self.attempt.first_step_at = now
         self.attempt.last_step, self.attempt.last_step_at = trainer.global_step, now
-        if first or now - self._written >= HEARTBEAT_S:
+        # Also after a checkpoint: a kill then loses no record of the steps that checkpoint keeps,
+        # however many of them fast steps fit into one heartbeat interval.
+        saved = float(self.seconds_saving()) != self.attempt.checkpoint_s
+        if first or saved or now - self._written >= HEARTBEAT_S:
             self._write(now)
 
     def end(self, how: str) -> None:

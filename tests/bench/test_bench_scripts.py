@@ -95,9 +95,12 @@ def test_allreduce_model_matches_the_textbook_bandwidth_terms() -> None:
 
 
 def test_node_scaling_script_one_node(tmp_path: Path) -> None:
-    """One launcher, a clean job and a job whose worker is killed: the script reads every figure it reports."""
+    """One launcher, a clean job and a job whose worker is killed: the script reads every figure it reports.
+
+    40 steps: the kill (polled every 0.5 s once step 5 is reached) must land before the job's end;
+    with 12, a fast machine finished first and the restart trained nothing to time (CI failure)."""
     done = run_python(
-        ["-m", "bench.node_scaling", "--nodes", "1", "--steps", "12", "--kill-after", "5", "--plot", str(tmp_path / "p.png")],
+        ["-m", "bench.node_scaling", "--nodes", "1", "--steps", "40", "--kill-after", "5", "--plot", str(tmp_path / "p.png")],
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
