@@ -78,6 +78,9 @@ class TrackerLedger:
         self.through_step: int = entry.get("through_step", -1)
         self.keys_at_step: set[str] = set(entry.get("keys_at_step", []))
         self.lost = Lost(**entry.get("lost", {}))
+        # [first, last] step of points sent and not yet acknowledged: a kill there leaves it unknown
+        # whether the server has them, and the next attempt asks the server (settle).
+        self.in_flight: list[int] | None = entry.get("in_flight")
         # Queued in this process but not yet acknowledged: never queued twice, never recorded early.
         self._claimed_step, self._claimed_keys = self.through_step, set(self.keys_at_step)
 
@@ -94,6 +97,7 @@ class TrackerLedger:
             "through_step": self.through_step,
             "keys_at_step": sorted(self.keys_at_step),
             **({"lost": self.lost.as_dict()} if self.lost.count else {}),
+            **({"in_flight": self.in_flight} if self.in_flight else {}),
         }
         write_json_atomically(self.path, ledger)
 
@@ -111,13 +115,29 @@ class TrackerLedger:
         self._claimed_keys.update(fresh)
         return fresh
 
-    def acknowledge(self, metrics: Mapping[str, Any], step: int) -> None:
+    def sending(self, first_step: int, last_step: int) -> None:
+        """Points of these steps go to the server now (recorded first: see in_flight)."""
+        self.in_flight = [first_step, last_step]
+        self._write()
+
+    def acknowledge(self, metrics: Mapping[str, Any], step: int, write: bool = True) -> None:
         """The server took these points: a restart will not send them again."""
         if step < self.through_step:
             return
         if step > self.through_step:
             self.through_step, self.keys_at_step = step, set()
         self.keys_at_step.update(metrics)
+        if self.in_flight and step >= self.in_flight[1]:
+            self.in_flight = None
+        if write:
+            self._write()
+
+    def settle(self, on_server: dict[int, set[str]]) -> None:
+        """Resolve the last attempt's points in flight by what the server holds (step -> metric names)."""
+        for step in sorted(on_server):
+            self.acknowledge(dict.fromkeys(on_server[step]), step, write=False)
+        self.in_flight = None
+        self._claimed_step, self._claimed_keys = self.through_step, set(self.keys_at_step)
         self._write()
 
     def record_lost(self, lost: Lost) -> None:
@@ -237,6 +257,8 @@ class RunMLflowLogger(RunStepNumbering, _SendEachStepOnce, MLFlowLogger):
         if not continuing:
             self.ledger.remember_run(run_id)
             self.log_hyperparams(self._params)
+        elif self.ledger.in_flight:
+            self._settle_in_flight(run_id)
         for name, value in SENDER_HTTP.items():
             os.environ.setdefault(name, value)  # a user's own setting wins: it only affects the sender's thread
         self.sender = BackgroundSender("mlflow", send_points=self._send_points)
@@ -251,7 +273,32 @@ class RunMLflowLogger(RunStepNumbering, _SendEachStepOnce, MLFlowLogger):
         return [Metric(key=key, value=float(value), timestamp=stamp, step=step or 0) for key, value in metrics.items()]
 
     def _send_points(self, points: list[Any]) -> None:
-        self.experiment.log_batch(run_id=self.run_id, metrics=[metric for point in points for metric in point], synchronous=True)
+        metrics = [metric for point in points for metric in point]
+        if metrics:
+            self.ledger.sending(min(m.step for m in metrics), max(m.step for m in metrics))
+        self.experiment.log_batch(run_id=self.run_id, metrics=metrics, synchronous=True)
+
+    def _settle_in_flight(self, run_id: str) -> None:
+        """The last attempt ended while points were in flight: whether the server took them is asked of
+        the server (their metrics' histories), so none is sent twice and none is skipped."""
+        first, last = self.ledger.in_flight or [0, -1]
+        on_server: dict[int, set[str]] = {}
+        try:
+            with _fail_fast_http():
+                for key in self.experiment.get_run(run_id).data.metrics:
+                    for point in self.experiment.get_metric_history(run_id, key):
+                        if first <= point.step <= last:
+                            on_server.setdefault(point.step, set()).add(key)
+        except Exception as error:  # unknown: sending again risks a duplicate, not a loss
+            log.warning("mlflow: could not ask the server about steps %d-%d (%s): they are sent again", first, last, error)
+            on_server = {}
+        self.ledger.settle(on_server)
+        log.info(
+            "mlflow: steps %d-%d were in flight when the last attempt ended; the server holds %s",
+            first,
+            last,
+            ", ".join(str(step) for step in sorted(on_server)) or "none of them",
+        )
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:

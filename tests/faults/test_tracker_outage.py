@@ -104,6 +104,8 @@ def test_a_stop_during_an_outage_checkpoints_promptly_and_names_the_lost_points(
     run_dir = tmp_path / "run" / "phase2-tiny"
     assert "checkpoint saved" in text.split("mlflow: could not send step")[-1]  # a checkpoint after the outage began
     lost = json.loads((run_dir / "trackers.json").read_text())["mlflow"]["lost"]
-    assert lost["count"] > 0 and 20 <= lost["first_step"] <= 22 and lost["last_step"] >= 60, lost
+    # From where the sender was when the server died (at step 20, or earlier when a loaded machine
+    # kept it a few points behind training) through the stop's step.
+    assert lost["count"] > 0 and lost["first_step"] <= 22 and lost["last_step"] >= 60, lost
     assert f"mlflow: {lost['count']} calls (steps {lost['first_step']}-{lost['last_step']}) never reached the server" in text
     assert f"{lost['count']} calls (steps {lost['first_step']}-{lost['last_step']})" in (run_dir / "report.md").read_text()

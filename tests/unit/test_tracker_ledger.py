@@ -55,3 +55,18 @@ def test_a_tracker_package_that_is_absent_is_named_with_the_fix() -> None:
         "logging.mlflow_tracking_uri is set but the no_such_tracker_package package is not installed: "
         "pip install -e '.[mlflow]', or unset logging.mlflow_tracking_uri"
     ]
+
+
+def test_points_in_flight_at_a_kill_are_settled_by_what_the_server_holds(tmp_path: Path) -> None:
+    """Sent, then the process killed before the server's answer was recorded: the next attempt asks
+    the server (MLflow's metric history) and sends again only what it lacks, so no point twice."""
+    first = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")
+    first.remember_run("run-1")
+    first.acknowledge({"train/loss": 1.0}, 25)
+    first.sending(26, 27)  # killed here: 26 reached the server, 27 did not
+    again = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")
+    assert again.in_flight == [26, 27]
+    again.settle({26: {"train/loss"}})
+    assert again.in_flight is None and again.unsent({"train/loss": 9.0}, 26) == {}
+    assert again.unsent({"train/loss": 9.0}, 27) == {"train/loss": 9.0}
+    assert "in_flight" not in json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
