@@ -104,7 +104,8 @@ def test_ctrl_c_during_prepare_ends_every_worker_at_once_and_a_second_prepare_co
     """SIGINT to prepare's process group (a terminal's Ctrl-C) with 2 processes and 32 shards of
     2 s each queued (tests/fault_injection: slow_prepare_shard): every process ends within
     seconds instead of after the queue (30 s), the shards done keep their receipts, nothing is
-    half-published, and the same command then finishes the set."""
+    half-published (a shard whose receipt is missing is not done), and the same command then
+    finishes the set."""
     out = tmp_path / "set"
     command = [sys.executable, str(REPO / "train_phase2.py"), "prepare", "--config", str(DEFAULT_CONFIG), "--out", str(out)]
     command += ["--num-proc", "2", "--shard-size", "4", *tiny_overrides(synthetic_dir, tmp_path, data__val_index="null")]
@@ -124,7 +125,10 @@ def test_ctrl_c_during_prepare_ends_every_worker_at_once_and_a_second_prepare_co
     assert "prepare interrupted: the shards done are kept" in rest and "Traceback" not in rest, rest[-3000:]
     receipts = sorted((out / "train").glob("*.json"))
     assert 1 <= len(receipts) < 32 and not (out / "manifest.json").exists()
-    assert {p.stem for p in (out / "train").glob("*.arrow")} == {p.stem for p in receipts}  # no shard without its receipt
+    shards = {p.stem for p in (out / "train").glob("*.arrow")}
+    # Every receipt has its shard. A worker ended between its shard's rename and its receipt
+    # leaves a shard without a receipt (at most one per process): not done, so redone below.
+    assert {p.stem for p in receipts} <= shards and len(shards - {p.stem for p in receipts}) <= 2
     again = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "prepared set complete" in again.stdout, again.stderr[-3000:]
     assert f"{32 - len(receipts)} shards to do" in again.stderr
