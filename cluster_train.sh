@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# cluster_train.sh: prepare this node and start its share of a PurrSight Phase 2 training job.
+# cluster_train.sh: set this node up and start its share of a PurrSight Phase 2 training job.
 #
 # One invocation per node. It validates its arguments, activates the Python environment, runs
-# one Python step (purrsight/launcher/prepare.py: probe, config, placement, run folder,
+# one Python step (purrsight/launcher/node_plan.py: probe, config, placement, run folder,
 # NCCL/socket settings, health checks) whose plan it sources, starts the node log, and runs
 # torchrun, which joins every node into one job at MASTER_ADDR:MASTER_PORT and restarts the
 # workers on all nodes (from the newest checkpoint) when one of them dies.
@@ -222,14 +222,14 @@ EXPORTED=()         # for the banner
 DRY_LINES=()        # for --dry-run: shell lines a user could paste
 ENVIRONMENT_DUMP=() # LOG_LEVEL=DEBUG: the masked environment the workers get
 
-# purrsight/launcher/prepare.py, in one process with the config parsed once: the node probe,
+# purrsight/launcher/node_plan.py, in one process with the config parsed once: the node probe,
 # the config check and placement, the run-folder check, the environment plan and the health
 # checks. It writes PLAN_FILE (bash we source: NPROC, BACKEND, the exports, the banner) and
 # shows its lines live, keeping them in TRANSCRIPT for the node log that starts after it. Its
 # errors are held in a file and printed when it ends, so that a Python that cannot import
-# purrsight at all is named in our one line, not in Python's. Sets PREPARE_RC (0, or 3: a
+# purrsight at all is named in our one line, not in Python's. Sets PLAN_RC (0, or 3: a
 # health check failed); any other failure ends the launcher here.
-prepare_node() {
+plan_node() {
   local args=(
     --plan "${PLAN_FILE}" --transcript "${TRANSCRIPT}"
     --node-rank "${NODE_RANK}" --num-nodes "${NUM_NODES}" --master-addr "${MASTER_IP}" --master-port "${PORT}"
@@ -239,21 +239,21 @@ prepare_node() {
   )
   ((HEALTH_CHECKS)) || args+=(--no-health)
   ((DRY_RUN)) && args+=(--dry-run)
-  PREPARE_RC=0
-  "${PYTHON}" -m purrsight.launcher.prepare "${args[@]}" "${CONFIG}" "${OVERRIDES[@]}" 2>"${PREPARE_ERRORS}" || PREPARE_RC=$?
+  PLAN_RC=0
+  "${PYTHON}" -m purrsight.launcher.node_plan "${args[@]}" "${CONFIG}" "${OVERRIDES[@]}" 2>"${PLAN_ERRORS}" || PLAN_RC=$?
   if [[ -s "${PLAN_FILE}" ]]; then
-    # shellcheck disable=SC1090 # written just now by prepare.py
+    # shellcheck disable=SC1090 # written just now by node_plan.py
     source "${PLAN_FILE}"
   fi
-  case "${PREPARE_RC}" in
-    0 | "${EXIT_HEALTH}") cat "${PREPARE_ERRORS}" >&2 ;; # warnings, if any
-    "${EXIT_USAGE}") cat "${PREPARE_ERRORS}" >&2; exit "${EXIT_USAGE}" ;;
+  case "${PLAN_RC}" in
+    0 | "${EXIT_HEALTH}") cat "${PLAN_ERRORS}" >&2 ;; # warnings, if any
+    "${EXIT_USAGE}") cat "${PLAN_ERRORS}" >&2; exit "${EXIT_USAGE}" ;;
     *)
-      if [[ ! -s "${PLAN_FILE}" ]] && grep -q "No module named" "${PREPARE_ERRORS}"; then
-        die_usage "${PYTHON} (${PYTHON_SOURCE}) cannot import purrsight and torch ($(tail -n 1 "${PREPARE_ERRORS}")); install: $(install_hint)"
+      if [[ ! -s "${PLAN_FILE}" ]] && grep -q "No module named" "${PLAN_ERRORS}"; then
+        die_usage "${PYTHON} (${PYTHON_SOURCE}) cannot import purrsight and torch ($(tail -n 1 "${PLAN_ERRORS}")); install: $(install_hint)"
       fi
-      cat "${PREPARE_ERRORS}" >&2
-      exit "${PREPARE_RC}"
+      cat "${PLAN_ERRORS}" >&2
+      exit "${PLAN_RC}"
       ;;
   esac
 }
@@ -369,7 +369,7 @@ main() {
   activate_python
   if [[ -n "${RESUME:-}" ]]; then export PURRSIGHT_RESUME="${RESUME}"; fi
   export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.distributed.process_group)
-  # The attempt's launch time: its start-up is counted from here (purrsight/training/attempts.py),
+  # The attempt's launch time: its start-up is counted from here (purrsight/runs/attempts.py),
   # or from a batch script's start when it set one (slurm/train.sbatch).
   PURRSIGHT_LAUNCH_TIME="${PURRSIGHT_LAUNCH_TIME:-$((launched / 1000000)).$(printf '%06d' $((launched % 1000000)))}"
   export PURRSIGHT_LAUNCH_TIME
@@ -377,10 +377,10 @@ main() {
   PURRSIGHT_LAUNCH_ID="${RDZV_ID:-node${NODE_RANK}}-$$-$(date +%s)"
   export PURRSIGHT_LAUNCH_ID
   local scratch="${TMPDIR:-/tmp}/purrsight-${PURRSIGHT_LAUNCH_ID}"
-  PLAN_FILE="${scratch}.plan" TRANSCRIPT="${scratch}.shown" PREPARE_ERRORS="${scratch}.errors"
+  PLAN_FILE="${scratch}.plan" TRANSCRIPT="${scratch}.shown" PLAN_ERRORS="${scratch}.errors"
   # shellcheck disable=SC2064 # the names are fixed now
-  trap "rm -f '${PLAN_FILE}' '${TRANSCRIPT}' '${PREPARE_ERRORS}' '${scratch}'-*.starts" EXIT
-  prepare_node
+  trap "rm -f '${PLAN_FILE}' '${TRANSCRIPT}' '${PLAN_ERRORS}' '${scratch}'-*.starts" EXIT
+  plan_node
   if ((DRY_RUN)); then
     build_torchrun_args
     printf '%s\n' "${DRY_LINES[@]}" "export PURRSIGHT_NODE_RANK=${NODE_RANK}  # global ranks ordered by node"
@@ -393,7 +393,7 @@ main() {
   start_node_log
   build_torchrun_args
   print_banner
-  if ((PREPARE_RC == EXIT_HEALTH)); then
+  if ((PLAN_RC == EXIT_HEALTH)); then
     log "health checks failed: not starting training on this node"
     finish_node_log
     exit "${EXIT_HEALTH}"

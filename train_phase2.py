@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["export"]:
         return run_guarded(export_command, parse_export_args(argv[1:]))
     if argv[:1] == ["prepare"]:
-        from purrsight.training.prepare import parse_prepare_args, prepare_command
+        from purrsight.datasets.prepare_job import parse_prepare_args, prepare_command
 
         try:
             prepare_args = parse_prepare_args(argv[1:])

@@ -41,8 +41,8 @@ from bench.common import machine
 from bench.real_size import REAL_CONFIG, synthetic_tokenizer, training_flops_per_sample
 from purrsight.config import Config, load_config
 from purrsight.data.dataset import Collator, MultiModalDataset, Sample
-from purrsight.training.data_builder import Datasets, build_datasets
-from purrsight.training.flops import PEAK_TFLOPS
+from purrsight.datasets.builder import Datasets, build_datasets
+from purrsight.observability.flops import PEAK_TFLOPS
 
 TARGET_MFU = 0.40
 SAMPLE_RATE = 16000

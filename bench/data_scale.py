@@ -44,8 +44,8 @@ from bench.real_size import REAL_CONFIG, synthetic_tokenizer
 from purrsight.config import load_config
 from purrsight.data.dataset import Collator, Sample
 from purrsight.data.synthetic import generate
-from purrsight.training.data_builder import build_datasets
-from purrsight.training.prepare import prepare
+from purrsight.datasets.builder import build_datasets
+from purrsight.datasets.prepare_job import prepare_set
 
 METADATA_CALLS = "stat,lstat,newfstatat,statx,access,faccessat,faccessat2,open,openat,readlink"
 
@@ -191,7 +191,7 @@ def prepared_set(index: Path, tokenizer: Path, out: Path, processes: int) -> flo
     """Prepare ``index`` (tiny default's model and processors) into ``out``; seconds taken."""
     config = load_config(TINY_CONFIG, data_overrides(index, None, tokenizer), check_paths=False)
     started = time.monotonic()
-    prepare(config, out, processes, (0, 1), shard_size=4096)
+    prepare_set(config, out, processes, (0, 1), shard_size=4096)
     return time.monotonic() - started
 
 
@@ -241,7 +241,7 @@ def photo_pipeline(work: Path, photos: int, tokenizer: Path) -> dict[str, float]
     out = work / "photos-prepared"
     shutil.rmtree(out, ignore_errors=True)
     started = time.monotonic()
-    prepare(config, out, 1, (0, 1), shard_size=64)
+    prepare_set(config, out, 1, (0, 1), shard_size=64)
     per_core = photos / (time.monotonic() - started)
     prepared = config.model_copy(update={"data": config.data.model_copy(update={"prepared": str(out)})})
     data = build_datasets(prepared, world_size=1)

@@ -36,7 +36,7 @@ from bench.common import TINY_CONFIG
 from bench.real_size import REAL_CONFIG, SIGLIP_BASE_224, random_init_overrides, synthetic_tokenizer
 from purrsight.config import Config, load_config
 from purrsight.model.multimodal import PurrSightModel
-from purrsight.training.flops import gpu_peak_tflops, model_flops_per_token
+from purrsight.observability.flops import gpu_peak_tflops, model_flops_per_token
 from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
 from purrsight.training.optim import build_optimizer
 

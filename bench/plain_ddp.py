@@ -25,10 +25,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from bench.common import ROW_EVERY
 from purrsight.config import load_config
-from purrsight.training.data_builder import build_datasets
+from purrsight.datasets.builder import build_datasets
+from purrsight.datasets.synthetic_set import ensure_synthetic_set
 from purrsight.training.model_builder import build_model
 from purrsight.training.optim import build_optimizer
-from purrsight.training.synthetic_data import prepare_synthetic
 
 
 def main() -> int:
@@ -44,7 +44,7 @@ def main() -> int:
     config = load_config(args.config, [f"data.batch_size={args.batch_size}"])
     torch.manual_seed(config.run.seed)
     if rank == 0:  # as the DataModule's prepare_data: a no-op once made
-        prepare_synthetic(config)
+        ensure_synthetic_set(config)
     dist.barrier()
     data = build_datasets(config, world)
     model = build_model(config).model

@@ -25,7 +25,7 @@ def role_of(cmdline: list[str]) -> str:
         return "worker"
     if "purrsight.launcher.logwriter" in command:
         return "log writer"
-    if "purrsight.launcher.prepare" in command:
+    if "purrsight.launcher.node_plan" in command:
         return "prepare"  # probe, config check, placement, run folder, environment, health checks
     return "launcher other"  # bash and its tools
 

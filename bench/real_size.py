@@ -15,7 +15,7 @@ import torch
 
 from bench.common import REPO
 from purrsight.data.synthetic import generate
-from purrsight.training.flops import flops_per_token
+from purrsight.observability.flops import flops_per_token
 
 REAL_CONFIG = REPO / "config" / "qwen2.5-0.5b.yaml"
 

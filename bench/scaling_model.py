@@ -2,7 +2,7 @@
 
 Counted: the real-size model's trainable parameters (config/qwen2.5-0.5b.yaml built from
 the published architecture configs, random weights; bench/real_size.py). Measured: the
-time our checkpoint writer (purrsight.training.checkpoints.AtomicCheckpointIO) takes for a
+time our checkpoint writer (purrsight.runs.checkpoint_saver.AtomicCheckpointIO) takes for a
 checkpoint of that size on ``--checkpoint-dir``. Modelled:
 
 - gradient all-reduce: NCCL's own cost model, time = latency + bytes / algorithm bandwidth
@@ -109,7 +109,7 @@ def trainable_parameters() -> tuple[int, int]:
 
 def checkpoint_write_s(trainable: int, folder: Path) -> tuple[int, float]:
     """(bytes, seconds) of one checkpoint as ours holds it: fp32 weights + AdamW's two moments, atomic write."""
-    from purrsight.training.checkpoints import AtomicCheckpointIO
+    from purrsight.runs.checkpoint_saver import AtomicCheckpointIO
 
     weights = torch.randn(trainable)
     moments = {"exp_avg": torch.randn(trainable), "exp_avg_sq": torch.rand(trainable)}

@@ -5,7 +5,7 @@ turn ``--repeats`` times, medians reported:
 
 - plain: torchrun + bench/plain_ddp.py (same model, samples, batch, optimizer; no Lightning);
 - trainer: torchrun + train_phase2.py (Lightning and our callbacks, no launcher);
-- stack: cluster_train.sh -> torchrun -> train_phase2.py (its prepare step: probe, config, health checks),
+- stack: cluster_train.sh -> torchrun -> train_phase2.py (its node plan: probe, config, health checks),
   once per ``--monitor-intervals`` value (the launcher's MONITOR_INTERVAL).
 
 Every run's process tree is sampled for CPU seconds by part of the stack (workers,
@@ -32,9 +32,9 @@ from bench.process_cpu import ROLES, ProcessTreeCPU
 def ensure_synthetic_set() -> None:
     """Generate the tiny default's data once, outside every timed run."""
     from purrsight.config import load_config
-    from purrsight.training.synthetic_data import prepare_synthetic
+    from purrsight.datasets.synthetic_set import ensure_synthetic_set
 
-    prepare_synthetic(load_config(TINY_CONFIG, check_paths=False))
+    ensure_synthetic_set(load_config(TINY_CONFIG, check_paths=False))
 
 
 def main() -> int:

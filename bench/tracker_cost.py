@@ -6,7 +6,7 @@ tracker is ever asked), side by side in one run, alternating, ``--repeats`` time
 - no tracker;
 - a real ``mlflow server`` on loopback (sqlite store), up the whole run;
 - the same, SIGKILLed (its process group) once the run's 20th step is logged: the outage case,
-  which before the sender thread (purrsight/training/tracker_sender.py) froze training in
+  which before the sender thread (purrsight/observability/tracker_sender.py) froze training in
   MLflow's own retries (minutes per call).
 
 Samples/s over steps 20..(steps - 10), from the telemetry's step times (bench/common.py).

@@ -106,7 +106,7 @@ def read_index(path: str | Path, check_media: bool = True, max_problems: int = 1
     """Validate every line; raise IndexFileError naming where each problem is.
 
     Stops at the first problem by default; ``max_problems`` > 1 goes on and lists up to that
-    many (the prepare step reports a whole index in one round trip). ``check_media=False``
+    many (the dataset job reports a whole index in one round trip). ``check_media=False``
     leaves the media files alone: no metadata call per line (they are opened when decoded).
     Imports nothing heavy: the launcher's health check calls this.
     """

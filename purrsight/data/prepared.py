@@ -1,4 +1,4 @@
-"""Prepared sets' shards: written by the prepare step, read in training as a map-style dataset.
+"""Prepared sets' shards: written by the dataset job (`train_phase2.py prepare`), read in training as a map-style dataset.
 
 The folder's layout and manifest: data/prepared_manifest.py.
 """

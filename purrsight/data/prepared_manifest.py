@@ -4,7 +4,7 @@ A prepared dataset holds every sample decoded once, in memory-mapped Arrow shard
 Training from one opens no original file: a sample is a row of an Arrow file (pyarrow maps it
 into memory, so the ranks of a node share one copy in the page cache), and its
 per-sample work is reading and normalising. Made by ``python train_phase2.py prepare``
-(training/prepare.py); this module knows the folder's layout and reads it::
+(datasets/prepare_job.py); this module knows the folder's layout and reads it::
 
     DIR/plan.json                 what is being prepared: sources, settings, shards (written first)
     DIR/train/shard-00000.arrow   samples of the training index, in index order (one Arrow stream)

@@ -3,7 +3,7 @@
 Each epoch is one permutation of the whole set (seeded by ``seed + epoch``), consumed in order
 by all ranks together: rank ``r`` of ``W`` takes positions ``start + r``, ``start + r + W``, ...
 After every rank trained ``y`` samples the job has consumed exactly the first ``start + y * W``
-positions, so a checkpoint keeps that *global* count (training/data_position.py), not one
+positions, so a checkpoint keeps that *global* count (runs/data_position.py), not one
 rank's position in its own shard. A resume on another world size derives each rank's new
 shard from the count: no sample of the epoch is trained twice, none is left out (torchdata's
 StatefulDistributedSampler stores rank 0's count in its own shard, which on another world size

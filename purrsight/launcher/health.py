@@ -1,6 +1,6 @@
 """Node health checks before torchrun: each a line with PASS/FAIL/SKIP and its time.
 
-All checks run, then a summary; the launcher's prepare step (purrsight/launcher/prepare.py)
+All checks run, then a summary; the node plan (purrsight/launcher/node_plan.py)
 runs them and exits 3 on any failure, so the node stops before it burns GPU hours or holds
 the other nodes at the rendezvous.
 """

@@ -2,7 +2,7 @@
 
 A variable the user already exported is never overridden (NCCL_* included); the plan
 says which were set and which were kept, and the launcher prints it as one block. The
-launcher's prepare step (purrsight/launcher/prepare.py) writes the plan into the file it
+launcher's prepare step (purrsight/launcher/node_plan.py) writes the plan into the file it
 hands the launcher.
 """
 

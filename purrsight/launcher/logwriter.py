@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backups", type=int, default=5)
     parser.add_argument("--keep-runs", type=int, default=10)
     parser.add_argument("--console-ranks", default="0")
-    parser.add_argument("--shown", type=Path, help="lines the launcher already showed (its prepare step's): into the file only")
+    parser.add_argument("--shown", type=Path, help="lines the launcher already showed (the node plan's): into the file only")
     args = parser.parse_args(argv)
     # The launcher forwards signals to torchrun; this process must outlive them to record
     # the last lines (the final checkpoint, the exit code), and ends at end of input.

@@ -1,6 +1,6 @@
 """What this node runs on: python, torch, CUDA/NCCL versions, visible GPUs.
 
-The launcher's prepare step reads it for its defaults (NPROC_PER_NODE, BACKEND) and its
+The node plan reads it for its defaults (NPROC_PER_NODE, BACKEND) and its
 start banner.
 """
 

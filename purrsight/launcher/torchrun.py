@@ -31,15 +31,14 @@ import time
 from types import FrameType
 
 from torch.distributed.elastic import metrics
-from torch.distributed.elastic.multiprocessing import api as elastic_processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from purrsight.errors import SIGNAL_BASE, ExitCode
+from purrsight.internals.torch_elastic import RENDEZVOUS_METRIC, install_terminate_handler
 
 TORCHRUN_FAILED = 1  # torchrun's own code for a failed worker group, kept for callers that read it
-RENDEZVOUS_METRIC = "._rendezvous.duration.ms"  # SimpleElasticAgent._rendezvous is timed by torchelastic's @prof
 
 
 class RendezvousLog(metrics.MetricHandler):
@@ -58,8 +57,8 @@ class RendezvousLog(metrics.MetricHandler):
 
 
 class StopOnce:
-    """The termination handler torchelastic installs in each agent (via its module's
-    ``_terminate_process_handler``), raising SignalException for the first signal only."""
+    """The termination handler torchelastic installs in each agent (internals/torch_elastic.py),
+    raising torchelastic's SignalException for the first signal only."""
 
     def __init__(self) -> None:
         self.stopping: signal.Signals | None = None
@@ -89,8 +88,7 @@ def job_exit_code(worker_codes: list[int]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     metrics.configure(RendezvousLog(), group="torchelastic")
-    # PContext.start() looks the handler up by this module-level name when it installs it
-    elastic_processes._terminate_process_handler = StopOnce()
+    install_terminate_handler(StopOnce())
     try:
         run(parse_args(argv if argv is not None else sys.argv[1:]))
     except ChildFailedError as err:

@@ -18,7 +18,7 @@ import ray.train
 from lightning_fabric.plugins.environments import ClusterEnvironment
 
 from purrsight.ray_engine.pointer import prune_stale, write_pointer
-from purrsight.training.checkpoints import CheckpointSaver
+from purrsight.runs.checkpoint_saver import CheckpointSaver
 
 STOP_POLL_S = 1.0
 

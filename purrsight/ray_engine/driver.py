@@ -23,12 +23,12 @@ from typing import Any
 from purrsight.config import Config, ConfigError, path_problems, with_paths_under
 from purrsight.data.index import read_index
 from purrsight.data.prepared_manifest import read_manifest
+from purrsight.datasets.synthetic_set import ensure_synthetic_set
 from purrsight.errors import SIGNAL_BASE, ClusterError, ExitCode
 from purrsight.placement import decide
 from purrsight.ray_engine.ray_noise import filter_forwarded_output
-from purrsight.training.run_folder import HANGS_LOG, utc_stamp
-from purrsight.training.start import plan_start, prepare_run_folder
-from purrsight.training.synthetic_data import prepare_synthetic
+from purrsight.run_folder import HANGS_LOG, utc_stamp
+from purrsight.runs.start import plan_start, prepare_run_folder
 
 log = logging.getLogger("purrsight.ray_engine")
 WORKING_DIR_COPY = ("runtime_resources", "working_dir_files")  # where Ray unpacks --working-dir
@@ -66,7 +66,7 @@ def prepared_config(config: Config, source: str) -> Config:
     if problems:
         raise ConfigError(problems)
     config.tokenizer_dir()  # a config without any tokenizer fails here, not in every worker
-    prepare_synthetic(config)  # what the DataModule would do on each node, once here
+    ensure_synthetic_set(config)  # what the DataModule would do on each node, once here
     if config.data.prepared is not None:
         read_manifest(Path(config.data.prepared))  # complete (rank 0 checks that it matches the config)
         return config

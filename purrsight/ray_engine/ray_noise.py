@@ -20,9 +20,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from purrsight.internals.ray_logging import PRINT_HANDLER, stdstream_dispatcher, train_report_loggers
+
 # Substrings of a Ray process's output line the driver does not forward.
 FORWARDED_NOISE = ("Actor with class name: 'PreemptionWatcher'",)
-PRINT_HANDLER = "ray_print_logs"  # the name ray.init gives its log_to_driver printer
 
 
 class _DropMessages(logging.Filter):
@@ -35,14 +36,12 @@ class _DropMessages(logging.Filter):
 
 
 def quiet_checkpoint_reports() -> None:
-    """In a Ray Train worker: drop Ray Train's per-checkpoint INFO lines."""
-    import ray.train.v2._internal.execution.context as context
-    import ray.train.v2._internal.execution.storage as storage
-
-    reports = {
-        logging.getLogger(context.__file__): "Reporting training result",  # context.py names its logger by its path
-        logging.getLogger(storage.__name__): "Checkpoint successfully created at",
-    }
+    """In a Ray Train worker: drop Ray Train's per-checkpoint INFO lines (kept where Ray moved them)."""
+    loggers = train_report_loggers()
+    if loggers is None:
+        return
+    context, storage = loggers
+    reports = {context: "Reporting training result", storage: "Checkpoint successfully created at"}
     for logger, starts in reports.items():
         if not any(isinstance(f, _DropMessages) and f.starts == starts for f in logger.filters):
             logger.addFilter(_DropMessages(starts))
@@ -56,14 +55,9 @@ def without_noise(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def filter_forwarded_output() -> bool:
-    """In the driver, after ray.init: filter what log_to_driver prints. False when Ray's printer is not found.
-
-    Ray has no public hook for this; its printer is a named handler of one dispatcher
-    (Ray 2.60, the minor we pin). Should that change, the lines are printed as before.
-    """
-    try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-    except ImportError:
+    """In the driver, after ray.init: filter what log_to_driver prints. False when Ray's printer is not found."""
+    dispatcher = stdstream_dispatcher()
+    if dispatcher is None:
         return False
     printer: Callable[[dict[str, Any]], None] | None = next(
         (handler for name, handler in dispatcher.handlers if name == PRINT_HANDLER), None

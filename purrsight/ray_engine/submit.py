@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from purrsight.errors import EXIT_CODE_LINES, SIGNAL_BASE, ExitCode
+from purrsight.internals.ray_logging import RUNTIME_ENV_LOGGERS
 
 ENTRYPOINT = ("python", "train_phase2.py", "--engine", "ray")
 ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")  # the order `ray job` reads them in
@@ -35,8 +36,8 @@ FINAL_STATES = {"SUCCEEDED", "FAILED", "STOPPED"}
 # Ray's SDK narrates the upload file by file and each websocket it closes; what is uploaded
 # is .rayignore's business (docs/RAY.md), and its warnings and errors still print.
 CHATTY_LOGGERS = {
-    "ray._private.runtime_env.packaging": logging.WARNING,
-    "ray._private.runtime_env.working_dir": logging.ERROR,  # ".git and .venv are now ignored": as we want
+    RUNTIME_ENV_LOGGERS[0]: logging.WARNING,
+    RUNTIME_ENV_LOGGERS[1]: logging.ERROR,  # ".git and .venv are now ignored": as we want
     "ray.dashboard.modules.dashboard_sdk": logging.WARNING,
     "ray.dashboard.modules.job.sdk": logging.WARNING,
 }

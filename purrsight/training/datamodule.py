@@ -18,10 +18,10 @@ from purrsight.config import Config
 from purrsight.data.dataset import Collator, Sample
 from purrsight.data.fork_server_signals import ignore_stop_signals
 from purrsight.data.sampler import GlobalPositionSampler, batches_done
-from purrsight.training.data_builder import build_datasets
-from purrsight.training.data_position import DataPosition, saved_position
-from purrsight.training.lightning_loops import drop_loader_states, set_batches_done
-from purrsight.training.synthetic_data import prepare_synthetic
+from purrsight.datasets.builder import build_datasets
+from purrsight.datasets.synthetic_set import ensure_synthetic_set
+from purrsight.internals.lightning_loops import drop_loader_states, set_batches_done
+from purrsight.runs.data_position import DataPosition, saved_position
 
 
 def _worker_start() -> multiprocessing.context.BaseContext:
@@ -55,7 +55,7 @@ class Phase2DataModule(pl.LightningDataModule):
         self._taken = (-1, 0)  # (epoch, its micro-batches this process trained)
 
     def prepare_data(self) -> None:
-        prepare_synthetic(self.config)
+        ensure_synthetic_set(self.config)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:

@@ -10,12 +10,12 @@ import torch
 from peft import LoraConfig
 
 from purrsight.config import Config
+from purrsight.datasets.builder import build_decoders
 from purrsight.model.aligner import load_aligner
 from purrsight.model.encoders import FrozenEncoder, load_encoder
 from purrsight.model.llm import load_llm, load_tokenizer
 from purrsight.model.loading import ModelLoadError
 from purrsight.model.multimodal import MODALITIES, PurrSightModel
-from purrsight.training.data_builder import build_decoders
 
 
 @dataclass

@@ -15,7 +15,7 @@ from purrsight.data.media import SampleError
 from purrsight.errors import UserError
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
-from purrsight.training.data_position import POSITION_KEY
+from purrsight.runs.data_position import POSITION_KEY
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
 from purrsight.training.optim import build_optimizer, continue_schedule

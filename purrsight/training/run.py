@@ -12,19 +12,19 @@ import pytorch_lightning as pl
 from pytorch_lightning.strategies import Strategy
 
 from purrsight.config import Config, write_resolved
+from purrsight.distributed import flight_recorder
+from purrsight.distributed.preflight_callback import Preflight
 from purrsight.distributed.process_group import TORCHRUN_RANK, agreed_max, init_process_group, worker_generation
-from purrsight.training import flight_recorder
-from purrsight.training.attempts import AttemptRecorder
-from purrsight.training.checkpoint_files import training_position
-from purrsight.training.checkpoints import CheckpointSaver
-from purrsight.training.data_position import DataPosition
+from purrsight.observability.report import write_report
+from purrsight.observability.trackers import close_trackers
+from purrsight.run_folder import checkpoint_dir
+from purrsight.runs.attempts import AttemptRecorder
+from purrsight.runs.checkpoint_files import training_position
+from purrsight.runs.checkpoint_saver import CheckpointSaver
+from purrsight.runs.data_position import DataPosition
+from purrsight.runs.start import agreed_start
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.module import Phase2Module
-from purrsight.training.preflight_callback import Preflight
-from purrsight.training.report import write_report
-from purrsight.training.run_folder import checkpoint_dir
-from purrsight.training.start import agreed_start
-from purrsight.training.trackers import close_trackers
 from purrsight.training.trainer_builder import build_trainer, resolve_placement
 
 log = logging.getLogger(__name__)

@@ -13,17 +13,17 @@ from pytorch_lightning.plugins.environments import ClusterEnvironment, TorchElas
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
 from purrsight.config import Config
+from purrsight.distributed.preflight_callback import Preflight
+from purrsight.distributed.watchdog import ProgressWatchdog
+from purrsight.internals.lightning_loops import check_layout
+from purrsight.observability.loggers import build_loggers
+from purrsight.observability.profiler import StepProfiler
+from purrsight.observability.progress_bar import StepBar, StepLines, use_progress_bar
+from purrsight.observability.step_numbering import FitStepNumbering
+from purrsight.observability.telemetry import Telemetry
 from purrsight.placement import Placement, decide, from_launcher
-from purrsight.training.attempts import AttemptRecorder
-from purrsight.training.checkpoints import AtomicCheckpointIO, CheckpointSaver
-from purrsight.training.lightning_loops import check_layout
-from purrsight.training.loggers import build_loggers
-from purrsight.training.preflight_callback import Preflight
-from purrsight.training.profiling import StepProfiler
-from purrsight.training.progress import LineProgress, StepBar, use_progress_bar
-from purrsight.training.step_numbering import FitStepNumbering
-from purrsight.training.telemetry import Telemetry
-from purrsight.training.watchdog import ProgressWatchdog
+from purrsight.runs.attempts import AttemptRecorder
+from purrsight.runs.checkpoint_saver import AtomicCheckpointIO, CheckpointSaver
 
 
 def resolve_placement(config: Config) -> Placement:
@@ -144,7 +144,7 @@ def build_trainer(
     if config.distributed.progress_timeout_s is not None:
         on_fire = recorder.end if recorder is not None else None
         callbacks.append(ProgressWatchdog(config.distributed.progress_timeout_s, run_dir, generation, on_fire))
-    callbacks.append(StepBar(config.logging.every_n_steps) if bar else LineProgress(config.logging.every_n_steps))
+    callbacks.append(StepBar(config.logging.every_n_steps) if bar else StepLines(config.logging.every_n_steps))
     trainer_cfg = config.trainer
     trainer = pl.Trainer(
         accelerator=placement.accelerator,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from purrsight.training.attempts import read_attempts, summarize
+from purrsight.runs.attempts import read_attempts, summarize
 from tests.cluster.conftest import SlurmCluster
 from tests.helpers import REPO, check_every_sample_once, fault_env, record_samples_env, tiny_overrides
 
@@ -146,7 +146,7 @@ def test_scancel_checkpoints_on_every_node_and_does_not_requeue(slurm: SlurmClus
 def unhealthy_second_node_venv(folder: Path) -> Path:
     """A VENV for the launcher whose python fails the disk health check on the job's node 1, on its first run only.
 
-    The check itself is the real one (purrsight.launcher.health, in the launcher's prepare step); only its threshold is raised
+    The check itself is the real one (purrsight.launcher.health, in the node plan); only its threshold is raised
     past any disk, as a full scratch disk would fail it. The wrapper stands in for a node that
     is really broken, which this one-machine cluster cannot have.
     """
@@ -155,7 +155,7 @@ def unhealthy_second_node_venv(folder: Path) -> Path:
     wrapper = folder / "bin" / "python"
     wrapper.write_text(
         "#!/usr/bin/env bash\n"
-        'if [[ "$*" == *purrsight.launcher.prepare* && "${SLURM_NODEID}" == 1 && "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then\n'
+        'if [[ "$*" == *purrsight.launcher.node_plan* && "${SLURM_NODEID}" == 1 && "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then\n'
         f'  exec {real} "$@" --min-free-gb 1e12\n'
         "fi\n"
         f'exec {real} "$@"\n'

@@ -65,7 +65,7 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 class _SaveThenKill:
-    """Stands in for the ``torch`` name inside purrsight.training.checkpoints: the ``kill_at``-th
+    """Stands in for the ``torch`` name inside purrsight.runs.checkpoint_saver: the ``kill_at``-th
     ``save`` writes half of the checkpoint's bytes into its stream (the temp file), flushes them to
     the disk, and SIGKILLs the process: a torn temp file, as a node that dies mid-write leaves."""
 
@@ -156,9 +156,9 @@ if RECORD_SAMPLES:
 if FAULT:
     kind, _, arguments = FAULT.partition(":")
     if kind == "kill_during_checkpoint_write":
-        sys.meta_path.insert(0, PatchOnImport("purrsight.training.checkpoints", _kill_during_checkpoint_write(arguments)))
+        sys.meta_path.insert(0, PatchOnImport("purrsight.runs.checkpoint_saver", _kill_during_checkpoint_write(arguments)))
     elif kind == "slow_prepare_shard":
-        sys.meta_path.insert(0, PatchOnImport("purrsight.training.prepare", _slow_prepare_shard(arguments)))
+        sys.meta_path.insert(0, PatchOnImport("purrsight.datasets.prepare_job", _slow_prepare_shard(arguments)))
     elif kind == "preflight_delay":
         sys.meta_path.insert(0, PatchOnImport("purrsight.distributed.preflight", _preflight_delay(*arguments.split(":"))))
     else:

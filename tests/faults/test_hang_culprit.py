@@ -1,7 +1,7 @@
 """A frozen rank named by the others: SIGSTOP of one worker, real launchers, torchrun and gloo.
 
 Every rank publishes its progress to the job's store; the ranks left waiting name the one
-they wait for (purrsight/training/hang_culprit.py). Nothing is faked: the stopped process is
+they wait for (purrsight/distributed/hang_culprit.py). Nothing is faked: the stopped process is
 a real worker of a 2-node x 2-rank job on loopback.
 """
 
@@ -15,7 +15,7 @@ import time
 
 import psutil
 
-from purrsight.training.hang_culprit import PUBLISH_S
+from purrsight.distributed.hang_culprit import PUBLISH_S
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from purrsight.training.hang_culprit import PUBLISH_S
+from purrsight.distributed.hang_culprit import PUBLISH_S
 from tests.helpers import REPO, launcher_env, tiny_overrides
 from tests.launcher.conftest import wait_for
 from tests.launcher.test_launcher import workers

@@ -22,7 +22,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from purrsight.training.attempts import read_attempts, summarize
+from purrsight.runs.attempts import read_attempts, summarize
 from tests.helpers import free_port, read_metrics, train_tiny, trainable_state
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from purrsight.training.prepare import prepare
+from purrsight.datasets.prepare_job import prepare_set
 from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, tiny_config, tiny_overrides
 
 PROBE = REPO / "tests" / "integration" / "ddp_probe.py"
@@ -38,7 +38,7 @@ def prepared(synthetic_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> t
     index = root / "train.jsonl"
     index.write_text("\n".join((synthetic_dir / "train.jsonl").read_text().splitlines()[:SAMPLES]) + "\n")
     config = tiny_config(synthetic_dir, root, data__train_index=str(index))
-    assert prepare(config, root / "set", processes=2, part=(0, 1), shard_size=32) is not None
+    assert prepare_set(config, root / "set", processes=2, part=(0, 1), shard_size=32) is not None
     return index, root / "set"
 
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from purrsight.training.attempts import read_attempts, summarize
+from purrsight.runs.attempts import read_attempts, summarize
 from tests.helpers import read_metrics, trainable_state
 from tests.launcher.conftest import wait_for
 from tests.ray.cluster import RayCluster, job_info, submission_id

@@ -10,7 +10,7 @@ import pytest
 from purrsight import atomic_file
 from purrsight.atomic_file import publish, stale_temp_files, temp_name, write_json_atomically
 from purrsight.data.prepared_manifest import MANIFEST_NAME
-from purrsight.training.prepare import prepare
+from purrsight.datasets.prepare_job import prepare_set
 from tests.helpers import tiny_config
 
 
@@ -73,7 +73,7 @@ def test_a_prepared_sets_shards_are_on_disk_before_its_manifest(
     order = DiskOrder(monkeypatch)
     out = tmp_path / "set"
     config = tiny_config(synthetic_dir, tmp_path, data__train_index=str(synthetic_dir / "val.jsonl"), data__val_index="null")
-    assert prepare(config, out, processes=1, part=(0, 1), shard_size=8) is not None
+    assert prepare_set(config, out, processes=1, part=(0, 1), shard_size=8) is not None
     renames = [path for event, path in order.events if event == "rename"]
     manifest = renames.index(str(out / MANIFEST_NAME))
     shards = [i for i, path in enumerate(renames) if path.endswith(".arrow")]

@@ -1,4 +1,4 @@
-"""Effective training time (purrsight/training/attempts.py): how attempts split the wall time."""
+"""Effective training time (purrsight/runs/attempts.py): how attempts split the wall time."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from purrsight.training.attempts import Attempt, plot_timeline, summarize, summary_lines
+from purrsight.runs.attempts import Attempt, plot_timeline, summarize, summary_lines
 
 
 def test_a_killed_attempt_a_requeue_and_a_finish_add_up_to_the_wall_time(tmp_path: Path) -> None:

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from purrsight.config import Config, load_config
-from purrsight.training import checkpoints
-from purrsight.training.checkpoint_files import CheckpointReadError, newest_checkpoint, saved_step
-from purrsight.training.checkpoints import AtomicCheckpointIO
+from purrsight.run_folder import RunFolderError, step_checkpoints
+from purrsight.runs import checkpoint_saver
+from purrsight.runs.checkpoint_files import CheckpointReadError, newest_checkpoint, saved_step
+from purrsight.runs.checkpoint_saver import AtomicCheckpointIO
+from purrsight.runs.start import ResumeError, StartPlan, choose_start, plan_start, prepare_run_folder
 from purrsight.training.module import CheckpointMismatchError, verify_checkpoint
 from purrsight.training.optim import warmup_cosine
-from purrsight.training.run_folder import RunFolderError, step_checkpoints
-from purrsight.training.start import ResumeError, StartPlan, choose_start, plan_start, prepare_run_folder
 from tests.helpers import DEFAULT_CONFIG
 
 
@@ -26,7 +26,7 @@ def test_killed_mid_write_leaves_the_previous_checkpoint_whole(tmp_path: Path, m
         stream.write(b"partial bytes of a checkpoint")
         raise KeyboardInterrupt  # what a kill during the write looks like to this process
 
-    monkeypatch.setattr(checkpoints.torch, "save", dies_half_way)
+    monkeypatch.setattr(checkpoint_saver.torch, "save", dies_half_way)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint({"step": torch.tensor(2)}, target)
     assert io.load_checkpoint(target)["step"].item() == 1

@@ -190,7 +190,7 @@ def test_only_node_0_reads_every_index_line_and_a_prepared_set_needs_its_manifes
 
 
 def test_node_0_refuses_a_prepared_set_made_from_another_index_before_torchrun(synthetic_dir: Path, tmp_path: Path) -> None:
-    from purrsight.training.prepare import prepare
+    from purrsight.datasets.prepare_job import prepare_set
     from tests.helpers import tiny_config
 
     index = tmp_path / "train.jsonl"
@@ -198,7 +198,7 @@ def test_node_0_refuses_a_prepared_set_made_from_another_index_before_torchrun(s
     for media in ("images", "audio"):
         (tmp_path / media).symlink_to(synthetic_dir / media)
     config = tiny_config(synthetic_dir, tmp_path, data__train_index=str(index), data__val_index="null")
-    prepare(config, tmp_path / "set", processes=1, part=(0, 1), shard_size=64)
+    prepare_set(config, tmp_path / "set", processes=1, part=(0, 1), shard_size=64)
     prepared = config.model_copy(update={"data": config.data.model_copy(update={"prepared": str(tmp_path / "set")})})
     assert "train 128 samples" in check_data(prepared, node_rank=0)
     index.write_text(index.read_text().replace("The cat is red.", "The cat is blue."))

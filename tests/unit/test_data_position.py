@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import pytorch_lightning as pl
 
 from purrsight.config import dump_config, load_config
-from purrsight.training.data_position import DataPosition, PositionError, saved_position
+from purrsight.internals.lightning_loops import BATCH_PROGRESS
+from purrsight.runs.data_position import DataPosition, PositionError, saved_position
 from purrsight.training.datamodule import Phase2DataModule
-from purrsight.training.lightning_loops import BATCH_PROGRESS, LightningLayoutError, check_layout, set_batches_done
 from tests.helpers import DEFAULT_CONFIG
 
 
@@ -18,20 +17,6 @@ def checkpoint_with(current_ready: int, epoch: int = 0, **purrsight: Any) -> dic
     """The parts of a Lightning checkpoint saved at a training batch's end that a resume reads."""
     current = {"ready": current_ready, "started": current_ready, "processed": current_ready, "completed": current_ready - 1}
     return {"epoch": epoch, "purrsight": purrsight, "loops": {"fit_loop": {"state_dict": {}, BATCH_PROGRESS: {"current": current}}}}
-
-
-def test_the_installed_lightning_keeps_the_counters_a_resume_sets() -> None:
-    """Fails on a Lightning upgrade that moves them: the start would stop with LightningLayoutError."""
-    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False)
-    check_layout(trainer)
-    checkpoint = checkpoint_with(10)
-    set_batches_done(checkpoint, 4)
-    assert checkpoint["loops"]["fit_loop"][BATCH_PROGRESS]["current"] == {"ready": 4, "started": 4, "processed": 4, "completed": 3}
-
-
-def test_a_checkpoint_without_the_counters_is_one_clear_error() -> None:
-    with pytest.raises(LightningLayoutError, match=r"pytorch_lightning .* keeps no fit-loop batch counters at .*install"):
-        set_batches_done({"loops": {"fit_loop": {}}}, 3)
 
 
 def test_positions_round_trip_and_refuse_nonsense() -> None:

@@ -1,4 +1,4 @@
-"""The hang verdict (purrsight/training/hang_culprit.py) from the records every rank publishes.
+"""The hang verdict (purrsight/distributed/hang_culprit.py) from the records every rank publishes.
 
 The verdict reads every record twice, a window apart: ``snapshots`` gives both reads, with the
 ranks named in ``frozen`` publishing nothing between them (their heartbeat does not move)."""
@@ -7,22 +7,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from purrsight.training.hang_culprit import Progress, culprit_line, rank_ranges
+from purrsight.distributed.hang_culprit import RankStep, culprit_line, rank_ranges
 
 NOW = 10_000.0
 WINDOW = 6.0
 
 
-def record(rank: int, step: int, phase: str, phase_age: float = 300.0, clock_offset: float = 0.0) -> Progress:
+def record(rank: int, step: int, phase: str, phase_age: float = 300.0, clock_offset: float = 0.0) -> RankStep:
     """What ``rank`` last published: ``phase_age`` seconds in its phase; ``clock_offset``: how far its
     host's wall clock is off."""
     now = NOW + clock_offset
-    return Progress(rank=rank, node=rank // 4, host=f"host-{rank // 4}", step=step, phase=phase, phase_at=now - phase_age, beat=now)
+    return RankStep(rank=rank, node=rank // 4, host=f"host-{rank // 4}", step=step, phase=phase, phase_at=now - phase_age, beat=now)
 
 
 def snapshots(
-    records: dict[int, Progress | None], frozen: tuple[int, ...] = ()
-) -> tuple[dict[int, Progress | None], dict[int, Progress | None]]:
+    records: dict[int, RankStep | None], frozen: tuple[int, ...] = ()
+) -> tuple[dict[int, RankStep | None], dict[int, RankStep | None]]:
     """The first read, ``WINDOW`` before ``records`` (the second): every rank but the frozen ones
     published in between."""
     earlier = {rank: r if r is None or rank in frozen else replace(r, beat=r.beat - (WINDOW - 1)) for rank, r in records.items()}
@@ -35,7 +35,7 @@ def test_rank_ranges_are_compact() -> None:
 
 
 def test_a_frozen_rank_is_named_by_its_stopped_heartbeat() -> None:
-    records: dict[int, Progress | None] = {r: record(r, 171, "backward", phase_age=600) for r in range(8)}
+    records: dict[int, RankStep | None] = {r: record(r, 171, "backward", phase_age=600) for r in range(8)}
     records[3] = record(3, 170, "step done", phase_age=22)
     line = culprit_line(*snapshots(records, frozen=(3,)), 8, WINDOW)
     assert line.startswith(
@@ -47,7 +47,7 @@ def test_a_frozen_rank_is_named_by_its_stopped_heartbeat() -> None:
 
 def test_a_live_rank_stuck_behind_the_others_is_named_by_where_it_is() -> None:
     """A deadlock: the process still publishes, but it never reached the step's backward."""
-    records: dict[int, Progress | None] = {r: record(r, 40, "backward") for r in range(4)}
+    records: dict[int, RankStep | None] = {r: record(r, 40, "backward") for r in range(4)}
     records[2] = record(2, 40, "forward", phase_age=500)
     line = culprit_line(*snapshots(records), 4, WINDOW)
     assert line == (
@@ -57,9 +57,9 @@ def test_a_live_rank_stuck_behind_the_others_is_named_by_where_it_is() -> None:
 
 
 def test_a_rank_that_never_published_and_nobody_behind_are_said() -> None:
-    records: dict[int, Progress | None] = {0: record(0, 5, "step done"), 1: None}
-    assert culprit_line(*snapshots(records), 2, WINDOW) == "rank(s) 1 published no progress; rank 0 waits after step 5"
-    level: dict[int, Progress | None] = {r: record(r, 5, "backward") for r in range(2)}
+    records: dict[int, RankStep | None] = {0: record(0, 5, "step done"), 1: None}
+    assert culprit_line(*snapshots(records), 2, WINDOW) == "rank(s) 1 published no step; rank 0 waits after step 5"
+    level: dict[int, RankStep | None] = {r: record(r, 5, "backward") for r in range(2)}
     assert culprit_line(*snapshots(level), 2, WINDOW) == "no rank is behind: ranks 0-1 wait in step 6 (backward)"
 
 
@@ -67,7 +67,7 @@ def test_a_host_whose_clock_is_off_is_neither_named_frozen_nor_hides_a_frozen_ra
     """Wall clocks disagree by seconds (minutes, without NTP): only a rank's own timestamps are
     compared with each other, and whether a heartbeat moved is seen on the reader's clock."""
     for offset in (-600.0, -30.0, 30.0, 600.0):
-        records: dict[int, Progress | None] = {r: record(r, 80, "backward") for r in range(4)}
+        records: dict[int, RankStep | None] = {r: record(r, 80, "backward") for r in range(4)}
         records[1] = record(1, 80, "backward", clock_offset=offset)  # alive, its clock off
         assert culprit_line(*snapshots(records), 4, WINDOW) == "no rank is behind: ranks 0-3 wait in step 81 (backward)"
         records[2] = record(2, 79, "step done", phase_age=40, clock_offset=offset)  # frozen, its clock off

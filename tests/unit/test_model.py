@@ -164,7 +164,7 @@ def test_model_package_stands_alone() -> None:
 
 def test_uint8_pictures_are_normalised_in_the_model_as_the_decoder_would(synthetic_dir: Path, tmp_path: Path) -> None:
     """Batches carry uint8 pictures (a quarter of the bytes to the GPU); the tower gets the decoder's tensor."""
-    from purrsight.training.data_builder import build_decoders
+    from purrsight.datasets.builder import build_decoders
 
     config = tiny_config(synthetic_dir, tmp_path)
     built = build_model(config)

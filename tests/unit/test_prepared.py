@@ -25,8 +25,8 @@ from transformers import CLIPImageProcessor, SiglipImageProcessor, SiglipVisionC
 
 from purrsight.config import Config
 from purrsight.data.prepared_manifest import MANIFEST_NAME, PLAN_NAME, PreparedSetError, read_manifest, tokenizer_digest
-from purrsight.training.data_builder import build_datasets, build_decoders
-from purrsight.training.prepare import prepare
+from purrsight.datasets.builder import build_datasets, build_decoders
+from purrsight.datasets.prepare_job import prepare_set
 from tests.helpers import REPO, python_env, tiny_config
 from tests.unit.test_real_media import SPEECH, STEREO_VORBIS, png_16bit, sample_data
 
@@ -113,7 +113,7 @@ def test_a_prepared_sample_is_the_raw_paths_sample(
     raw = build_datasets(config, world_size=1).train
     decoder = build_decoders(config)[0]
     assert decoder is not None
-    manifest = prepare(config, tmp_path / "prepared", processes=1, part=(0, 1), shard_size=4)
+    manifest = prepare_set(config, tmp_path / "prepared", processes=1, part=(0, 1), shard_size=4)
     assert manifest is not None and manifest["splits"]["train"]["samples"] == len(raw) == 6  # type: ignore[arg-type]
     prepared = build_datasets(with_prepared(config, tmp_path / "prepared"), 1).train
     expected_storage = "float32" if tower == "clip-other-rule" else "uint8"
@@ -133,7 +133,7 @@ def test_a_prepared_sample_is_the_raw_paths_sample(
 
 def test_a_phone_photo_is_stored_upright(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> None:
     config = media_config(real_media, synthetic_dir, tmp_path)
-    prepare(config, tmp_path / "p", processes=1, part=(0, 1), shard_size=64)
+    prepare_set(config, tmp_path / "p", processes=1, part=(0, 1), shard_size=64)
     phone = build_datasets(with_prepared(config, tmp_path / "p"), 1).train[1]
     with Image.open(sample_data("grace_hopper.jpg")) as opened:
         upright = np.asarray(opened.convert("RGB").resize((32, 32), Image.Resampling.BILINEAR), np.float32)
@@ -148,7 +148,7 @@ def with_prepared(config: Config, folder: Path, **data: object) -> Config:
 def test_a_stale_set_is_refused_naming_what_differs(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> None:
     config = media_config(real_media, synthetic_dir, tmp_path)
     folder = tmp_path / "p"
-    prepare(config, folder, processes=1, part=(0, 1), shard_size=4)
+    prepare_set(config, folder, processes=1, part=(0, 1), shard_size=4)
     build_datasets(with_prepared(config, folder), 1)  # made for this config: accepted
 
     with pytest.raises(PreparedSetError, match=r"other settings \(max_length differ"):
@@ -161,13 +161,13 @@ def test_a_stale_set_is_refused_naming_what_differs(real_media: Path, synthetic_
         build_datasets(with_prepared(config, folder, train_index=str(changed)), 1)
     # The same folder cannot take a prepare of something else: its plan names what it holds.
     with pytest.raises(PreparedSetError, match=r"holds a prepare of other sources or settings \(settings.max_length differ"):
-        prepare(with_prepared(config, folder, max_length=48), folder, processes=1, part=(0, 1), shard_size=4)
+        prepare_set(with_prepared(config, folder, max_length=48), folder, processes=1, part=(0, 1), shard_size=4)
 
 
 def test_a_partial_set_is_refused_and_a_second_prepare_continues_it(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> None:
     config = media_config(real_media, synthetic_dir, tmp_path)
     folder = tmp_path / "p"
-    prepare(config, folder, processes=1, part=(0, 1), shard_size=2)  # 3 shards
+    prepare_set(config, folder, processes=1, part=(0, 1), shard_size=2)  # 3 shards
     # What a prepare killed in its second shard leaves: shard 0 whole, no receipt for 1 and 2, no manifest.
     (folder / MANIFEST_NAME).unlink()
     for number in (1, 2):
@@ -178,7 +178,7 @@ def test_a_partial_set_is_refused_and_a_second_prepare_continues_it(real_media: 
         read_manifest(folder)
     with pytest.raises(PreparedSetError, match="is not complete"):
         build_datasets(with_prepared(config, folder), 1)
-    manifest = prepare(config, folder, processes=1, part=(0, 1), shard_size=2)
+    manifest = prepare_set(config, folder, processes=1, part=(0, 1), shard_size=2)
     assert manifest is not None and manifest["splits"]["train"]["samples"] == 6
     assert (folder / "train" / "shard-00000.arrow").stat().st_mtime_ns == kept  # done work is not redone
     assert len(build_datasets(with_prepared(config, folder), 1).train) == 6  # type: ignore[arg-type]
@@ -197,7 +197,7 @@ def test_bad_samples_are_listed_all_at_once_or_left_out_and_listed(real_media: P
     (broken / "index.jsonl").write_text("\n".join(lines) + "\n")
     config = media_config(broken, synthetic_dir, tmp_path, data__train_index=str(broken / "index.jsonl"))
     with pytest.raises(PreparedSetError) as refused:
-        prepare(config, tmp_path / "p", processes=1, part=(0, 1), shard_size=4)
+        prepare_set(config, tmp_path / "p", processes=1, part=(0, 1), shard_size=4)
     problems = refused.value.lines()
     assert problems[0].startswith(f"{broken / 'index.jsonl'}:7 (id 'cut'): ") and "cannot decode image" in problems[0]
     assert problems[1].startswith(f"{broken / 'index.jsonl'}:8 (id 'gone'): ") and "absent.wav" in problems[1]
@@ -205,7 +205,7 @@ def test_bad_samples_are_listed_all_at_once_or_left_out_and_listed(real_media: P
     assert not (tmp_path / "p" / MANIFEST_NAME).exists()
 
     skipping = with_prepared(config, tmp_path / "p", on_bad_sample="skip")
-    manifest = prepare(skipping, tmp_path / "q", processes=1, part=(0, 1), shard_size=4)
+    manifest = prepare_set(skipping, tmp_path / "q", processes=1, part=(0, 1), shard_size=4)
     assert manifest is not None and manifest["splits"]["train"] == {**manifest["splits"]["train"], "samples": 6, "bad": 2}
     listed = [json.loads(line) for line in (tmp_path / "q" / "bad_samples.jsonl").read_text().splitlines()]
     assert [entry["where"].rpartition(" ")[2] for entry in listed] == ["'cut')", "'gone')"]
@@ -218,7 +218,7 @@ def test_an_index_with_bad_lines_lists_them_all_before_decoding(synthetic_dir: P
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
     config = tiny_config(synthetic_dir, tmp_path, data__train_index=str(tmp_path / "train.jsonl"), data__val_index="null")
     with pytest.raises(Exception) as refused:
-        prepare(config, tmp_path / "p", processes=1, part=(0, 1), shard_size=4)
+        prepare_set(config, tmp_path / "p", processes=1, part=(0, 1), shard_size=4)
     assert [line.split(": ", 1)[0] for line in refused.value.lines()] == [  # type: ignore[attr-defined]
         f"{tmp_path / 'train.jsonl'}:2",
         f"{tmp_path / 'train.jsonl'}:4",

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from purrsight.config import ConfigError, load_config, with_paths_under
-from purrsight.training.checkpoints import CheckpointSaver
-from purrsight.training.stop import StopRequest
+from purrsight.distributed.stop_vote import StopRequest
+from purrsight.runs.checkpoint_saver import CheckpointSaver
 from tests.helpers import DEFAULT_CONFIG
 
 pytest.importorskip("ray", reason="the Ray engine needs the ray extra (scripts/test.sh installs it)")

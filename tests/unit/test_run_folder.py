@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from purrsight.training.run_folder import (
+from purrsight.run_folder import (
     RunFolderError,
     clear_for_new_run,
     existing_run,

@@ -1,4 +1,4 @@
-"""The stop vote's side group (purrsight/training/stop.py) waits no longer than the job's collectives."""
+"""The stop vote's side group (purrsight/distributed/stop_vote.py) waits no longer than the job's collectives."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from purrsight.training.stop import vote_group
+from purrsight.distributed.stop_vote import vote_group
 
 
 def group_timeout(group: Any) -> timedelta:

@@ -17,10 +17,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from purrsight.config import ConfigError
-from purrsight.training import telemetry
-from purrsight.training.flops import flops_per_token
-from purrsight.training.loggers import build_loggers
-from purrsight.training.report import write_report
+from purrsight.observability import telemetry
+from purrsight.observability.flops import flops_per_token
+from purrsight.observability.loggers import build_loggers
+from purrsight.observability.report import write_report
 from tests.helpers import read_metrics, run_trainer, tiny_config, tiny_overrides
 
 

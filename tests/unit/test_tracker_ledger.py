@@ -1,4 +1,4 @@
-"""The tracker ledger (purrsight/training/trackers.py): what a restart sends again, and what it skips."""
+"""The tracker ledger (purrsight/observability/trackers.py): what a restart sends again, and what it skips."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from purrsight.config import ConfigError
-from purrsight.training.trackers import TrackerLedger, flat_params, require
+from purrsight.observability.trackers import TrackerLedger, flat_params, require
 
 
 def test_a_restart_skips_the_points_the_server_acknowledged_and_sends_the_rest(tmp_path: Path) -> None:

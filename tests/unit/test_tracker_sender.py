@@ -1,4 +1,4 @@
-"""The tracker's sender thread (purrsight/training/tracker_sender.py): training never waits for it.
+"""The tracker's sender thread (purrsight/observability/tracker_sender.py): training never waits for it.
 
 The "server" here is a function that fails, hangs or answers as each test needs; the real
 MLflow server dying and coming back is tests/faults/test_tracker_outage.py.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from purrsight.training.tracker_sender import BackgroundSender, Call
+from purrsight.observability.tracker_sender import BackgroundSender, Call
 
 
 class Server:

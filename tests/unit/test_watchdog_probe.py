@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from purrsight.training import watchdog
-from purrsight.training.watchdog import reachable, unreachable_nodes
+from purrsight.distributed import watchdog
+from purrsight.distributed.watchdog import reachable, unreachable_nodes
 
 
 def test_a_refused_connection_is_an_answer() -> None:

@@ -21,9 +21,9 @@ import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from purrsight.atomic_file import publish, stale_temp_files
+from purrsight.distributed.stop_vote import StopRequest, StopVote
 from purrsight.errors import UserError
-from purrsight.training.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
-from purrsight.training.stop import StopRequest, StopVote
+from purrsight.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
 
 log = logging.getLogger(__name__)
 

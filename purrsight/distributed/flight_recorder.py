@@ -19,6 +19,8 @@ import os
 from collections.abc import MutableMapping
 from pathlib import Path
 
+from purrsight.internals.torch_c10d import flight_recorder_trace
+
 log = logging.getLogger(__name__)
 
 FOLDER = "flight_recorder"
@@ -35,12 +37,8 @@ def enable(run_dir: Path, environ: MutableMapping[str, str] = os.environ) -> Non
 
 def dump(run_dir: Path, rank: int) -> Path | None:
     """This rank's recorder written to the run folder; None when there is nothing to dump."""
-    try:
-        import torch._C._distributed_c10d as c10d
-
-        trace = c10d._dump_fr_trace()  # type: ignore[attr-defined]  # private: torch ships no stub for it
-    except Exception as error:  # no recorder in this build, or no process group
-        log.warning("flight recorder: nothing dumped (%s)", error)
+    trace = flight_recorder_trace()
+    if trace is None:
         return None
     folder = run_dir / FOLDER
     folder.mkdir(parents=True, exist_ok=True)

@@ -16,10 +16,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on cluster nodes
 import matplotlib.pyplot as plt  # imported after the backend is chosen
 
-from purrsight.training.attempts import plot_timeline, read_attempts, summarize, summary_lines
-from purrsight.training.run_folder import HANGS_LOG
-from purrsight.training.tracker_sender import Lost
-from purrsight.training.trackers import LEDGER_NAME
+from purrsight.observability.tracker_sender import Lost
+from purrsight.observability.trackers import LEDGER_NAME
+from purrsight.run_folder import HANGS_LOG
+from purrsight.runs.attempts import plot_timeline, read_attempts, summarize, summary_lines
 
 
 def _read(path: Path) -> list[dict[str, str]]:

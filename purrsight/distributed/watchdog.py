@@ -27,10 +27,10 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from purrsight.distributed import flight_recorder
+from purrsight.distributed.hang_culprit import LINGER_S, OBSERVE_S, StepBoard
 from purrsight.errors import ExitCode
-from purrsight.training import flight_recorder
-from purrsight.training.hang_culprit import LINGER_S, OBSERVE_S, ProgressBoard
-from purrsight.training.run_folder import HANGS_LOG
+from purrsight.run_folder import HANGS_LOG
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class ProgressWatchdog(pl.Callback):
         self.on_fire = on_fire  # rank 0's attempt record takes the verdict
         self.poll_s = poll_s
         self.peers: dict[int, str] = {}  # node rank -> address, filled once the process group exists
-        self.board: ProgressBoard | None = None
+        self.board: StepBoard | None = None
         self._last = time.monotonic()
         self._where = "start of training"
         self._stop = threading.Event()
@@ -163,7 +163,7 @@ class ProgressWatchdog(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.peers = node_addresses(trainer)
-        self.board = ProgressBoard.for_this_process(trainer.global_rank, trainer.world_size, self.generation)
+        self.board = StepBoard.for_this_process(trainer.global_rank, trainer.world_size, self.generation)
         if self.board is not None:
             self.board.start()
         self._progress("start of training", trainer.global_step, "start")

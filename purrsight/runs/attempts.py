@@ -315,7 +315,7 @@ class AttemptRecorder(pl.Callback):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m purrsight.training.attempts",
+        prog="python -m purrsight.runs.attempts",
         description="Print a run folder's effective training time, over every attempt so far (also in report.md).",
     )
     parser.add_argument("run_dir", type=Path, help="the run folder, runs/<name>")

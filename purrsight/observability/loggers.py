@@ -1,6 +1,6 @@
 """Metrics loggers that number steps as the rest of the run does and continue a resumed history.
 
-Step numbers: purrsight/training/step_numbering.py. Trackers (MLflow, W&B): trackers.py.
+Step numbers: purrsight/observability/step_numbering.py. Trackers (MLflow, W&B): trackers.py.
 
 History. Lightning's CSV writer deletes ``metrics.csv`` when it starts, so a resumed run
 (by hand, RESUME=auto, a torchrun restart, a SLURM requeue) lost every row before the
@@ -20,9 +20,9 @@ from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import rank_zero_experiment
 
 from purrsight.config import Config, ConfigError
-from purrsight.training.run_folder import truncate_history
-from purrsight.training.step_numbering import RunStepNumbering
-from purrsight.training.trackers import build_trackers
+from purrsight.observability.step_numbering import RunStepNumbering
+from purrsight.observability.trackers import build_trackers
+from purrsight.run_folder import truncate_history
 
 
 class _ContinuingWriter(ExperimentWriter):

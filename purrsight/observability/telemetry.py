@@ -11,7 +11,7 @@ samples divided by the steps, and by the samples those GPUs ran, in between.
 Throughput: samples/s and tokens/s on this rank and for the job (x world size); the step
 time is split between waiting for data (batch end -> next batch start) and computing
 (batch start -> batch end). MFU on GPUs = achieved FLOP/s / (peak FLOP/s x GPUs), from
-purrsight/training/flops.py (bf16 dense; override with telemetry.peak_tflops).
+purrsight/observability/flops.py (bf16 dense; override with telemetry.peak_tflops).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import psutil
 import pytorch_lightning as pl
 import torch
 
-from purrsight.training.flops import gpu_peak_tflops, model_flops_per_token
-from purrsight.training.run_folder import truncate_history
+from purrsight.observability.flops import gpu_peak_tflops, model_flops_per_token
+from purrsight.run_folder import truncate_history
 
 
 def cuda_uuids_of_this_node(local_ranks: int) -> list[str]:

@@ -14,8 +14,7 @@ from pathlib import Path
 from purrsight.config import Config
 from purrsight.distributed.process_group import from_rank_zero
 from purrsight.errors import UserError
-from purrsight.training.checkpoint_files import CheckpointReadError, newest_checkpoint, saved_step
-from purrsight.training.run_folder import (
+from purrsight.run_folder import (
     RunFolderError,
     checkpoint_dir,
     clear_for_new_run,
@@ -25,6 +24,7 @@ from purrsight.training.run_folder import (
     refuse_mixing,
     set_aside_later_checkpoints,
 )
+from purrsight.runs.checkpoint_files import CheckpointReadError, newest_checkpoint, saved_step
 
 log = logging.getLogger(__name__)
 NEWEST = "newest"

@@ -11,7 +11,7 @@ history, its telemetry and report. The rules (docs/RELIABILITY.md):
 - Resuming at step S keeps the history (metrics, telemetry) up to S; rows after S are
   redone by the resumed run and replaced.
 
-No Lightning and no torch here: the launcher's prepare step (purrsight/launcher/prepare.py)
+No Lightning and no torch here: the node plan (purrsight/launcher/node_plan.py)
 checks the folder on every node before torchrun, so a refused start costs a second, not a
 rendezvous.
 """

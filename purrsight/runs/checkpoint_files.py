@@ -10,8 +10,8 @@ import logging
 from pathlib import Path
 
 from purrsight.errors import UserError
-from purrsight.training.data_position import DataPosition, saved_position
-from purrsight.training.run_folder import LAST_NAME, step_checkpoints
+from purrsight.run_folder import LAST_NAME, step_checkpoints
+from purrsight.runs.data_position import DataPosition, saved_position
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from purrsight.config import Config
 from purrsight.data.synthetic import generate
 
 
-def prepare_synthetic(config: Config) -> None:
+def ensure_synthetic_set(config: Config) -> None:
     """Generate the synthetic set the config names, once (a no-op when it exists); none: nothing."""
     data = config.data
     if data.synthetic_dir is not None:

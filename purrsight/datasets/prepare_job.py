@@ -38,8 +38,8 @@ from purrsight.data.prepared_manifest import (
     shard_name,
 )
 from purrsight.data.text import PromptTooLongError, TextEncoder
-from purrsight.training.data_builder import build_decoders, preparation_settings, source_of
-from purrsight.training.synthetic_data import prepare_synthetic
+from purrsight.datasets.builder import build_decoders, preparation_settings, source_of
+from purrsight.datasets.synthetic_set import ensure_synthetic_set
 
 log = logging.getLogger("purrsight.prepare")
 MAX_LISTED_PROBLEMS = 50  # listed in full; the count says how many more there are
@@ -238,10 +238,10 @@ def _bad_sample_problems(config: Config, bad: list[dict[str, str]]) -> list[str]
     return [*lines, f"{len(bad)} bad sample(s){more}: {hint}"]
 
 
-def prepare(config: Config, out: Path, processes: int, part: tuple[int, int], shard_size: int) -> dict[str, Any] | None:
+def prepare_set(config: Config, out: Path, processes: int, part: tuple[int, int], shard_size: int) -> dict[str, Any] | None:
     """Prepare this part of the set into ``out``; the manifest when the set is now whole."""
     started = time.monotonic()
-    prepare_synthetic(config)
+    ensure_synthetic_set(config)
     data = config.data
     indexes = {"train": data.train_index, **({"val": data.val_index} if data.val_index else {})}
     # Every line validated in this process first (no media file touched: they are opened when
@@ -317,7 +317,7 @@ def prepare_command(args: argparse.Namespace) -> int:
     if out is None:
         raise PreparedSetError("prepare: no output folder: pass --out DIR or set data.prepared in the config")
     try:
-        manifest = prepare(config, out, args.num_proc or default_processes(), args.part, args.shard_size)
+        manifest = prepare_set(config, out, args.num_proc or default_processes(), args.part, args.shard_size)
     except KeyboardInterrupt:
         log.warning("prepare interrupted: the shards done are kept; the same command continues from them")
         return 128 + signal.SIGINT

@@ -49,8 +49,8 @@ from pytorch_lightning.utilities import rank_zero_only
 
 from purrsight.atomic_file import write_json_atomically
 from purrsight.config import Config, ConfigError
-from purrsight.training.step_numbering import RunStepNumbering
-from purrsight.training.tracker_sender import WARN_EVERY_N_FAILURES, BackgroundSender, Call, Lost
+from purrsight.observability.step_numbering import RunStepNumbering
+from purrsight.observability.tracker_sender import WARN_EVERY_N_FAILURES, BackgroundSender, Call, Lost
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""The launcher's one Python step before torchrun: everything a node must know or check first.
+"""The node plan: the launcher's one Python step before torchrun, everything a node must know or check first.
 
 cluster_train.sh validates its arguments, activates the Python environment and then runs
 
-    python -m purrsight.launcher.prepare --plan FILE --transcript FILE [options] CONFIG [-- overrides]
+    python -m purrsight.launcher.node_plan --plan FILE --transcript FILE [options] CONFIG [-- overrides]
 
 which, in one process and with the config parsed once:
 
@@ -71,7 +71,7 @@ class Plan:
         self.dry_run.append(f"# kept {name}={shlex.quote(value)}  ({reason})")
 
     def bash(self) -> str:
-        lines = ["# written by purrsight.launcher.prepare for cluster_train.sh to source"]
+        lines = ["# written by purrsight.launcher.node_plan for cluster_train.sh to source"]
         lines += [f"{name}={shlex.quote(value)}" for name, value in self.variables.items()]
         lines += [f"export {name}={shlex.quote(value)}" for name, value in self.exports.items()]
         for array, items in (("EXPORTED", self.banner), ("DRY_LINES", self.dry_run), ("ENVIRONMENT_DUMP", self.environment_dump)):
@@ -89,7 +89,7 @@ def processes(nproc_per_node: str, accelerator: str, gpus: int) -> int:
 
 
 def check_run_folder(run_dir: Path, if_exists: str, resume: bool) -> None:
-    from purrsight.training.run_folder import RunFolderError, refuse_mixing
+    from purrsight.run_folder import RunFolderError, refuse_mixing
 
     if resume:
         return
@@ -111,7 +111,7 @@ def plan_environment(plan: Plan, args: argparse.Namespace, nproc: int, backend: 
         backend,
         args.log_level,
         args.nccl_preset,
-        network.active_ib_ports(args.sys_infiniband),
+        network.active_ib_ports(),
         route,
         cpus,
         args.num_nodes,
@@ -122,7 +122,7 @@ def plan_environment(plan: Plan, args: argparse.Namespace, nproc: int, backend: 
     return os.environ.get("NODE_ADDR") or (route.source if route and route.source else args.master_addr)
 
 
-def prepare(args: argparse.Namespace, say: Say) -> tuple[Plan, int]:
+def plan_node(args: argparse.Namespace, say: Say) -> tuple[Plan, int]:
     """The plan, written; then the health checks. Returns the plan and the exit code."""
     node = probe.probe()  # no torch: ModuleNotFoundError, which the launcher turns into its install line
     from purrsight.config import ConfigError, load_config
@@ -202,7 +202,7 @@ def launcher_line(message: str) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m purrsight.launcher.prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m purrsight.launcher.node_plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -222,7 +222,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-free-gb", type=float, default=1.0, help="HEALTH_MIN_FREE_GB")
     parser.add_argument("--master-timeout", type=float, default=900.0, help="seconds a worker node waits for the master")
     parser.add_argument("--dry-run", action="store_true", help="plan only: no run-folder check, no health checks")
-    parser.add_argument("--sys-infiniband", type=Path, default=network.SYS_INFINIBAND, help="sysfs root (tests)")
     return parser.parse_intermixed_args(argv)  # overrides may follow the options
 
 
@@ -230,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with open(args.transcript, "a") if args.transcript else contextlib.nullcontext() as transcript:
         try:
-            return prepare(args, Say(transcript))[1]
+            return plan_node(args, Say(transcript))[1]
         except LauncherError as err:
             lines = [*err.before, launcher_line(f"error: {err}" if err.usage else str(err))]
             if err.usage:

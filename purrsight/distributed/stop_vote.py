@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger("purrsight.training.checkpoints")  # the saver's lines and these belong together
+log = logging.getLogger("purrsight.runs.checkpoint_saver")  # the saver's lines and these belong together
 
 
 class StopRequest:

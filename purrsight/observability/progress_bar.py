@@ -47,7 +47,7 @@ def _log_validation(trainer: pl.Trainer) -> None:
         log.info("validation at step %d  %s", trainer.global_step, _format(trainer.callback_metrics, "val/"))
 
 
-class LineProgress(pl.Callback):
+class StepLines(pl.Callback):
     """For log files: one line every ``every_n_steps`` optimizer steps on rank 0."""
 
     def __init__(self, every_n_steps: int) -> None:

@@ -50,7 +50,7 @@ PHASES = ("start", "forward", "backward", "step done", "validation", "checkpoint
 
 
 @dataclass
-class Progress:
+class RankStep:
     rank: int
     node: int
     host: str
@@ -71,7 +71,7 @@ def rank_ranges(ranks: list[int]) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def _position(progress: Progress) -> tuple[int, int]:
+def _position(progress: RankStep) -> tuple[int, int]:
     """How far a rank got: steps finished, then the phase within the next step."""
     order = {"start": 0, "forward": 1, "backward": 2, "step done": 3, "validation": 4, "checkpoint": 4}
     # "step done" is the same place as the next step's beginning: count it as step + 1, before forward.
@@ -80,7 +80,7 @@ def _position(progress: Progress) -> tuple[int, int]:
     return progress.step + 1, order.get(progress.phase, 0)
 
 
-def _where(progress: Progress) -> str:
+def _where(progress: RankStep) -> str:
     if progress.phase in ("step done", "start"):
         return f"after step {progress.step}"
     return (
@@ -88,7 +88,7 @@ def _where(progress: Progress) -> str:
     )
 
 
-def _rank_name(progress: Progress) -> str:
+def _rank_name(progress: RankStep) -> str:
     return f"rank {progress.rank} (node {progress.node}, {progress.host})"
 
 
@@ -96,7 +96,7 @@ def _waiting(ranks: list[int], where: str) -> str:
     return f"rank {ranks[0]} waits {where}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)} wait {where}"
 
 
-def culprit_line(before: dict[int, Progress | None], after: dict[int, Progress | None], world_size: int, window_s: float) -> str:
+def culprit_line(before: dict[int, RankStep | None], after: dict[int, RankStep | None], world_size: int, window_s: float) -> str:
     """One line naming the ranks a hang waits for, and where the others wait, from every rank's
     record read twice, ``window_s`` apart (by the reader's clock)."""
     records = {rank: after.get(rank) or before.get(rank) for rank in range(world_size)}
@@ -124,32 +124,32 @@ def culprit_line(before: dict[int, Progress | None], after: dict[int, Progress |
         else:
             parts.append(f"{finished}, {in_phase:.0f} s ago, and is still {_where(record)}")
     if missing:
-        parts.append(f"rank(s) {rank_ranges(missing)} published no progress")
+        parts.append(f"rank(s) {rank_ranges(missing)} published no step")
     others = [record for record in known if record not in culprits]
     groups: dict[str, list[int]] = {}
     for record in others:
         groups.setdefault(_where(record), []).append(record.rank)
     waits = "; ".join(_waiting(ranks, where) for where, ranks in sorted(groups.items()))
     if not parts:
-        return f"no rank is behind: {waits}" if waits else "no rank published progress"
+        return f"no rank is behind: {waits}" if waits else "no rank published a step"
     return "; ".join(parts) + (f"; {waits}" if waits else "")
 
 
-class ProgressBoard:
+class StepBoard:
     """This rank's progress, published to the job's store by a thread; and every rank's, read back."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, node: int, generation: int) -> None:
         self.address = (host, port)
         self.rank, self.world_size = rank, world_size
-        self.prefix = f"purrsight/progress/{generation}/"  # a restart's ranks do not read the last one's
+        self.prefix = f"purrsight/rank-steps/{generation}/"  # a restart's ranks do not read the last one's
         self.hosts_store = hosts_the_store(os.environ)
-        self.mine = Progress(rank=rank, node=node, host=socket.gethostname(), step=0, phase="start", phase_at=time.time())
+        self.mine = RankStep(rank=rank, node=node, host=socket.gethostname(), step=0, phase="start", phase_at=time.time())
         self._stop = threading.Event()
         self._changed = threading.Event()
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_this_process(cls, rank: int, world_size: int, generation: int) -> ProgressBoard | None:
+    def for_this_process(cls, rank: int, world_size: int, generation: int) -> StepBoard | None:
         """A board on the store at MASTER_ADDR:MASTER_PORT, or None for one process or no such store."""
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if world_size < 2 or not host or not port:
@@ -169,7 +169,7 @@ class ProgressBoard:
         self._changed.set()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._publish, name="progress-publisher", daemon=True)
+        self._thread = threading.Thread(target=self._publish, name="step-publisher", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -193,17 +193,17 @@ class ProgressBoard:
             if self._stop.is_set():
                 return
 
-    def read_all(self) -> dict[int, Progress | None]:
+    def read_all(self) -> dict[int, RankStep | None]:
         """Every rank's last record; raises when the store does not answer."""
         store = self._client()
         keys = [f"{self.prefix}{rank}" for rank in range(self.world_size)]
         present = [key for key in keys if store.check([key])]
         values = dict(zip(present, store.multi_get(present), strict=True)) if present else {}
         return {
-            rank: Progress(**json.loads(bytes(values[key]).decode())) if key in values else None for rank, key in enumerate(keys)
+            rank: RankStep(**json.loads(bytes(values[key]).decode())) if key in values else None for rank, key in enumerate(keys)
         }
 
-    def verdict(self, first_read: tuple[float, dict[int, Progress | None]] | None = None) -> str:
+    def verdict(self, first_read: tuple[float, dict[int, RankStep | None]] | None = None) -> str:
         """The culprit line, from two reads of every record at least ``OBSERVE_S`` apart: ``first_read``
         (when, by time.monotonic(), and what; a watchdog takes it before it fires) and one now;
         without one, this call reads, waits ``OBSERVE_S`` and reads again."""

@@ -1,0 +1,84 @@
+"""Each coupling to another project's internals (purrsight/internals/, docs/INTERNALS.md), checked
+against the installed versions: a test here fails on the upgrade that moves one, not a user's
+job far away. The guarded ones are also shown to degrade, not to stop training."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+
+import pytest
+import pytorch_lightning as pl
+
+from purrsight.internals import ray_logging, torch_c10d, torch_elastic
+from purrsight.internals.lightning_loops import BATCH_PROGRESS, LightningLayoutError, check_layout, set_batches_done
+from purrsight.ray_engine.ray_noise import filter_forwarded_output, quiet_checkpoint_reports
+
+
+def test_lightning_keeps_the_batch_counters_a_resume_sets() -> None:
+    """Fails on a Lightning upgrade that moves them: the start would stop with LightningLayoutError."""
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    check_layout(trainer)
+    current = {"ready": 10, "started": 10, "processed": 10, "completed": 9}
+    checkpoint = {"loops": {"fit_loop": {"state_dict": {}, BATCH_PROGRESS: {"current": current}}}}
+    set_batches_done(checkpoint, 4)
+    assert checkpoint["loops"]["fit_loop"][BATCH_PROGRESS]["current"] == {"ready": 4, "started": 4, "processed": 4, "completed": 3}
+
+
+def test_a_checkpoint_without_the_counters_is_one_clear_error() -> None:
+    with pytest.raises(LightningLayoutError, match=r"pytorch_lightning .* keeps no fit-loop batch counters at .*install"):
+        set_batches_done({"loops": {"fit_loop": {}}}, 3)
+
+
+def test_torchelastic_installs_the_handler_by_the_name_we_replace(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.multiprocessing import api
+
+    assert torch_elastic.HANDLER_NAME in inspect.getsource(api.PContext.start)  # looked up by name at each start
+    monkeypatch.setattr(api, torch_elastic.HANDLER_NAME, getattr(api, torch_elastic.HANDLER_NAME))
+
+    def ours(signum: int, frame: object) -> None: ...
+
+    assert torch_elastic.install_terminate_handler(ours) and getattr(api, torch_elastic.HANDLER_NAME) is ours
+    # the rendezvous line reads the metric torchelastic's @prof names after this method
+    assert "@prof\n    def _rendezvous" in inspect.getsource(SimpleElasticAgent)
+    assert f".{SimpleElasticAgent._rendezvous.__name__}.duration.ms" == torch_elastic.RENDEZVOUS_METRIC
+
+
+def test_a_moved_terminate_handler_is_one_line_not_a_failure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch.distributed.elastic.multiprocessing import api
+
+    monkeypatch.delattr(api, torch_elastic.HANDLER_NAME)
+    assert not torch_elastic.install_terminate_handler(lambda signum, frame: None)
+    assert capsys.readouterr().err.count("\n") == 1 and not hasattr(api, torch_elastic.HANDLER_NAME)
+
+
+def test_the_flight_recorder_dumps_on_this_torch() -> None:
+    """Read back as PyTorch's analyser reads it: a pickled dict with the recorder's version."""
+    import pickle
+
+    trace = torch_c10d.flight_recorder_trace()
+    assert trace is not None and "version" in pickle.loads(trace)
+
+
+def test_rays_internals_are_where_we_read_them() -> None:
+    loggers = ray_logging.train_report_loggers()
+    assert loggers is not None and loggers[1].name == "ray.train.v2._internal.execution.storage"
+    assert loggers[0].name.endswith("context.py")  # Ray names this logger by its file's path
+    assert ray_logging.stdstream_dispatcher() is not None
+    for name in ray_logging.RUNTIME_ENV_LOGGERS:
+        importlib.import_module(name)  # a logger named after a module that no longer exists filters nothing
+
+
+def test_rays_moved_internals_leave_the_lines_and_training_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("ray.train.v2._internal.execution.context", "ray._private.ray_logging"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if the module had moved
+    storage = logging.getLogger("ray.train.v2._internal.execution.storage")
+    filters = list(storage.filters)
+    quiet_checkpoint_reports()  # no exception: the worker goes on training
+    assert storage.filters == filters  # and filters nothing
+    assert ray_logging.train_report_loggers() is None and not filter_forwarded_output()
