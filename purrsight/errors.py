@@ -1,7 +1,7 @@
 """Exit codes and the two error families every command maps onto them: one place for both.
 
 Imports nothing heavy, so a command can report a user mistake before torch or Lightning
-loads (a config error in 0.2 s, not 6 s). The launcher's ``--help``, the trainer's
+loads. The launcher's ``--help``, the trainer's
 ``--help`` and the README list these codes; tests/unit/test_exit_codes.py keeps them equal.
 """
 

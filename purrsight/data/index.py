@@ -38,8 +38,8 @@ class RecordTable:
     One buffer per column instead of a million dicts: loader workers forked from the trainer
     share it, where touching Python objects would copy their pages one reference count at a
     time. Plain pyarrow, in memory: no cache folder for many nodes to race on, and none of
-    `datasets`' import (0.6 s more per trainer process, bench/index_table.py; prepared sets
-    use `datasets`).
+    `datasets`' import cost in every trainer process (bench/README.md, "The raw index in memory"; prepared
+    sets use `datasets`).
     """
 
     def __init__(self, records: list[dict[str, Any]]) -> None:

@@ -1,28 +1,15 @@
-"""Name the rank a hang waits for: every rank's progress published to the job's store.
+"""Name the rank a hang waits for, from the step every rank publishes to the job's store.
 
-The ranks that wait in a collective cannot tell which rank never arrived, and the stuck rank
-(SIGSTOPped, deadlocked, on a dead node) cannot speak for itself. So every rank publishes,
-from a thread of its own at a low rate (on progress, at most every 0.5 s, and a heartbeat
-every 2 s), where it is: the last training step it finished,
-the phase it is in (forward, backward, validation, checkpoint) and a heartbeat. When a
-watchdog fires, it has read every rank's record twice, ``OBSERVE_S`` apart (the first read
-while its rank was idle, ahead of the timeout), and names:
+The ranks waiting in a collective cannot tell which rank never arrived, and the stuck rank
+cannot speak for itself. So each rank publishes, from a thread of its own, a ``RankStep``:
+the last step it finished, the phase it is in and a heartbeat. A watchdog that fires reads
+every record twice, ``OBSERVE_S`` apart, and names the ranks whose heartbeat did not move
+(frozen, or their node is gone), else the ranks furthest behind (alive but stuck).
 
-- ranks whose heartbeat did not move between the two reads: the process is frozen (SIGSTOP, a
-  stuck driver call holding the interpreter) or its node is gone;
-- otherwise, the ranks furthest behind in (step, phase): alive but stuck (a deadlock, a
-  loader that never returns).
-
-Every age is measured on one clock: whether a heartbeat moved is seen on the reader's (the
-two reads), and how long a rank has been in its phase on the writer's own (its last heartbeat
-minus when it entered the phase). Hosts' wall clocks disagree by seconds on real clusters;
-comparing one host's timestamps with another's named healthy ranks as frozen.
-
-The store is the one the process group uses (MASTER_ADDR:MASTER_PORT), through connections
-of our own with a short timeout: the process group's connection may be the one that hangs.
-When the store itself does not answer, it lives in the process torchrun made rank 0, which
-is named; that process, when its own watchdog fires, waits ``LINGER_S`` before it exits so
-that the other ranks' watchdogs (firing at the same moment) can still read the store.
+Ages are measured on one clock each (a heartbeat's movement on the reader's, a phase's age on
+the writer's): hosts' clocks disagree. The store is the process group's, reached through
+connections of our own with a short timeout; its host lingers ``LINGER_S`` after its own
+watchdog fires so the others can still read it. docs/OBSERVABILITY.md, "Hangs".
 """
 
 from __future__ import annotations

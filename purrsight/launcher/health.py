@@ -97,7 +97,7 @@ def check_data(config: Config, node_rank: int = 0) -> str:
 def check_packages(packages: dict[str, str] = REQUIRED_PACKAGES) -> str:
     """Every package the trainer imports is installed here; their versions.
 
-    Found, not imported: importing Lightning, transformers and peft takes about 4 s that
+    Found, not imported: importing Lightning, transformers and peft takes seconds that
     every start would pay twice (here, then in the workers). The launcher's probe has
     already imported torch; a package that is installed but broken fails in the workers,
     with its traceback in the node log.
@@ -119,7 +119,7 @@ def check_packages(packages: dict[str, str] = REQUIRED_PACKAGES) -> str:
 def check_gpus(expect_gpus: bool, visible: int | None = None) -> str:
     """GPUs, their free memory, CUDA and NCCL; ``visible`` is the launcher probe's count.
 
-    With the probe's count of 0 torch is not imported again (1 s on every CPU start).
+    With the probe's count of 0 torch is not imported again: a CPU start pays for it once.
     """
     if visible == 0 or (visible is None and not _cuda_available()):
         if expect_gpus:

@@ -82,7 +82,7 @@ def threads_per_process(
 
     A master on a loopback address is reachable from this machine only, so every node of
     the job runs here (nodes tried out on one laptop, or tests): their processes share the
-    cores. Each launcher giving its processes all the cores made two such nodes 24x slower.
+    cores. Each launcher giving its processes all the cores would oversubscribe them once per node.
     """
     try:
         local_nodes = num_nodes if ipaddress.ip_address(master_addr).is_loopback else 1

@@ -1,21 +1,12 @@
 """torchrun, as the launcher runs it: the same arguments and behaviour, without traceback walls.
 
-torchrun ends a failed job by raising ChildFailedError (or SignalException when it is
-stopped), which prints a Python traceback of torchrun's own internals into every node log
-after the workers' one-line errors, and exits 1 whatever the workers' codes were. Here the
-failure is summarised in one line per failed rank instead (each worker's own message is
-already in the log above it), and the exit code is the workers' documented reason (bad
-input 2, a cluster check 3, the watchdog 86) when one of them gave it.
-
-It also stops once per job: torchelastic raises SignalException for every SIGTERM, and a
-second one that lands while it is closing the workers (SLURM signals every process of a step,
-and the launcher forwards the same signal) skips the rest of the close, so the log tail
-threads are never stopped and torchrun hangs at exit until the scheduler's SIGKILL. Here the
-first signal starts the stop and the later ones are noted and ignored: the workers already
-have theirs, and torchelastic's close kills any that are still alive after 30 s.
-
-It also writes one line per rendezvous with torchelastic's own timing of it, so a node
-log shows how long this node waited for the others (docs/SCALING.md reads these lines):
+- A failed job is one line per failed rank (each worker's own message is in the log above),
+  not torchrun's traceback, and exits with the workers' documented reason (bad input 2, a
+  cluster check 3, the watchdog 86) when one gave it.
+- The agent stops once per job: torchelastic raises for every SIGTERM, and a second one during
+  the workers' close (SLURM signals every process of a step) cut the close short and left
+  torchrun hung at exit. Later signals are noted and ignored (internals/torch_elastic.py).
+- Each rendezvous gets a line with torchelastic's own timing (docs/SCALING.md reads them):
 
     2026-11-23 05:21:40 [torchrun] rendezvous 0 done in 1.84 s
 

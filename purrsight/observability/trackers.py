@@ -1,35 +1,12 @@
 """MLflow and Weights & Biases loggers that keep one tracker run per run folder, through every restart.
 
-One run. Lightning's MLflow and W&B loggers open a new tracker run in every process unless
-they are handed the old run's id (Lightning #13524, #4935). A resume, a torchrun restart, a
-SLURM requeue and a Ray restart all start new processes on the same run folder, so the id
-lives there: ``trackers.json`` holds, per tracker, the run's id and where it lives. It is
-written by rank 0 as soon as the tracker run exists, before any step is sent; a run folder
-set aside (``run.if_exists=archive``) takes its file along, and the next run gets a new one.
-
-Each step once. After a restart the steps after the checkpoint are trained again; the
-choice here is to **skip what a restart does again**, so the tracker shows the first
-attempt's values for the redone steps (the CSV history in the run folder holds the redone
-ones). Buffering until the checkpoint that makes steps final was the other way; it would
-leave a week-long run's dashboard one checkpoint interval behind, which is the tracker's
-whole point.
-
-- MLflow keeps every point it is sent (a second point at the same step). The ledger keeps
-  the highest step the server acknowledged, and which metrics it acknowledged at it; a point
-  below it, or a metric already acknowledged at it, is not sent again. Points are sent from a
-  thread of their own (tracker_sender.py): training never waits for the server, a dead server
-  costs no step, and what was queued during an outage is sent when it is back (within the
-  queue's bound) or named as lost in the log, in ``trackers.json`` and in the run report. A
-  point is recorded in the ledger after the server acknowledged it: a kill between the two can
-  send that one point twice after the restart, never lose it.
-- W&B skips by itself: its step is the training step here, and it drops a step lower than
-  one the run has. A killed W&B process loses what it had not yet written to its file, so
-  a ledger could claim points W&B never kept; W&B's own rule keeps exactly what arrived.
-  It writes its file every second here (W&B's default is 15 s); its own service process does
-  the network, so its calls stay on the training thread.
-
-A tracker that cannot be reached while training is warned about (every 20 failures) and
-retried; training goes on (the CSV keeps every point).
+Lightning's loggers open a new tracker run in every process unless handed the old run's id
+(Lightning #13524, #4935), and every restart is a new process; so the id lives in the run
+folder (``trackers.json``, written by rank 0 before any step is sent). After a restart the
+redone steps are **not sent again**: MLflow's are skipped by our ledger of what the server
+acknowledged, W&B drops a step lower than one it has. MLflow's points travel on a thread of
+their own (tracker_sender.py) so a dead server never holds training. docs/OBSERVABILITY.md,
+"Experiment trackers", gives the choices and their reasons.
 """
 
 from __future__ import annotations

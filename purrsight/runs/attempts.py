@@ -1,29 +1,12 @@
 """The job's effective training time: every attempt of a run recorded, and the wall time split.
 
-An attempt is one start of training on a run folder: the first start, a torchrun restart, a
-SLURM or PBS requeue, a resume by hand, a Ray restart. Rank 0 keeps one file per attempt in
-``runs/<name>/attempts/`` (rewritten whole at the first step, every ``HEARTBEAT_S`` and at the
-end: a small file every 2 s), so a kill -9 leaves the attempt's last step and time at most
-that old.
-
-The wall time from the first launch to the last attempt's end splits into:
-
-- start-up: launch (the batch script's start under SLURM, else the launcher's; the process's
-  own start for a torchrun restart) to the first step;
-- checkpoint writing: time in saves;
-- training: the rest of the attempt, less the work lost;
-- work lost: training of steps that a later attempt trained again (it resumed from an earlier
-  checkpoint), at the attempt's own mean step time;
-- wind-down: from the end of training (and of the final validation, or the save on a stop
-  signal) to the process's exit: trackers closing, the run report;
-- between attempts: from an attempt's last record to the next one's launch (a dead node
-  noticed, a requeue waiting in the queue, a preemption). A killed attempt's time after its
-  last heartbeat is counted here.
-
-An attempt ends when its rank 0 process exits (after the run report). The report itself sees
-its attempt ended when training did: its wind-down is the one part the report cannot show.
-The parts add up to the wall time by construction; the tests check them against the wall
-time they observe.
+An attempt is one start of training on a run folder (a first start, a torchrun restart, a
+requeue, a resume, a Ray restart). Rank 0 rewrites one small file per attempt in
+``runs/<name>/attempts/`` at the first step, every ``HEARTBEAT_S``, after each checkpoint and
+at the end, so a kill -9 leaves the attempt's last step and time. ``summarize`` turns the
+records into start-up, checkpoint writing, training, work lost, wind-down and time between
+attempts, which add up to the wall time by construction (docs/OBSERVABILITY.md, "Effective
+training time", defines each part).
 """
 
 from __future__ import annotations

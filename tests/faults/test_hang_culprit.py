@@ -69,7 +69,7 @@ def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Clust
         assert named and int(named.group(1)) >= 8, line  # its published progress, not the start record
         assert "stopped answering" in verdict, line
         # Every other rank waits, though not always in one place: a ring all-reduce relayed through the
-        # frozen rank (the stop vote between steps, stop.py) can release some ranks and hold another.
+        # frozen rank (the stop vote between steps, distributed/stop_vote.py) can release some ranks and hold another.
         assert waiting_ranks(verdict) == {0, 1, 2}, line
     assert "most recent call first" in cluster.node_log(0)  # faulthandler's stack dump reached the node log
     hangs = (cluster.run_dir / "hangs.log").read_text()
