@@ -218,6 +218,10 @@ class CheckpointConfig(_Section):
 
 
 class DistributedConfig(_Section):
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: the whole model on every rank; fsdp: frozen weights sharded over all ranks (a base larger than one GPU).",
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPUs, gloo on CPU.")
     timeout_s: int = Field(600, gt=0, description="Process-group timeout for a collective that never completes.")
     bucket_cap_mb: int = Field(25, gt=0, description="DDP gradient bucket size.")
@@ -320,6 +324,12 @@ class Config(_Section):
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _sharding_compiles_nothing(self) -> Config:
+        if self.distributed.strategy == "fsdp" and self.trainer.compile:
+            raise ValueError("trainer.compile is not supported with distributed.strategy=fsdp; set trainer.compile=false")
+        return self
 
     def tokenizer_dir(self) -> Path:
         """model.llm.tokenizer, else the LLM directory, else the synthetic set's tokenizer."""

@@ -54,6 +54,7 @@ class PurrSightModel(nn.Module):
         self.pixel_scale: torch.Tensor
         self.pixel_offset: torch.Tensor
         self.llm = llm
+        self.encode_every_step = False  # set when the towers are sharded (training/fsdp.py)
         self.encoders = nn.ModuleDict(encoders)
         self.aligner = aligner
         hidden = llm.get_input_embeddings().embedding_dim
@@ -75,6 +76,8 @@ class PurrSightModel(nn.Module):
         if rows.numel():  # shape metadata, not a device value
             encoded = encoder(inputs.index_select(0, rows)).to(features.dtype)
             features = features.index_copy(0, rows, encoded)
+        elif self.encode_every_step:
+            encoder(inputs[:1])  # a sharded tower's all-gather must run on every rank; the result is not used
         if self.aligner is not None:
             features = self.aligner(modality, features)
         prefix = self.projectors[modality](features)

@@ -17,6 +17,7 @@ from purrsight.labels import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.runs.data_position import POSITION_KEY
 from purrsight.training.datamodule import Phase2DataModule
+from purrsight.training.fsdp import local_frozen_bytes, shard_model
 from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
 from purrsight.training.optim import build_optimizer, continue_schedule
 
@@ -57,6 +58,16 @@ class Phase2Module(pl.LightningModule):
             if self.config.trainer.compile:
                 layers = compile_decoder_layers(built.model)
                 log.info("trainer.compile: %d LLM decoder layers compiled (the first steps include compilation)", layers)
+            if self.config.distributed.strategy == "fsdp" and self._device_mesh is not None:
+                whole = local_frozen_bytes(built.model)
+                units = shard_model(built.model, self._device_mesh["data_parallel"])
+                log.info(
+                    "distributed.strategy=fsdp: frozen weights sharded over %d ranks in %d units; this rank holds %d of %d bytes",
+                    self._device_mesh.size(),
+                    units,
+                    local_frozen_bytes(built.model),
+                    whole,
+                )
             self.model, self.fingerprint = built.model, built.fingerprint
 
     # ------------------------------------------------------------------ steps

@@ -15,6 +15,7 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from purrsight.config import Config
 from purrsight.distributed.preflight_callback import Preflight
 from purrsight.distributed.watchdog import ProgressWatchdog
+from purrsight.errors import UserError
 from purrsight.internals.lightning_loops import check_layout
 from purrsight.observability.loggers import build_loggers
 from purrsight.observability.profiler import StepProfiler
@@ -24,6 +25,7 @@ from purrsight.observability.telemetry import Telemetry
 from purrsight.placement import Placement, decide, from_launcher
 from purrsight.runs.attempts import AttemptRecorder
 from purrsight.runs.checkpoint_saver import AtomicCheckpointIO, CheckpointSaver
+from purrsight.training.fsdp import ShardedFrozenBase
 
 
 def resolve_placement(config: Config) -> Placement:
@@ -83,11 +85,20 @@ def build_strategy(
     """
     local, nodes = launch_world()
     io = AtomicCheckpointIO()
+    if config.distributed.strategy == "fsdp" and local * nodes == 1:
+        raise UserError(
+            "distributed.strategy=fsdp shards the frozen weights over several processes and this run has one; "
+            "start 2 or more (NPROC_PER_NODE, NUM_NODES, ray.num_workers) or set distributed.strategy=ddp"
+        )
     if local * nodes == 1:
         if device is None:
             device = torch.device("cuda", 0) if placement.accelerator == "gpu" else torch.device("cpu")
         return SingleDeviceStrategy(device=device, checkpoint_io=io)
     dist = config.distributed
+    if dist.strategy == "fsdp":
+        return ShardedFrozenBase(
+            environment or TorchElasticEnvironment(), placement.backend, timedelta(seconds=dist.timeout_s), device
+        )
     # torchrun started us: Lightning must take torchrun's ranks, even inside a SLURM
     # allocation where it would otherwise read SLURM's (one task per node, not per GPU).
     settings: dict[str, Any] = dict(

@@ -140,6 +140,18 @@ CASES = [
     ),
     Case("lora-target-absent", "train", "qkv_proj not found in the LLM", args=["model.llm.lora.target_modules=[qkv_proj]"]),
     Case("override-syntax", "train", "expected section.key=value", args=["trainer.max_steps"]),
+    Case(
+        "fsdp-one-process",
+        "train",
+        "distributed.strategy=fsdp shards the frozen weights over several processes and this run has one",
+        args=["distributed.strategy=fsdp"],
+    ),
+    Case(
+        "fsdp-compile",
+        "train",
+        "trainer.compile is not supported with distributed.strategy=fsdp",
+        args=["distributed.strategy=fsdp", "trainer.compile=true"],
+    ),
     Case("config-missing", "train", "config file not found", prepare=lambda tmp, syn: ["--config", str(tmp / "nope.yaml")]),
     Case("check-command", "check", "unknown key data.batchsize", args=["data.batchsize=4"]),
     # --- data

@@ -1,0 +1,150 @@
+"""FSDP2 for a frozen base with LoRA on top (``distributed.strategy: fsdp``).
+
+What outgrows a GPU is the frozen weights, so they are what is sharded: each LLM decoder
+layer, the embeddings and the LM head (one unit when tied), each encoder tower and the aligner
+become FSDP units over every rank; the root unit takes the rest (projectors, the final norm),
+so every trainable parameter's gradient is reduced. LoRA is applied before sharding: peft
+builds its shapes from the whole weight.
+
+Checkpoints keep the file DDP writes: the trainable weights gathered whole on rank 0 (never
+the frozen base) and the optimizer state keyed by position, as ``Optimizer.state_dict()``
+keys it. A run therefore resumes under either strategy and on another world size, and
+``train_phase2.py export`` reads either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+from pytorch_lightning.core.optimizer import LightningOptimizer
+from pytorch_lightning.plugins.environments import ClusterEnvironment
+from pytorch_lightning.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from purrsight.model.multimodal import PurrSightModel
+from purrsight.runs.checkpoint_saver import AtomicCheckpointIO
+
+TRAINABLES_WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+
+
+def frozen_units(model: PurrSightModel) -> list[nn.Module]:
+    """The modules sharded as units of their own, in forward order."""
+    llm = model.llm
+    units: list[nn.Module] = [tower for tower in model.encoders.values()]
+    if model.aligner is not None:
+        units.append(model.aligner)
+    embeddings, head = llm.get_input_embeddings(), llm.get_output_embeddings()
+    tied = head is not None and head.weight is embeddings.weight
+    if not tied:  # a tied head shares its weight: both stay in the root unit, which holds it for the whole step
+        units.append(embeddings)
+    units += [module for module in llm.modules() if type(module).__name__.endswith("DecoderLayer")]
+    if head is not None and not tied:
+        units.append(head)
+    return units
+
+
+def shard_model(model: PurrSightModel, mesh: Any) -> int:
+    """Shard ``model`` in place over ``mesh``; the number of units (the root included)."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = frozen_units(model)
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.encode_every_step = True  # every rank must run every unit's all-gather, images or not
+    return len(units) + 1
+
+
+def local_frozen_bytes(model: nn.Module) -> int:
+    """Bytes of frozen weights this rank holds: its shards under FSDP, everything under DDP."""
+    total = 0
+    for param in model.parameters():
+        if not param.requires_grad:
+            local = param.to_local() if hasattr(param, "to_local") else param
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _names_in_order(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    names = {id(param): name for name, param in module.named_parameters()}
+    return [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+
+
+def by_position(state: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name, keyed by position as ``Optimizer.state_dict()`` does."""
+    position = {name: index for index, name in enumerate(names)}
+    return {
+        "state": {position[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**group, "params": [position[name] for name in group["params"]]} for group in state["param_groups"]],
+    }
+
+
+def by_name(state: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of ``by_position``."""
+    return {
+        "state": {names[int(index)]: value for index, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[int(index)] for index in group["params"]]} for group in state["param_groups"]],
+    }
+
+
+class ShardedFrozenBase(ModelParallelStrategy):
+    """Lightning's FSDP2 strategy, data parallel over every rank, with trainable-only checkpoints."""
+
+    def __init__(
+        self, environment: ClusterEnvironment, backend: str, timeout: timedelta, device: torch.device | None = None
+    ) -> None:
+        super().__init__(save_distributed_checkpoint=False, process_group_backend=backend, timeout=timeout)
+        self.cluster_environment = environment
+        self.checkpoint_io = AtomicCheckpointIO()
+        self._assigned_device = device
+
+    @property
+    def root_device(self) -> torch.device:
+        return self._assigned_device if self._assigned_device is not None else super().root_device
+
+    def setup_environment(self) -> None:
+        # Lightning's "auto" builds a tensor-parallel mesh of each node's processes, which
+        # shards nothing here: every rank is a data-parallel shard holder instead.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return True  # load_optimizer_state_dict below, from our file
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=TRAINABLES_WHOLE_ON_RANK0)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        whole = get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return by_position(whole, _names_in_order(self.model, optimizer)) if self.global_rank == 0 else {}
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.model is not None
+        set_model_state_dict(
+            self.model, dict(checkpoint["state_dict"]), options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.model is not None
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            named = by_name(saved, _names_in_order(self.model, optimizer))
+            set_optimizer_state_dict(self.model, optimizer, named, options=StateDictOptions(full_state_dict=True))

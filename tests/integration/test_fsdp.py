@@ -1,0 +1,120 @@
+"""distributed.strategy=fsdp on real ranks (torchrun, gloo, CPU), against DDP on the same samples.
+
+The tiny default's model with the real config's loop settings (2 loader workers, 2 micro-batches
+per optimizer step). Five runs share the work: DDP for reference, FSDP to step 10, a DDP
+checkpoint resumed under FSDP, an FSDP checkpoint resumed under DDP, and one resumed under FSDP
+on four ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import (
+    DEFAULT_CONFIG,
+    REPO,
+    check_every_sample_once,
+    column,
+    free_port,
+    python_env,
+    read_metrics,
+    record_samples_env,
+    run_python,
+    tiny_overrides,
+    trainable_state,
+)
+
+RUN = "phase2-tiny"
+LOOP = {"data__num_workers": 2, "trainer__accumulate_grad_batches": 2, "data__batch_size": 8, "logging__every_n_steps": 1}
+TOLERANCE = 1e-5  # fp32 on CPU: the same reductions in another grouping
+
+
+def torchrun(
+    ranks: int, synthetic_dir: Path, out: Path, *extra: str, env: dict[str, str] | None = None, **overrides: object
+) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / "train_phase2.py")]
+    command += ["--config", str(DEFAULT_CONFIG), *extra, *tiny_overrides(synthetic_dir, out, **{**LOOP, **overrides})]
+    result = subprocess.run(command, cwd=REPO, env={**python_env(), **(env or {})}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def checkpoint(out: Path, step: int) -> Path:
+    return out / RUN / "checkpoints" / f"step-{step:08d}.ckpt"
+
+
+def resumed_from(source: Path, out: Path) -> Path:
+    """A fresh run folder holding only ``source``: the resume must start from it."""
+    folder = out / RUN / "checkpoints"
+    folder.mkdir(parents=True)
+    shutil.copy2(source, folder / source.name)
+    return out
+
+
+def assert_states_close(a: Path, b: Path) -> None:
+    first, second = trainable_state(a), trainable_state(b)
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.allclose(first[name], second[name], atol=TOLERANCE), name
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_trains_as_ddp_holds_half_the_frozen_weights_and_resumes_across_strategies_and_world_sizes(
+    synthetic_dir: Path, tmp_path: Path
+) -> None:
+    ddp = tmp_path / "ddp"
+    torchrun(2, synthetic_dir, ddp, trainer__max_steps=20, checkpoint__every_n_steps=10)
+
+    # FSDP to step 10 (mid-epoch: 16 steps make an epoch on two ranks), the samples recorded
+    fsdp, records = tmp_path / "fsdp", tmp_path / "records"
+    sharded = torchrun(2, synthetic_dir, fsdp, env=record_samples_env(records), trainer__max_steps=10, distributed__strategy="fsdp")
+    held = [(int(a), int(b)) for a, b in re.findall(r"this rank holds (\d+) of (\d+) bytes", sharded.stderr)]
+    assert len(held) == 2, sharded.stderr[-3000:]
+    for mine, whole in held:
+        assert abs(mine - whole / 2) <= whole / 50, held  # about 1/N: each tensor is split in whole rows
+    assert column(read_metrics(fsdp / RUN), "train/loss") == pytest.approx(
+        column(read_metrics(ddp / RUN), "train/loss")[:10], abs=TOLERANCE
+    )
+    assert_states_close(checkpoint(fsdp, 10), checkpoint(ddp, 10))
+    assert checkpoint(fsdp, 10).stat().st_size < 2 * checkpoint(ddp, 10).stat().st_size  # trainables only, as DDP's
+
+    # DDP's checkpoint resumed under FSDP, mid-epoch: DDP's own step 20
+    onto_fsdp = resumed_from(checkpoint(ddp, 10), tmp_path / "ddp-to-fsdp")
+    torchrun(2, synthetic_dir, onto_fsdp, "--resume", trainer__max_steps=20, distributed__strategy="fsdp")
+    assert_states_close(checkpoint(onto_fsdp, 20), checkpoint(ddp, 20))
+
+    # FSDP's checkpoint resumed under DDP: DDP's own step 20 again
+    onto_ddp = resumed_from(checkpoint(fsdp, 10), tmp_path / "fsdp-to-ddp")
+    torchrun(2, synthetic_dir, onto_ddp, "--resume", trainer__max_steps=20)
+    assert_states_close(checkpoint(onto_ddp, 20), checkpoint(ddp, 20))
+
+    # FSDP's checkpoint on four ranks (320 samples done: 5 steps of 64): the rest of epoch 0, each sample once
+    four = resumed_from(checkpoint(fsdp, 10), tmp_path / "four")
+    torchrun(
+        4, synthetic_dir, four, "--resume", env=record_samples_env(records), trainer__max_steps=13, distributed__strategy="fsdp"
+    )
+    every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
+    check_every_sample_once(records, every_id, whole_epochs=1, accumulation=2)
+
+    # export reads an FSDP checkpoint as a DDP one
+    exported = {}
+    for name, source in (("fsdp", checkpoint(fsdp, 10)), ("ddp", checkpoint(ddp, 10))):
+        done = run_python([str(REPO / "train_phase2.py"), "export", "--checkpoint", str(source), "--out", str(tmp_path / name)])
+        assert done.returncode == 0, done.stderr[-2000:]
+        exported[name] = tmp_path / name
+    ours = sorted(p.relative_to(exported["fsdp"]) for p in exported["fsdp"].rglob("*.safetensors"))
+    assert ours and ours == sorted(p.relative_to(exported["ddp"]) for p in exported["ddp"].rglob("*.safetensors"))
+    from safetensors.torch import load_file
+
+    for relative in ours:
+        a, b = load_file(exported["fsdp"] / relative), load_file(exported["ddp"] / relative)
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=TOLERANCE) for k in a), relative
