@@ -7,15 +7,18 @@ the base weights are frozen and only the LoRA adapters train.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
 
 from purrsight.model.loading import ModelLoadError, architecture_digest
+from purrsight.model.meta_init import parameters_on_meta
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -36,13 +39,20 @@ def _linear_names(model: nn.Module) -> set[str]:
 
 
 def _base_llm(
-    vocab_size: int, seed: int, path: str | None, config: dict[str, Any] | None, attn_implementation: str
+    vocab_size: int, seed: int, path: str | None, config: dict[str, Any] | None, attn_implementation: str, on_meta: bool
 ) -> tuple[PreTrainedModel, str]:
     if path is not None:
         folder = Path(path)
         if not (folder / "config.json").is_file():
             raise ModelLoadError(f"{folder}: not a Hugging Face model directory (no config.json)")
         try:
+            if on_meta:  # shapes only: the weights are read later, each rank its own rows (training/fsdp.py)
+                hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+                with parameters_on_meta():
+                    model = AutoModelForCausalLM.from_config(
+                        hf_config, attn_implementation=attn_implementation, dtype=torch.float32
+                    )
+                return model, f"dir:{architecture_digest(model.config.to_dict())}"
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)  # weights missing from the folder: same on every rank
                 model = AutoModelForCausalLM.from_pretrained(
@@ -71,13 +81,15 @@ def load_llm(
     config: dict[str, Any] | None = None,
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
+    on_meta: bool = False,
 ) -> tuple[PeftModel, str]:
     """The LM wrapped with ``lora``, and a description of its frozen source for fingerprints.
 
     The LM comes from a local Hugging Face directory (``path``) or is random-initialised
     from a Qwen2 ``config`` dict (the tiny default), seeded so every rank builds the same.
+    ``on_meta`` (a directory only): every parameter on the meta device, LoRA's included.
     """
-    base, source = _base_llm(vocab_size, seed, path, config, attn_implementation)
+    base, source = _base_llm(vocab_size, seed, path, config, attn_implementation, on_meta and path is not None)
     targets = set(lora.target_modules or [])
     missing = sorted(targets - _linear_names(base))
     if missing:
@@ -88,6 +100,21 @@ def load_llm(
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.config.use_cache = False  # no KV cache while training
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 1)  # LoRA A matrices are random; same on every rank
+        torch.manual_seed(seed + 1)
         model = get_peft_model(base, lora)
+    if not on_meta:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".lora_A." in name:
+                    param.copy_(lora_a_init(name, param.shape, seed))
     return model, source
+
+
+def lora_a_init(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """A LoRA A matrix's initial value (peft's kaiming-uniform), from the seed and its name alone:
+    the same on every rank, whether the model is built whole or sharded (training/fsdp.py)."""
+    key = name.split("base_model.model.", 1)[-1]  # as peft names it, wherever the LLM sits
+    generator = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:15], 16))
+    value = torch.empty(shape)
+    nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+    return value

@@ -14,6 +14,8 @@ keys it. A run therefore resumes under either strategy and on another world size
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -31,7 +33,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from purrsight.model.llm import lora_a_init
+from purrsight.model.loading import ModelLoadError
+from purrsight.model.meta_init import is_meta
 from purrsight.model.multimodal import PurrSightModel
+from purrsight.model.weight_files import WeightFiles
 from purrsight.runs.checkpoint_saver import AtomicCheckpointIO
 
 TRAINABLES_WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -63,6 +69,61 @@ def shard_model(model: PurrSightModel, mesh: Any) -> int:
     fully_shard(model, mesh=mesh)
     model.encode_every_step = True  # every rank must run every unit's all-gather, images or not
     return len(units) + 1
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def materialize(model: nn.Module, device: torch.device) -> set[str]:
+    """Storage for the shards of what was built on the meta device; the names of those parameters.
+
+    ``to_empty`` must run on the root (FSDP resets its shards there) and empties every tensor,
+    so what was already real (towers, projectors, buffers) is kept aside and put back.
+    """
+    on_meta = {name for name, param in model.named_parameters() if is_meta(param)}
+    tensors = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+    kept = {name: _local(tensor).detach().clone() for name, tensor in tensors if not is_meta(tensor)}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+            if name in kept:
+                _local(tensor).copy_(kept[name])
+    return on_meta
+
+
+def file_key(name: str) -> str:
+    """The weight file's key of an LLM parameter: peft's wrapping taken out of its name."""
+    return name.split("llm.base_model.model.", 1)[-1].replace(".base_layer.", ".")
+
+
+def _rows_held(param: torch.Tensor) -> tuple[int, int]:
+    """The rows of the whole tensor this rank's shard holds (FSDP2 splits dim 0 as torch.chunk)."""
+    if not hasattr(param, "device_mesh"):
+        return 0, param.shape[0] if param.dim() else 1
+    mesh = param.device_mesh
+    chunk = math.ceil(param.shape[0] / mesh.size())
+    start = min(mesh.get_local_rank() * chunk, param.shape[0])
+    return start, start + _local(param).shape[0]
+
+
+def fill(model: nn.Module, names: set[str], files: WeightFiles, seed: int) -> None:
+    """The parameters built on meta, now materialized: frozen ones read from ``files`` (this
+    rank's rows only, one tensor at a time), LoRA's initialised by name."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name not in names:
+                continue
+            start, stop = _rows_held(param)
+            local = _local(param)
+            if ".lora_A." in name:
+                local.copy_(lora_a_init(name, param.shape, seed)[start:stop])
+            elif ".lora_B." in name:
+                local.zero_()
+            elif file_key(name) in files:
+                local.copy_(files.rows(file_key(name), start, stop))
+            else:
+                raise ModelLoadError(f"{files.folder}: no tensor {file_key(name)} for the LLM's {name}")
 
 
 def local_frozen_bytes(model: nn.Module) -> int:

@@ -16,6 +16,8 @@ from purrsight.model.encoders import FrozenEncoder, load_encoder
 from purrsight.model.llm import load_llm, load_tokenizer
 from purrsight.model.loading import ModelLoadError
 from purrsight.model.multimodal import MODALITIES, PurrSightModel
+from purrsight.model.weight_files import WeightFiles
+from purrsight.training.fsdp import file_key
 
 
 @dataclass
@@ -25,20 +27,28 @@ class BuiltModel:
     fingerprint: str
 
 
-def _tensor_sample_digest(model: torch.nn.Module) -> str:
+def _tensor_sample_digest(model: torch.nn.Module, files: WeightFiles | None = None) -> str:
     """Hash names, shapes and a strided sample of every frozen tensor.
 
     Hashing every byte of a 7B model would add a minute to each start; a strided sample
     of up to 4096 values per tensor still changes when weights are swapped or re-initialised.
+    A tensor still on the meta device is sampled from its weight file (``files``), so a
+    sharded build has the same fingerprint as a whole one.
     """
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         if "lora_" in name or name.startswith("projectors."):
             continue
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // 4096)
+        step = max(1, tensor.numel() // 4096)
+        if tensor.device.type == "meta":
+            assert files is not None, name
+            key = file_key(name)
+            tied = key == "lm_head.weight" and key not in files  # a tied head is the embeddings
+            sample = files.strided_sample("model.embed_tokens.weight" if tied else key, step)
+        else:
+            sample = tensor.detach().reshape(-1)[::step]
         digest.update(f"{name}:{list(tensor.shape)}".encode())
-        digest.update(flat[::step].to(torch.float32).cpu().numpy().tobytes())
+        digest.update(sample.to(torch.float32).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -75,8 +85,12 @@ def compile_decoder_layers(model: PurrSightModel) -> int:
     return len(layers)
 
 
-def build_model(config: Config, frozen: torch.dtype = torch.float32) -> BuiltModel:
-    """The model of ``config``; its frozen weights held in ``frozen`` (see frozen_dtype)."""
+def build_model(config: Config, frozen: torch.dtype = torch.float32, llm_on_meta: bool = False) -> BuiltModel:
+    """The model of ``config``; its frozen weights held in ``frozen`` (see frozen_dtype).
+
+    ``llm_on_meta`` (an LLM from a directory): the LLM's parameters are left on the meta
+    device, to be sharded and then filled from its weight files (training/fsdp.py).
+    """
     seed = config.run.seed
     tokenizer = load_tokenizer(config.tokenizer_dir())
     llm_cfg = config.model.llm
@@ -96,6 +110,7 @@ def build_model(config: Config, frozen: torch.dtype = torch.float32) -> BuiltMod
         config=llm_cfg.config,
         gradient_checkpointing=llm_cfg.gradient_checkpointing,
         attn_implementation=llm_cfg.attn_implementation,
+        on_meta=llm_on_meta,
     )
     encoders: dict[str, FrozenEncoder] = {}
     sources = [llm_source]
@@ -125,6 +140,7 @@ def build_model(config: Config, frozen: torch.dtype = torch.float32) -> BuiltMod
             attention=llm_cfg.attn_implementation,
         )
     # Before the cast: a bf16 run and a float32 run of the same weights may resume each other.
-    fingerprint = hashlib.sha256(("|".join(sources) + _tensor_sample_digest(model)).encode()).hexdigest()
+    files = WeightFiles(llm_cfg.path) if llm_on_meta and llm_cfg.path is not None else None
+    fingerprint = hashlib.sha256(("|".join(sources) + _tensor_sample_digest(model, files)).encode()).hexdigest()
     hold_frozen_in(model, frozen)
     return BuiltModel(model, tokenizer, fingerprint)

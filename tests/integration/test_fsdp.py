@@ -1,7 +1,9 @@
 """distributed.strategy=fsdp on real ranks (torchrun, gloo, CPU), against DDP on the same samples.
 
-The tiny default's model with the real config's loop settings (2 loader workers, 2 micro-batches
-per optimizer step). Five runs share the work: DDP for reference, FSDP to step 10, a DDP
+The tiny default's model, its LLM saved as a local directory the way a user's Qwen2.5 folder
+comes (``save_pretrained``: safetensors split over several files, tied embeddings), so FSDP
+builds it on the meta device and each rank reads its own rows; the real config's loop settings
+(2 loader workers, 2 micro-batches per optimizer step). Five runs share the work: DDP for reference, FSDP to step 10, a DDP
 checkpoint resumed under FSDP, an FSDP checkpoint resumed under DDP, and one resumed under FSDP
 on four ranks.
 """
@@ -37,12 +39,29 @@ LOOP = {"data__num_workers": 2, "trainer__accumulate_grad_batches": 2, "data__ba
 TOLERANCE = 1e-5  # fp32 on CPU: the same reductions in another grouping
 
 
+@pytest.fixture(scope="module")
+def llm_dir(tmp_path_factory: pytest.TempPathFactory, synthetic_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from purrsight.model.llm import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("qwen2-like")
+    tokenizer = load_tokenizer(synthetic_dir / "tokenizer")
+    shape = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = Qwen2Config(vocab_size=len(tokenizer), intermediate_size=128, tie_word_embeddings=True, **shape)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="100KB")
+    tokenizer.save_pretrained(folder)
+    assert len(list(folder.glob("model-*.safetensors"))) > 1  # an index and several files, as large bases come
+    return folder
+
+
 def torchrun(
-    ranks: int, synthetic_dir: Path, out: Path, *extra: str, env: dict[str, str] | None = None, **overrides: object
+    ranks: int, llm: Path, synthetic_dir: Path, out: Path, *extra: str, env: dict[str, str] | None = None, **overrides: object
 ) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
     command += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / "train_phase2.py")]
     command += ["--config", str(DEFAULT_CONFIG), *extra, *tiny_overrides(synthetic_dir, out, **{**LOOP, **overrides})]
+    command += [f"model.llm.path={llm}", "model.llm.config=null"]
     result = subprocess.run(command, cwd=REPO, env={**python_env(), **(env or {})}, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
@@ -69,14 +88,16 @@ def assert_states_close(a: Path, b: Path) -> None:
 
 @pytest.mark.timeout(900)
 def test_fsdp_trains_as_ddp_holds_half_the_frozen_weights_and_resumes_across_strategies_and_world_sizes(
-    synthetic_dir: Path, tmp_path: Path
+    synthetic_dir: Path, tmp_path: Path, llm_dir: Path
 ) -> None:
     ddp = tmp_path / "ddp"
-    torchrun(2, synthetic_dir, ddp, trainer__max_steps=20, checkpoint__every_n_steps=10)
+    torchrun(2, llm_dir, synthetic_dir, ddp, trainer__max_steps=20, checkpoint__every_n_steps=10)
 
-    # FSDP to step 10 (mid-epoch: 16 steps make an epoch on two ranks), the samples recorded
+    # FSDP to step 10 (mid-epoch: 4 steps of 32 make an epoch of 128 on two ranks), the samples recorded
     fsdp, records = tmp_path / "fsdp", tmp_path / "records"
-    sharded = torchrun(2, synthetic_dir, fsdp, env=record_samples_env(records), trainer__max_steps=10, distributed__strategy="fsdp")
+    sharded = torchrun(
+        2, llm_dir, synthetic_dir, fsdp, env=record_samples_env(records), trainer__max_steps=10, distributed__strategy="fsdp"
+    )
     held = [(int(a), int(b)) for a, b in re.findall(r"this rank holds (\d+) of (\d+) bytes", sharded.stderr)]
     assert len(held) == 2, sharded.stderr[-3000:]
     for mine, whole in held:
@@ -89,21 +110,28 @@ def test_fsdp_trains_as_ddp_holds_half_the_frozen_weights_and_resumes_across_str
 
     # DDP's checkpoint resumed under FSDP, mid-epoch: DDP's own step 20
     onto_fsdp = resumed_from(checkpoint(ddp, 10), tmp_path / "ddp-to-fsdp")
-    torchrun(2, synthetic_dir, onto_fsdp, "--resume", trainer__max_steps=20, distributed__strategy="fsdp")
+    torchrun(2, llm_dir, synthetic_dir, onto_fsdp, "--resume", trainer__max_steps=20, distributed__strategy="fsdp")
     assert_states_close(checkpoint(onto_fsdp, 20), checkpoint(ddp, 20))
 
     # FSDP's checkpoint resumed under DDP: DDP's own step 20 again
     onto_ddp = resumed_from(checkpoint(fsdp, 10), tmp_path / "fsdp-to-ddp")
-    torchrun(2, synthetic_dir, onto_ddp, "--resume", trainer__max_steps=20)
+    torchrun(2, llm_dir, synthetic_dir, onto_ddp, "--resume", trainer__max_steps=20)
     assert_states_close(checkpoint(onto_ddp, 20), checkpoint(ddp, 20))
 
-    # FSDP's checkpoint on four ranks (320 samples done: 5 steps of 64): the rest of epoch 0, each sample once
+    # FSDP's checkpoint on four ranks (320 samples done: 5 steps of 64): epochs 0-3, each sample once in each
     four = resumed_from(checkpoint(fsdp, 10), tmp_path / "four")
     torchrun(
-        4, synthetic_dir, four, "--resume", env=record_samples_env(records), trainer__max_steps=13, distributed__strategy="fsdp"
+        4,
+        llm_dir,
+        synthetic_dir,
+        four,
+        "--resume",
+        env=record_samples_env(records),
+        trainer__max_steps=13,
+        distributed__strategy="fsdp",
     )
     every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
-    check_every_sample_once(records, every_id, whole_epochs=1, accumulation=2)
+    check_every_sample_once(records, every_id, whole_epochs=4, accumulation=2)
 
     # export reads an FSDP checkpoint as a DDP one
     exported = {}

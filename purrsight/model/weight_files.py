@@ -1,0 +1,70 @@
+"""A Hugging Face model directory's safetensors, read a slice at a time.
+
+A base larger than one GPU never exists whole in one process: under ``distributed.strategy:
+fsdp`` each rank reads only the rows of each frozen tensor its shard holds (safetensors maps
+the file and reads just those bytes), one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from purrsight.model.loading import ModelLoadError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class WeightFiles:
+    """The tensors of a directory's ``model.safetensors`` (or its sharded files), by key."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif (self.folder / SINGLE_FILE).is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(self.folder / SINGLE_FILE), framework="pt") as handle:
+                weight_map = dict.fromkeys(handle.keys(), SINGLE_FILE)
+        else:
+            raise ModelLoadError(f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE} (a sharded base loads from safetensors only)")
+        self.weight_map = weight_map
+        self._handles: dict[str, Any] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def _slice(self, key: str) -> Any:
+        from safetensors import safe_open
+
+        name = self.weight_map[key]
+        if name not in self._handles:
+            self._handles[name] = safe_open(str(self.folder / name), framework="pt")
+        return self._handles[name].get_slice(key)
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._slice(key).get_shape())
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the tensor (the whole of a 0-d or 1-d tensor's range)."""
+        return self._slice(key)[start:stop]
+
+    def strided_sample(self, key: str, step: int) -> torch.Tensor:
+        """``tensor.reshape(-1)[::step]``, reading only the rows that hold those values."""
+        shape = self.shape(key)
+        if len(shape) < 2:
+            return self._slice(key)[:].reshape(-1)[::step]
+        row_length = 1
+        for size in shape[1:]:
+            row_length *= size
+        values = []
+        for index in range(0, shape[0] * row_length, step):
+            row, column = divmod(index, row_length)
+            values.append(self.rows(key, row, row + 1).reshape(-1)[column])
+        return torch.stack(values)
