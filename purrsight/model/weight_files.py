@@ -8,6 +8,8 @@ the file and reads just those bytes), one tensor at a time.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,11 @@ from purrsight.model.loading import ModelLoadError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def file_key(name: str) -> str:
+    """The weight file's key of an LLM parameter of the assembled model: peft's wrapping taken out of its name."""
+    return name.split("llm.base_model.model.", 1)[-1].replace(".base_layer.", ".")
 
 
 class WeightFiles:
@@ -35,36 +42,39 @@ class WeightFiles:
         else:
             raise ModelLoadError(f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE} (a sharded base loads from safetensors only)")
         self.weight_map = weight_map
-        self._handles: dict[str, Any] = {}
 
     def __contains__(self, key: str) -> bool:
         return key in self.weight_map
 
-    def _slice(self, key: str) -> Any:
+    @contextmanager
+    def _slice(self, key: str) -> Iterator[Any]:
+        """The tensor's lazy slice. Its file is mapped for this read only: pages a rank read
+        stay counted in its RSS while the file is mapped, so a file is never kept open."""
         from safetensors import safe_open
 
-        name = self.weight_map[key]
-        if name not in self._handles:
-            self._handles[name] = safe_open(str(self.folder / name), framework="pt")
-        return self._handles[name].get_slice(key)
+        with safe_open(str(self.folder / self.weight_map[key]), framework="pt") as handle:
+            yield handle.get_slice(key)
 
     def shape(self, key: str) -> list[int]:
-        return list(self._slice(key).get_shape())
+        with self._slice(key) as tensor:
+            return list(tensor.get_shape())
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of the tensor (the whole of a 0-d or 1-d tensor's range)."""
-        return self._slice(key)[start:stop]
+        with self._slice(key) as tensor:
+            return tensor[start:stop].clone()
 
     def strided_sample(self, key: str, step: int) -> torch.Tensor:
         """``tensor.reshape(-1)[::step]``, reading only the rows that hold those values."""
-        shape = self.shape(key)
-        if len(shape) < 2:
-            return self._slice(key)[:].reshape(-1)[::step]
-        row_length = 1
-        for size in shape[1:]:
-            row_length *= size
-        values = []
-        for index in range(0, shape[0] * row_length, step):
-            row, column = divmod(index, row_length)
-            values.append(self.rows(key, row, row + 1).reshape(-1)[column])
-        return torch.stack(values)
+        with self._slice(key) as tensor:
+            shape = list(tensor.get_shape())
+            if len(shape) < 2:
+                return tensor[:].reshape(-1)[::step].clone()
+            row_length = 1
+            for size in shape[1:]:
+                row_length *= size
+            values = []
+            for index in range(0, shape[0] * row_length, step):
+                row, column = divmod(index, row_length)
+                values.append(tensor[row : row + 1].reshape(-1)[column].clone())
+            return torch.stack(values)

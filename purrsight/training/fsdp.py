@@ -33,12 +33,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from purrsight.config import Config
 from purrsight.model.llm import lora_a_init
 from purrsight.model.loading import ModelLoadError
 from purrsight.model.meta_init import is_meta
 from purrsight.model.multimodal import PurrSightModel
-from purrsight.model.weight_files import WeightFiles
+from purrsight.model.weight_files import WeightFiles, file_key
 from purrsight.runs.checkpoint_saver import AtomicCheckpointIO
+from purrsight.training.model_builder import BuiltModel, build_model
 
 TRAINABLES_WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
@@ -92,11 +94,6 @@ def materialize(model: nn.Module, device: torch.device) -> set[str]:
     return on_meta
 
 
-def file_key(name: str) -> str:
-    """The weight file's key of an LLM parameter: peft's wrapping taken out of its name."""
-    return name.split("llm.base_model.model.", 1)[-1].replace(".base_layer.", ".")
-
-
 def _rows_held(param: torch.Tensor) -> tuple[int, int]:
     """The rows of the whole tensor this rank's shard holds (FSDP2 splits dim 0 as torch.chunk)."""
     if not hasattr(param, "device_mesh"):
@@ -126,6 +123,22 @@ def fill(model: nn.Module, names: set[str], files: WeightFiles, seed: int) -> No
                 raise ModelLoadError(f"{files.folder}: no tensor {file_key(name)} for the LLM's {name}")
 
 
+def build_sharded(config: Config, frozen: torch.dtype, mesh: Any, device: torch.device) -> tuple[BuiltModel, int]:
+    """The model of ``config`` sharded over ``mesh``, and its number of FSDP units.
+
+    An LLM from a directory is built on the meta device and filled after sharding, each rank
+    reading its own rows; one built from a config dict is built whole first (it is small).
+    """
+    llm_path = config.model.llm.path
+    built = build_model(config, frozen, llm_on_meta=llm_path is not None)
+    units = shard_model(built.model, mesh)
+    on_meta = materialize(built.model, device)
+    if on_meta:
+        assert llm_path is not None
+        fill(built.model, on_meta, WeightFiles(llm_path), config.run.seed)
+    return built, units
+
+
 def local_frozen_bytes(model: nn.Module) -> int:
     """Bytes of frozen weights this rank holds: its shards under FSDP, everything under DDP."""
     total = 0
@@ -134,6 +147,13 @@ def local_frozen_bytes(model: nn.Module) -> int:
             local = param.to_local() if hasattr(param, "to_local") else param
             total += local.numel() * local.element_size()
     return total
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _names_in_order(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

@@ -16,8 +16,7 @@ from purrsight.model.encoders import FrozenEncoder, load_encoder
 from purrsight.model.llm import load_llm, load_tokenizer
 from purrsight.model.loading import ModelLoadError
 from purrsight.model.multimodal import MODALITIES, PurrSightModel
-from purrsight.model.weight_files import WeightFiles
-from purrsight.training.fsdp import file_key
+from purrsight.model.weight_files import WeightFiles, file_key
 
 
 @dataclass

@@ -15,10 +15,9 @@ from purrsight.data.media import SampleError
 from purrsight.errors import UserError
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
-from purrsight.model.weight_files import WeightFiles
 from purrsight.runs.data_position import POSITION_KEY
 from purrsight.training.datamodule import Phase2DataModule
-from purrsight.training.fsdp import fill, local_frozen_bytes, materialize, shard_model
+from purrsight.training.fsdp import build_sharded, local_frozen_bytes, peak_rss_bytes
 from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
 from purrsight.training.optim import build_optimizer, continue_schedule
 
@@ -55,27 +54,23 @@ class Phase2Module(pl.LightningModule):
             # Under bf16 precision the frozen weights are stored in bf16 (half the memory, no
             # re-cast by autocast in every forward); used without a trainer, float32.
             precision = str(self._trainer.precision) if self._trainer is not None else "32-true"
-            sharded = self.config.distributed.strategy == "fsdp" and self._device_mesh is not None
-            llm_path = self.config.model.llm.path
-            built = build_model(self.config, frozen_dtype(precision), llm_on_meta=sharded and llm_path is not None)
+            dtype = frozen_dtype(precision)
+            if self.config.distributed.strategy == "fsdp" and self._device_mesh is not None:
+                built, units = build_sharded(
+                    self.config, dtype, self._device_mesh["data_parallel"], self.trainer.strategy.root_device
+                )
+                how = f"sharded over {self._device_mesh.size()} ranks in {units} FSDP units"
+            else:
+                built, how = build_model(self.config, dtype), "whole"
             if self.config.trainer.compile:
                 layers = compile_decoder_layers(built.model)
                 log.info("trainer.compile: %d LLM decoder layers compiled (the first steps include compilation)", layers)
-            if sharded:
-                assert self._device_mesh is not None
-                whole = local_frozen_bytes(built.model)
-                units = shard_model(built.model, self._device_mesh["data_parallel"])
-                on_meta = materialize(built.model, self.trainer.strategy.root_device)
-                if on_meta:
-                    assert llm_path is not None
-                    fill(built.model, on_meta, WeightFiles(llm_path), self.config.run.seed)
-                log.info(
-                    "distributed.strategy=fsdp: frozen weights sharded over %d ranks in %d units; this rank holds %d of %d bytes",
-                    self._device_mesh.size(),
-                    units,
-                    local_frozen_bytes(built.model),
-                    whole,
-                )
+            log.info(
+                "model built: frozen weights %s; this rank holds %.2f MiB of them; peak RSS so far %.0f MiB",
+                how,
+                local_frozen_bytes(built.model) / 2**20,
+                peak_rss_bytes() / 2**20,
+            )
             self.model, self.fingerprint = built.model, built.fingerprint
 
     # ------------------------------------------------------------------ steps

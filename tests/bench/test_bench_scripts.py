@@ -135,3 +135,24 @@ def test_prepare_memory_script_small_run() -> None:
     rows = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("| this tree")]
     assert len(rows) == 1 and rows[0][1].strip() == "8"
     assert float(rows[0][3]) > 0 and float(rows[0][4]) > 0  # the main process's and a worker's peak (2 shards: a pool)
+
+
+def test_the_model_memory_table_counts_known_sizes_and_fsdp_fits_what_ddp_cannot() -> None:
+    """bench/model_memory.py's arithmetic: the Qwen2.5 sizes as published, and the docs/SCALING.md verdicts."""
+    from bench.model_memory import BASES, per_gpu
+
+    assert [round(base.params() / 1e9, 1) for base in BASES] == [7.6, 32.8, 72.7]  # Qwen2.5-7B, -32B, -72B
+    for base in BASES:
+        ddp, fsdp = (sum(per_gpu(base, 8, 2, 1024, sharded).values()) for sharded in (False, True))
+        assert fsdp < 40 and fsdp < ddp / 2, base.name
+    assert sum(per_gpu(BASES[2], 8, 2, 1024, False).values()) > 80  # a 72B replica does not fit an 80 GB GPU
+
+
+def test_the_fsdp_memory_bench_reads_the_trainers_build_line() -> None:
+    import bench.fsdp_memory as fsdp_memory
+
+    line = (
+        "model built: frozen weights sharded over 2 ranks in 7 FSDP units; "
+        "this rank holds 942.39 MiB of them; peak RSS so far 1641 MiB"
+    )
+    assert fsdp_memory.BUILT.findall(line) == [("sharded", "942.39", "1641")]
