@@ -28,17 +28,8 @@ from typing import Any
 import psutil
 
 from bench.common import PYTHON, REPO, TINY_CONFIG, bench_env, free_port, machine, telemetry_step_times
+from bench.real_size import QWEN2_5_0_5B  # Qwen2.5-0.5B's config.json
 
-QWEN_05B: dict[str, Any] = {  # Qwen2.5-0.5B's config.json, less what does not shape the weights
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32768,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-}
 TINY: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -59,7 +50,7 @@ def save_llm(shape: dict[str, Any], folder: Path, tokenizer_dir: Path) -> Path:
     from purrsight.model.llm import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
-    options = {"vocab_size": len(tokenizer), **shape}
+    options = {**shape, "vocab_size": shape.get("vocab_size", len(tokenizer))}
     model = AutoModelForCausalLM.from_config(Qwen2Config(**options), dtype=torch.bfloat16)  # as Qwen ships it
     model.save_pretrained(folder, max_shard_size="500MB")
     tokenizer.save_pretrained(folder)
@@ -138,7 +129,7 @@ def main() -> None:
 
         data = generate(REPO / "data" / "synthetic", 512, 64, 0, 32)  # the embedded default's set (a no-op when present)
         for name in args.models:
-            llm = save_llm(TINY if name == "tiny" else QWEN_05B, work / name, data / "tokenizer")
+            llm = save_llm(TINY if name == "tiny" else QWEN2_5_0_5B, work / name, data / "tokenizer")
             for strategy in ("ddp", "fsdp"):
                 print(f"{name:5} {strategy:4} {run(llm, strategy, args.steps, work)}", flush=True)
 
