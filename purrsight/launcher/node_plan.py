@@ -140,6 +140,11 @@ def plan_node(args: argparse.Namespace, say: Say) -> tuple[Plan, int]:
     except PlacementError as err:
         raise LauncherError(str(err)) from None
     nproc = processes(args.nproc_per_node, placement.accelerator, node.gpus)
+    if config.distributed.strategy == "fsdp" and nproc * args.num_nodes == 1:
+        raise LauncherError(
+            "distributed.strategy=fsdp shards the frozen weights over several processes and this job has one "
+            "(NPROC_PER_NODE=1, NUM_NODES=1); start 2 or more or set distributed.strategy=ddp"
+        )
     if not args.dry_run:
         check_run_folder(config.run.run_dir, config.run.if_exists, resume=bool(args.resume))
 

@@ -67,6 +67,7 @@ def test_user_mistakes_are_one_line_and_exit_2_before_any_plan(tmp_path: Path, c
         (["trainer.max_stepz=3"], "config error: override trainer.max_stepz=3: unknown key trainer.max_stepz"),
         (["--backend", "nccl"], "backend nccl needs GPUs but no GPU is visible here; use BACKEND=gloo"),
         (["--nproc-per-node", "5"], "NPROC_PER_NODE=5 but only 4 GPU(s) are visible"),
+        (["distributed.strategy=fsdp"], "distributed.strategy=fsdp shards the frozen weights over several processes"),
     ]
     for args, culprit in cases:
         code, plan = plan_node(tmp_path, *args, gpus=4 if "--nproc-per-node" in args else 0)
