@@ -1,9 +1,9 @@
 """FSDP2 for a frozen base with LoRA on top (``distributed.strategy: fsdp``).
 
 What outgrows a GPU is the frozen weights, so they are what is sharded: each LLM decoder
-layer, the embeddings and the LM head (one unit when tied), each encoder tower and the aligner
-become FSDP units over every rank; the root unit takes the rest (projectors, the final norm),
-so every trainable parameter's gradient is reduced. LoRA is applied before sharding: peft
+layer, the embeddings and an untied LM head, each encoder tower and the aligner become FSDP
+units over every rank; the root unit takes the rest (projectors, the final norm, tied
+embeddings), so every trainable parameter's gradient is reduced. LoRA is applied before sharding: peft
 builds its shapes from the whole weight.
 
 Checkpoints keep the file DDP writes: the trainable weights gathered whole on rank 0 (never
