@@ -204,6 +204,7 @@ NOISE = (
     "Writing model shards",
     "Pre-processing sequences",  # the tokenizer trainer's bar when the synthetic set is generated
     "Epoch ",
+    "dataloader is not resumable",  # Lightning's warning on a mid-epoch resume: ours restores the position
 )
 
 

@@ -26,6 +26,7 @@ from tests.helpers import (
     check_every_sample_once,
     column,
     free_port,
+    noise_in,
     python_env,
     read_metrics,
     record_samples_env,
@@ -114,7 +115,8 @@ def test_fsdp_trains_as_ddp_holds_half_the_frozen_weights_and_resumes_across_str
 
     # DDP's checkpoint resumed under FSDP, mid-epoch: DDP's own step 20
     onto_fsdp = resumed_from(checkpoint(ddp, 10), tmp_path / "ddp-to-fsdp")
-    torchrun(2, llm_dir, synthetic_dir, onto_fsdp, "--resume", trainer__max_steps=20, distributed__strategy="fsdp")
+    resumed = torchrun(2, llm_dir, synthetic_dir, onto_fsdp, "--resume", trainer__max_steps=20, distributed__strategy="fsdp")
+    assert noise_in(resumed.stdout + resumed.stderr) == []
     assert_states_close(checkpoint(onto_fsdp, 20), checkpoint(ddp, 20))
 
     # FSDP's checkpoint resumed under DDP: DDP's own step 20 again
