@@ -29,6 +29,10 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """What this process holds of ``tensor``: its shard when FSDP made it a DTensor, else all of it."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def is_meta(tensor: torch.Tensor) -> bool:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.device.type == "meta"
+    return local_part(tensor).device.type == "meta"

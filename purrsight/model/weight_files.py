@@ -55,17 +55,13 @@ class WeightFiles:
         with safe_open(str(self.folder / self.weight_map[key]), framework="pt") as handle:
             yield handle.get_slice(key)
 
-    def shape(self, key: str) -> list[int]:
-        with self._slice(key) as tensor:
-            return list(tensor.get_shape())
-
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of the tensor (the whole of a 0-d or 1-d tensor's range)."""
         with self._slice(key) as tensor:
             return tensor[start:stop].clone()
 
     def strided_sample(self, key: str, step: int) -> torch.Tensor:
-        """``tensor.reshape(-1)[::step]``, reading only the rows that hold those values."""
+        """``tensor.reshape(-1)[::step]``, reading each row that holds one of those values once."""
         with self._slice(key) as tensor:
             shape = list(tensor.get_shape())
             if len(shape) < 2:
@@ -73,8 +69,6 @@ class WeightFiles:
             row_length = 1
             for size in shape[1:]:
                 row_length *= size
-            values = []
-            for index in range(0, shape[0] * row_length, step):
-                row, column = divmod(index, row_length)
-                values.append(tensor[row : row + 1].reshape(-1)[column].clone())
-            return torch.stack(values)
+            indices = torch.arange(0, shape[0] * row_length, step)
+            rows, columns = indices // row_length, indices % row_length
+            return torch.cat([tensor[row : row + 1].reshape(-1)[columns[rows == row]] for row in rows.unique().tolist()])

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from purrsight.config import Config
 from purrsight.model.llm import lora_a_init
 from purrsight.model.loading import ModelLoadError
-from purrsight.model.meta_init import is_meta
+from purrsight.model.meta_init import is_meta, local_part
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.model.weight_files import WeightFiles, file_key
 from purrsight.runs.checkpoint_saver import AtomicCheckpointIO
@@ -73,10 +73,6 @@ def shard_model(model: PurrSightModel, mesh: Any) -> int:
     return len(units) + 1
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def materialize(model: nn.Module, device: torch.device) -> set[str]:
     """Storage for the shards of what was built on the meta device; the names of those parameters.
 
@@ -85,12 +81,12 @@ def materialize(model: nn.Module, device: torch.device) -> set[str]:
     """
     on_meta = {name for name, param in model.named_parameters() if is_meta(param)}
     tensors = list(itertools.chain(model.named_parameters(), model.named_buffers()))
-    kept = {name: _local(tensor).detach().clone() for name, tensor in tensors if not is_meta(tensor)}
+    kept = {name: local_part(tensor).detach().clone() for name, tensor in tensors if not is_meta(tensor)}
     model.to_empty(device=device)
     with torch.no_grad():
         for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
             if name in kept:
-                _local(tensor).copy_(kept[name])
+                local_part(tensor).copy_(kept[name])
     return on_meta
 
 
@@ -101,7 +97,7 @@ def _rows_held(param: torch.Tensor) -> tuple[int, int]:
     mesh = param.device_mesh
     chunk = math.ceil(param.shape[0] / mesh.size())
     start = min(mesh.get_local_rank() * chunk, param.shape[0])
-    return start, start + _local(param).shape[0]
+    return start, start + local_part(param).shape[0]
 
 
 def fill(model: nn.Module, names: set[str], files: WeightFiles, seed: int) -> None:
@@ -112,7 +108,7 @@ def fill(model: nn.Module, names: set[str], files: WeightFiles, seed: int) -> No
             if name not in names:
                 continue
             start, stop = _rows_held(param)
-            local = _local(param)
+            local = local_part(param)
             if ".lora_A." in name:
                 local.copy_(lora_a_init(name, param.shape, seed)[start:stop])
             elif ".lora_B." in name:
@@ -144,7 +140,7 @@ def local_frozen_bytes(model: nn.Module) -> int:
     total = 0
     for param in model.parameters():
         if not param.requires_grad:
-            local = param.to_local() if hasattr(param, "to_local") else param
+            local = local_part(param)
             total += local.numel() * local.element_size()
     return total
 

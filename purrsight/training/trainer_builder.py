@@ -85,12 +85,12 @@ def build_strategy(
     """
     local, nodes = launch_world()
     io = AtomicCheckpointIO()
-    if config.distributed.strategy == "fsdp" and local * nodes == 1:
-        raise UserError(
-            "distributed.strategy=fsdp shards the frozen weights over several processes and this run has one; "
-            "start 2 or more (NPROC_PER_NODE, NUM_NODES, ray.num_workers) or set distributed.strategy=ddp"
-        )
     if local * nodes == 1:
+        if config.distributed.strategy == "fsdp":
+            raise UserError(
+                "distributed.strategy=fsdp shards the frozen weights over several processes and this run has one; "
+                "start 2 or more (NPROC_PER_NODE, NUM_NODES, ray.num_workers) or set distributed.strategy=ddp"
+            )
         if device is None:
             device = torch.device("cuda", 0) if placement.accelerator == "gpu" else torch.device("cpu")
         return SingleDeviceStrategy(device=device, checkpoint_io=io)
