@@ -2,7 +2,8 @@
 
 munged, slurmctld and three slurmd daemons (`slurmd -N node0` ... `node2`) run from
 Debian's slurm-wlm and munge, with their own config, key, state and logs in a temporary
-folder, distinct ports, and every node at NodeAddr 127.0.0.1. Jobs take two nodes; the
+folder, distinct ports, and each node at an address of its own on loopback (127.0.1.1-3: Ray
+needs one per node). Jobs take two nodes; the
 third lets a job that excludes a bad node run again on two good ones. Nothing is faked. A daemon
 that does not start fails the test (with its log), it never skips it.
 
@@ -14,6 +15,13 @@ StartTime=now` raced it and failed the restarted job now and then).
 `BatchStartTimeout=60` and `MessageTimeout=30` (defaults 10 and 10): these tests run beside
 the rest of the suite on two cores, where a batch script's launch or an RPC can take longer
 than 10 s; SLURM then requeues a job it is still starting, which no test asks for.
+
+PBS over the same cluster (Debian's slurm-wlm-torque: `qsub`, `qdel`, `qrerun` call SLURM):
+the `spank_pbs` plugin sets PBS_JOBID, PBS_O_WORKDIR, PBS_NODENUM and the other PBS_* variables
+in every job, and a TaskProlog gives each task a PBS_NODEFILE of one line per slot
+(`generate_pbs_nodefile`), as a site that runs PBS scripts on SLURM configures it. The node
+names resolve to their addresses through /etc/hosts (lines added for the session, then removed),
+as a cluster's host names do: PBS scripts know their nodes by name only.
 """
 
 from __future__ import annotations
@@ -60,15 +68,43 @@ MessageTimeout=30
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
-NodeName=node0 NodeHostname=node0 NodeAddr=127.0.0.1 Port={node0_port} CPUs=2 RealMemory=4000 State=UNKNOWN
-NodeName=node1 NodeHostname=node1 NodeAddr=127.0.0.1 Port={node1_port} CPUs=2 RealMemory=4000 State=UNKNOWN
-NodeName=node2 NodeHostname=node2 NodeAddr=127.0.0.1 Port={node2_port} CPUs=2 RealMemory=4000 State=UNKNOWN
+PlugStackConfig={root}/plugstack.conf
+TaskProlog={root}/task_prolog.sh
+NodeName=node0 NodeHostname=node0 NodeAddr={node0_addr} Port={node0_port} CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=node1 NodeHostname=node1 NodeAddr={node1_addr} Port={node1_port} CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=node2 NodeHostname=node2 NodeAddr={node2_addr} Port={node2_port} CPUs=2 RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=node0,node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
+SPANK_PBS = "/usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pbs.so"
+
+# A TaskProlog's "export NAME=VALUE" lines set NAME in the task. Once per job, shared by its
+# tasks and its requeues' (generate_pbs_nodefile writes a new temporary file each call).
+TASK_PROLOG = """\
+#!/bin/sh
+nodefile="{root}/nodefiles/$SLURM_JOB_ID"
+[ -s "$nodefile" ] || cp "$(generate_pbs_nodefile)" "$nodefile"
+echo "export PBS_NODEFILE=$nodefile"
+"""
 
 # Three nodes: jobs take two, so a job that excludes a bad node still finds two good ones.
 NODES = ("node0", "node1", "node2")
+NODE_ADDRS = {node: f"127.0.1.{i + 1}" for i, node in enumerate(NODES)}
+ETC_HOSTS = Path("/etc/hosts")
+HOSTS_MARK = "# purrsight test cluster"
+
+
+@contextlib.contextmanager
+def node_names_resolve() -> Iterator[None]:
+    """node0-node2 in /etc/hosts for the session (PBS scripts reach their hosts by name)."""
+    original = ETC_HOSTS.read_text()
+    kept = "".join(line for line in original.splitlines(keepends=True) if HOSTS_MARK not in line)
+    lines = "".join(f"{addr} {node} {HOSTS_MARK}\n" for node, addr in NODE_ADDRS.items())
+    ETC_HOSTS.write_text(kept + ("" if kept.endswith("\n") or not kept else "\n") + lines)
+    try:
+        yield
+    finally:
+        ETC_HOSTS.write_text(kept)
 
 
 @dataclass
@@ -113,17 +149,25 @@ def _start(args: list[str], env: dict[str, str], what: str, root: Path) -> None:
 
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    for tool in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol"):
+    for tool in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "qsub", "generate_pbs_nodefile"):
         if shutil.which(tool) is None:
-            pytest.fail(f"{tool} is not installed: scripts/test.sh installs slurm-wlm and munge (as root)")
+            pytest.fail(f"{tool} is not installed: scripts/test.sh installs slurm-wlm, slurm-wlm-torque and munge (as root)")
     root = tmp_path_factory.mktemp("slurm")
-    for folder in ("state", "spool", "log"):
+    for folder in ("state", "spool", "log", "nodefiles"):
         (root / folder).mkdir()
+    (root / "plugstack.conf").write_text(f"required {SPANK_PBS}\n")
+    (root / "task_prolog.sh").write_text(TASK_PROLOG.format(root=root))
+    (root / "task_prolog.sh").chmod(0o755)
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     (root / "slurm.conf").write_text(
-        SLURM_CONF.format(root=root, ctld_port=free_port(), node0_port=free_port(), node1_port=free_port(), node2_port=free_port())
+        SLURM_CONF.format(
+            root=root,
+            ctld_port=free_port(),
+            **{f"{node}_port": free_port() for node in NODES},
+            **{f"{node}_addr": addr for node, addr in NODE_ADDRS.items()},
+        )
     )
     env = dict(os.environ, SLURM_CONF=str(root / "slurm.conf"))
     _start(
@@ -151,13 +195,14 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         if time.monotonic() > deadline:
             pytest.fail(f"SLURM nodes never became idle: {cluster.run('sinfo', check=False)}\n{cluster.log('slurmctld')}")
         time.sleep(1)
-    yield cluster
-    # Jobs a failed test left running: cancel them and let their steps end (up to KillWait
-    # and a margin), or their processes would outlive the daemons.
-    cluster.run("scancel", "--partition=debug", check=False)
-    deadline = time.monotonic() + 90
-    while cluster.run("squeue", "-h", check=False).strip() and time.monotonic() < deadline:
-        time.sleep(1)
-    for pid_file in [*root.glob("slurmd-*.pid"), root / "slurmctld.pid", root / "munged.pid"]:
-        with contextlib.suppress(OSError, ValueError):
-            os.kill(int(pid_file.read_text().strip()), 15)
+    with node_names_resolve():
+        yield cluster
+        # Jobs a failed test left running: cancel them and let their steps end (up to KillWait
+        # and a margin), or their processes would outlive the daemons.
+        cluster.run("scancel", "--partition=debug", check=False)
+        deadline = time.monotonic() + 90
+        while cluster.run("squeue", "-h", check=False).strip() and time.monotonic() < deadline:
+            time.sleep(1)
+        for pid_file in [*root.glob("slurmd-*.pid"), root / "slurmctld.pid", root / "munged.pid"]:
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pid_file.read_text().strip()), 15)

@@ -83,7 +83,7 @@ def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: 
     """
     workdir = tmp_path / "work"
     (workdir / "pbs").mkdir(parents=True)
-    for name in ("train.pbs", "node_task.sh"):
+    for name in ("train.pbs", "nodes.sh", "node_task.sh"):
         (workdir / "pbs" / name).write_bytes((REPO / "pbs" / name).read_bytes())
         (workdir / "pbs" / name).chmod(0o755)
     dump = workdir / "cluster_train.sh"

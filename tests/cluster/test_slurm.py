@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
@@ -20,40 +21,43 @@ SMALL_ALLOCATION = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
 pytestmark = pytest.mark.root  # SLURM's daemons run as root here
 
 
+def job_env(slurm: SlurmCluster, tmp: Path, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(slurm.env, LOG_DIR=str(tmp / "logs"), OMP_NUM_THREADS="1", PATH=f"{REPO / '.venv' / 'bin'}:{slurm.env['PATH']}")
+    return env | (extra_env or {})
+
+
+def sbatch(slurm: SlurmCluster, env: dict[str, str], *args: str) -> str:
+    """``sbatch ARGS`` from the repo, as a user submits; the job id."""
+    done = subprocess.run(["sbatch", "--parsable", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
 def submit(
     slurm: SlurmCluster,
     tmp: Path,
     synthetic_dir: Path,
     extra_env: dict[str, str] | None = None,
     nodes: int = 2,
+    script: str = "slurm/train.sbatch",
+    sbatch_args: tuple[str, ...] = (),
     **overrides: object,
 ) -> str:
-    env = dict(
-        slurm.env,
-        LOG_DIR=str(tmp / "logs"),
-        OMP_NUM_THREADS="1",
-        PATH=f"{REPO / '.venv' / 'bin'}:{slurm.env['PATH']}",
-        **(extra_env or {}),
-    )
-    args = [
-        "sbatch",
-        "--parsable",
+    return sbatch(
+        slurm,
+        job_env(slurm, tmp, extra_env),
         *SMALL_ALLOCATION,
         f"--nodes={nodes}",
         f"--output={tmp}/%x-%j.out",
-        "slurm/train.sbatch",
+        *sbatch_args,
+        script,
         "config/train_config.yaml",
         *tiny_overrides(synthetic_dir, tmp / "runs", **overrides),
-    ]
-    import subprocess
-
-    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip().split(";")[0]
+    )
 
 
-def batch_output(tmp: Path, job: str) -> str:
-    return (tmp / f"purrsight-phase2-{job}.out").read_text(errors="replace")
+def batch_output(tmp: Path, job: str, name: str = "purrsight-phase2") -> str:
+    return (tmp / f"{name}-{job}.out").read_text(errors="replace")
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
@@ -187,4 +191,4 @@ def test_a_node_that_fails_its_health_checks_is_excluded_and_the_job_completes_o
     logs = [(tmp_path / "logs" / f"latest_node{n}.log").read_text() for n in (0, 1)]
     assert "process group ready: global rank 0 of 2" in logs[0]
     assert "process group ready: global rank 1 of 2" in logs[1]
-    assert re.search(r"2 node\(s\) \S+; master 127\.0\.0\.1:\d+", out) and "training finished" in out
+    assert re.search(r"2 node\(s\) \S+; master 127\.0\.1\.\d:\d+", out) and "training finished" in out

@@ -1,0 +1,99 @@
+# shellcheck shell=bash
+# pbs/nodes.sh: what pbs/train.pbs and pbs/ray.pbs share, sourced by both from the job's folder.
+#
+#   pbs_hosts                 PBS_HOSTS and PBS_HOST_INDEXES (arrays): the unique hosts of
+#                             PBS_NODEFILE in file order, and each one's first line (its vnode)
+#   pbs_run_on INDEX CMD...   run CMD on host INDEX, in the job's folder with the job's settings
+#                             (PBS_LAUNCHER: pbsdsh, srun or ssh; see below). It execs: call it
+#                             in the background (&), and $! is the task's own pid
+#   pbs_stop_tasks PID...     ask the tasks started through pbs_run_on to end (SIGTERM)
+#   pbs_rerun_check           RESUME=auto when this job id ran before (qrerun, a server restart)
+#
+# PBS_LAUNCHER picks how a host's task starts: pbsdsh where PBS has it; srun where the PBS job
+# runs on SLURM (slurm-wlm-torque's qsub), which has no pbsdsh; else passwordless ssh.
+
+# What reaches every node: pbsdsh and ssh start a bare environment there, and the launcher
+# promises that a variable you exported is never overridden, so this job's own settings go
+# along: the launcher's variables by name, and the libraries' families by prefix.
+readonly FORWARD_VARS=(PATH LD_LIBRARY_PATH PYTHONPATH VIRTUAL_ENV NPROC_PER_NODE BACKEND LOG_LEVEL CONDA_ENV VENV
+  LOG_DIR LOG_RANKS LOG_MAX_BYTES LOG_BACKUPS LOG_KEEP_RUNS MAX_RESTARTS RDZV_TIMEOUT RDZV_ID HEALTH_CHECKS
+  HEALTH_MIN_FREE_GB NCCL_PRESET NODE_ADDR RESUME)
+readonly FORWARD_PREFIXES=(NCCL_ TORCH_ CUDA_ HF_ TRANSFORMERS_ TOKENIZERS_ OMP_ MKL_ GLOO_ UCX_ FI_ PURRSIGHT_ RAY_)
+
+# NAME=value for every exported variable this job forwards, NUL-terminated (values may hold newlines).
+forwarded_env() {
+  local var prefix
+  while read -r var; do
+    for prefix in "${FORWARD_VARS[@]/%/=}" "${FORWARD_PREFIXES[@]}"; do
+      if [[ "${var}=" == "${prefix}" || ("${prefix}" != *= && "${var}" == "${prefix}"*) ]]; then
+        printf '%s=%s\0' "${var}" "${!var}"
+        break
+      fi
+    done
+  done < <(compgen -e)
+}
+
+pbs_hosts() {
+  local line=0 host
+  declare -A seen=()
+  PBS_HOSTS=()
+  PBS_HOST_INDEXES=()
+  [[ -r "${PBS_NODEFILE:-}" ]] || { log "error: PBS_NODEFILE is not set or not readable (run this through qsub)"; exit 2; }
+  while read -r host _; do
+    if [[ -n "${host}" && -z "${seen[${host}]:-}" ]]; then
+      seen[${host}]=1
+      PBS_HOSTS+=("${host}")
+      PBS_HOST_INDEXES+=("${line}")
+    fi
+    line=$((line + 1))
+  done <"${PBS_NODEFILE}"
+}
+
+pbs_launcher() {
+  if [[ -n "${PBS_LAUNCHER:-}" ]]; then
+    printf '%s\n' "${PBS_LAUNCHER}"
+  elif command -v pbsdsh >/dev/null; then
+    echo pbsdsh
+  elif [[ -n "${SLURM_JOB_ID:-}" ]] && command -v srun >/dev/null; then
+    echo srun
+  else
+    echo ssh
+  fi
+}
+
+pbs_run_on() {
+  local index="$1"
+  shift
+  local env_args=()
+  mapfile -d '' -t env_args < <(forwarded_env)
+  local task=(env "${env_args[@]}" "${WORKDIR}/pbs/node_task.sh" "${WORKDIR}" "$@")
+  case "$(pbs_launcher)" in
+    pbsdsh) exec pbsdsh -n "${PBS_HOST_INDEXES[index]}" -- "${task[@]}" ;;
+    srun) exec srun --overlap --nodes=1 --ntasks=1 --nodelist="${PBS_HOSTS[index]}" "${task[@]}" ;;
+    # ssh takes one command string; every word is quoted for the remote shell, never evaluated here.
+    *) exec ssh -o BatchMode=yes "${PBS_HOSTS[index]}" "$(printf '%q ' "${task[@]}")" ;;
+  esac
+}
+
+pbs_stop_tasks() {
+  local pid
+  if [[ "$(pbs_launcher)" == srun ]]; then
+    # To the tasks, not to srun: srun answers SIGTERM by cancelling its step with SIGKILL.
+    scancel --signal=TERM "${SLURM_JOB_ID}" 2>/dev/null || true
+    return 0
+  fi
+  for pid in "$@"; do kill -s TERM "${pid}" 2>/dev/null || true; done
+}
+
+pbs_rerun_check() {
+  # PBS keeps the job id across qrerun; a marker per job id tells a rerun from a first start.
+  local marker="${WORKDIR}/logs/.pbs-ran-${PBS_JOBID:-0}"
+  mkdir -p "${WORKDIR}/logs"
+  if [[ -e "${marker}" ]]; then
+    export RESUME=auto
+    log "job ${PBS_JOBID:-0} ran before (qrerun): resuming from the newest checkpoint"
+  fi
+  : >"${marker}"
+  # shellcheck disable=SC2034 # read by the sourcing script, which removes it when the job succeeds
+  PBS_RERUN_MARKER="${marker}"
+}

@@ -1,0 +1,402 @@
+"""This job's Ray on one node of a batch allocation: its ports, temp dir, address and size.
+
+What slurm/ray.sbatch and pbs/ray.pbs run through batch/ray_cluster.sh (docs/SCHEDULERS.md):
+
+    python -m purrsight.launcher.ray_node address [--hint ADDR] [--head ADDR]
+    python -m purrsight.launcher.ray_node start head|worker --job JOB --slot K --name NODE ...
+    python -m purrsight.launcher.ray_node wait --job JOB --head ADDR --nodes NODE[,NODE...] ...
+
+Every port and the temp dir follow from the job id (and the node's slot in the job), so two
+jobs sharing nodes never meet; ``start`` runs ``ray start --block`` and, however it ends,
+stops this node's Ray of this job only (by its temp dir, never ``ray stop``, which stops every
+Ray on the node). Ray is imported only by ``wait``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from purrsight.bad_nodes import name_bad_node
+from purrsight.errors import ExitCode
+from purrsight.launcher import network
+
+# A job's fixed ports: a block of 100 in 10000-19999 (RAY_PORT_BASE moves it). Below Linux's
+# ephemeral range, where an outgoing connection could take a port before Ray binds it, and
+# below the launcher's MASTER_PORT (20000 + job id % 20000), so a Ray job and a torchrun job
+# sharing a node do not meet either.
+PORT_BASE = 10000
+BLOCK = 100  # ports per job: the head's 3, then 6 per node slot
+JOB_SLOTS = 100  # jobs whose ids differ by a multiple of this share a block (only a clash if they share a node)
+HEAD_PORTS = ("--port", "--dashboard-port", "--ray-client-server-port")
+NODE_PORTS = (
+    "--node-manager-port",
+    "--object-manager-port",
+    "--dashboard-agent-grpc-port",
+    "--dashboard-agent-listen-port",
+    "--metrics-export-port",
+    "--runtime-env-agent-port",
+)
+NODE_SLOTS = (BLOCK - 4) // len(NODE_PORTS)  # 16: nodes further apart share ports, on different hosts
+MAX_TEMP_DIR = 40  # Ray's socket paths add ~60 bytes below the temp dir; a Unix socket path holds 107
+OBJECT_STORE_SHARE = 0.3  # Ray's own default share of memory
+MIN_OBJECT_STORE = 100 * 2**20  # Ray refuses less than 75 MiB
+
+
+@dataclass(frozen=True)
+class JobPorts:
+    """The ports of one job's Ray: the head's and those of the node in ``slot``."""
+
+    base: int
+
+    @classmethod
+    def of(cls, job: str, base: int = PORT_BASE) -> JobPorts:
+        number = int("".join(ch for ch in job if ch.isdigit()) or 0)
+        return cls(base + (number % JOB_SLOTS) * BLOCK)
+
+    @property
+    def gcs(self) -> int:
+        return self.base
+
+    @property
+    def dashboard(self) -> int:
+        return self.base + 1
+
+    def head_flags(self) -> list[str]:
+        return [item for offset, flag in enumerate(HEAD_PORTS) for item in (flag, str(self.base + offset))]
+
+    def node_flags(self, slot: int) -> list[str]:
+        first = self.base + 4 + (slot % NODE_SLOTS) * len(NODE_PORTS)
+        # Worker processes take ports the kernel picks (0): free by construction, no block needed.
+        flags = ["--min-worker-port", "0", "--max-worker-port", "0"]
+        return flags + [item for offset, flag in enumerate(NODE_PORTS) for item in (flag, str(first + offset))]
+
+
+def temp_dir(job: str, slot: int, root: str = "/tmp") -> Path:
+    """This node's Ray temp dir: short (Ray's socket paths must fit 107 bytes) and the job's own."""
+    return Path(root) / f"prs-{job}-{slot}"
+
+
+def is_local(address: str) -> bool:
+    """Whether this machine holds ``address`` (can bind it): the scheduler's address of *this* node."""
+    try:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def node_address(hint: str | None, head: str | None) -> str:
+    """The address this node's Ray announces, chosen as the launcher chooses NCCL's interface.
+
+    NODE_ADDR wins; then the scheduler's own address of this node, when this machine holds it;
+    then the source address of the route to the head (the interface the other nodes reach us
+    on); the head without a hint uses its host name's address.
+    """
+    if os.environ.get("NODE_ADDR"):
+        return os.environ["NODE_ADDR"]
+    if hint:
+        try:
+            resolved = network.resolve(hint)
+        except OSError:
+            resolved = ""
+        if resolved and is_local(resolved):
+            return resolved
+    if head:
+        route = network.route_to(network.resolve(head))
+        if route and route.source:
+            return route.source
+    return network.resolve(socket.gethostname())
+
+
+# --- size ----------------------------------------------------------------------------------
+
+
+def cgroup_file(name: str) -> Path | None:
+    """``name`` in this process's cgroup v2 folder (SLURM's job/step cgroup, a container's)."""
+    try:
+        line = Path("/proc/self/cgroup").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    path = Path("/sys/fs/cgroup") / line.split("::", 1)[-1].lstrip("/") / name
+    return path if line.startswith("0::") and path.exists() else None
+
+
+def cpu_count() -> tuple[int, str]:
+    """CPUs this node's Ray may use: the affinity mask, capped by the cgroup's CPU quota."""
+    cpus, source = len(os.sched_getaffinity(0)), "affinity mask"
+    quota_file = cgroup_file("cpu.max")
+    if quota_file is not None:
+        quota, _, period = quota_file.read_text().partition(" ")
+        if quota != "max" and int(period or 100000) > 0:
+            capped = max(1, int(int(quota) / int(period)))
+            if capped < cpus:
+                cpus, source = capped, "cgroup cpu.max"
+    return cpus, source
+
+
+def memory_limit() -> tuple[int, str]:
+    """Bytes this job may hold on the node: the least of the cgroup's limit, SLURM's and the machine's."""
+    limits = [(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine's memory")]
+    limit_file = cgroup_file("memory.max")
+    if limit_file is not None and limit_file.read_text().strip().isdigit():
+        limits.append((int(limit_file.read_text()), "cgroup memory.max"))
+    if os.environ.get("SLURM_MEM_PER_NODE", "").isdigit():
+        limits.append((int(os.environ["SLURM_MEM_PER_NODE"]) * 2**20, "SLURM_MEM_PER_NODE"))
+    return min(limits)
+
+
+def object_store_bytes(memory: int, shm_free: int) -> int:
+    """Ray's default share of the job's memory, held to what /dev/shm has free (beyond that
+    Ray falls back to a slow disk-backed store, or fails to start)."""
+    return max(MIN_OBJECT_STORE, min(int(memory * OBJECT_STORE_SHARE), int(shm_free * 0.9)))
+
+
+def gib(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB"
+
+
+# --- start and stop --------------------------------------------------------------------------
+
+
+def wait_for_port(host: str, port: int, deadline_s: float, say: Say) -> bool:
+    """Whether ``host:port`` accepts a connection before the deadline (the head is up and reachable)."""
+    deadline = time.monotonic() + deadline_s
+    said = False
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=5):
+                return True
+        except OSError as err:
+            if time.monotonic() > deadline:
+                return False
+            if not said:
+                say(f"waiting for the head at {host}:{port} ({err.strerror or err})")
+                said = True
+            time.sleep(1)
+
+
+def ray_processes(temp: Path) -> list[int]:
+    """Pids of the processes that name ``temp`` on their command line: this job's Ray on this node."""
+    mine = os.getpid()
+    # The dir as a whole argument or value ("--temp-dir D", "--session-dir=D/session_..."), not a prefix of another job's.
+    named = re.compile(re.escape(str(temp).encode()) + rb"(?=[/\x00]|$)")
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == mine:
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if named.search(cmdline) and b"purrsight.launcher.ray_node" not in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def teardown(temp: Path, say: Say, grace_s: float = 10.0) -> None:
+    """Stop this job's Ray on this node (SIGTERM, then SIGKILL after ``grace_s``) and remove its temp dir."""
+    pids = ray_processes(temp)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5)
+        while (pids := ray_processes(temp)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not pids:
+            break
+    if pids:
+        say(f"could not stop pids {pids} of this job's Ray")
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+class Say:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, line: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{stamp} [ray_node {self.name}] {line}", file=sys.stderr, flush=True)
+
+
+def start(args: argparse.Namespace) -> int:
+    say = Say(args.name)
+    ports = JobPorts.of(args.job, args.port_base)
+    temp = temp_dir(args.job, args.slot, args.temp_root)
+    if len(str(temp)) > MAX_TEMP_DIR:
+        say(f"error: Ray's temp dir {temp} is too long for its socket paths: set RAY_TMP_ROOT to a short folder such as /tmp")
+        return ExitCode.USAGE
+    address = node_address(args.hint, None if args.role == "head" else args.head)
+    cpus, cpu_source = cpu_count()
+    memory, memory_source = memory_limit()
+    shm = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 0
+    store = object_store_bytes(memory, shm)
+    say(
+        f"{args.role} at {address}: {cpus} CPUs ({cpu_source}), {args.gpus} GPUs ({args.gpu_source}), "
+        f"object store {gib(store)} ({OBJECT_STORE_SHARE:.0%} of {gib(memory)} from {memory_source}; "
+        f"/dev/shm has {gib(shm)} free); temp dir {temp}"
+    )
+    if store > shm:
+        say(f"warning: /dev/shm has {gib(shm)} free, less than the object store: Ray falls back to disk (slow)")
+    command = [args.ray, "start", "--block", "--disable-usage-stats", "--temp-dir", str(temp)]
+    command += ["--node-ip-address", address, "--node-name", args.name]
+    command += ["--num-cpus", str(cpus), "--num-gpus", str(args.gpus), "--object-store-memory", str(store)]
+    command += ports.node_flags(args.slot)
+    if args.role == "head":
+        command += ["--head", "--dashboard-host", address, *ports.head_flags()]
+    else:
+        if not wait_for_port(args.head, ports.gcs, args.head_wait, say):
+            say(
+                f"error: the head {args.head}:{ports.gcs} is not reachable from {address} after {args.head_wait:.0f} s "
+                "(a firewall, or the wrong interface: set NODE_ADDR)"
+            )
+            return ExitCode.CLUSTER
+        command += ["--address", f"{args.head}:{ports.gcs}"]
+    if temp.exists():  # a run of this job before a requeue, ended without its teardown
+        teardown(temp, say)
+    temp.mkdir(mode=0o700, parents=True)
+
+    child = subprocess.Popen(command)
+    stopping: list[int] = []
+
+    def on_signal(sig: int, _frame: object) -> None:
+        stopping.append(sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    while child.poll() is None and not stopping:
+        time.sleep(0.5)
+    code = child.poll()
+    why = f"SIG{signal.Signals(stopping[0]).name[3:]}" if stopping else f"ray start exited with code {code}"
+    say(f"stopping this job's Ray on {args.name} ({why})")
+    teardown(temp, say)
+    if stopping:
+        return 0  # asked to stop: the batch script's teardown, not a failure
+    return ExitCode.CLUSTER if code else 0
+
+
+# --- wait for the cluster ----------------------------------------------------------------------
+
+
+def alive_nodes(dashboard: str) -> dict[str, dict[str, float]]:
+    """Node name -> total resources, for every node the head sees alive."""
+    from ray.util.state import list_nodes
+
+    nodes = list_nodes(address=dashboard, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    return {str(node.node_name): dict(node.resources_total or {}) for node in nodes}
+
+
+def step_ended(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    # A zombie is an ended child the shell has not reaped yet.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except (OSError, IndexError):
+        return True
+
+
+def wait(args: argparse.Namespace) -> int:
+    """Wait until every node is up with its GPUs, then print the job server's address; exit 3
+    naming the missing node at the deadline, or at once when a node's step (``--watch NODE=PID``)
+    has ended. A node named so joins the job's bad-node list (PURRSIGHT_BAD_NODES_FILE)."""
+    say = Say("wait")
+    expected = args.nodes.split(",")
+    watched = dict(item.split("=", 1) for item in args.watch)
+    dashboard = f"http://{args.head}:{JobPorts.of(args.job, args.port_base).dashboard}"
+    deadline = time.monotonic() + args.deadline
+    last = ""
+    while True:
+        for node, pid in watched.items():
+            if step_ended(int(pid)):
+                say(f"error: node {node}'s Ray step ended before the cluster was up; its log: {args.log_dir}/{node}.log")
+                name_bad_node(["ray start"], node=node)
+                return ExitCode.CLUSTER
+        try:
+            alive = alive_nodes(dashboard)
+        except Exception as err:  # the dashboard is still starting: ConnectionError, RayStateApiException
+            alive, error = {}, f" (head: {type(err).__name__})"
+        else:
+            error = ""
+        ready = [n for n in expected if n in alive and alive[n].get("GPU", 0) >= args.gpus_per_node]
+        missing = [n for n in expected if n not in ready]
+        if not missing:
+            say(f"all {len(expected)} node(s) up: {', '.join(expected)}")
+            print(dashboard)  # for the batch script: where to submit
+            return 0
+        status = f"{len(ready)}/{len(expected)} node(s) up; waiting for {', '.join(missing)}{error}"
+        if status != last:
+            say(status)
+            last = status
+        if time.monotonic() > deadline:
+            without = [n for n in missing if n in alive]
+            detail = f" ({', '.join(without)} joined without {args.gpus_per_node} GPUs)" if without else ""
+            say(f"error: {', '.join(missing)} not up after {args.deadline:.0f} s{detail}; logs: {args.log_dir}/<node>.log")
+            if len(missing) < len(expected):  # not when the head itself never answered: that is no worker's fault
+                for node in missing:
+                    name_bad_node(["ray start"], node=node)
+            return ExitCode.CLUSTER
+        time.sleep(1)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m purrsight.launcher.ray_node", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--job", default="0", help="the batch job's id: every port and the temp dir follow from it")
+    common.add_argument("--port-base", type=int, default=int(os.environ.get("RAY_PORT_BASE", PORT_BASE)))
+    address = commands.add_parser("address", help="print the address this node's Ray announces")
+    address.add_argument("--hint", help="the scheduler's address or host name for this node")
+    address.add_argument("--head", help="the head's address (workers: the route to it picks the interface)")
+    run = commands.add_parser("start", parents=[common], help="run this job's Ray on this node until stopped")
+    run.add_argument("role", choices=("head", "worker"))
+    run.add_argument("--slot", type=int, required=True, help="the node's index in the job (its ports and temp dir)")
+    run.add_argument("--name", required=True, help="the node's name in the scheduler (shown by Ray and in the logs)")
+    run.add_argument("--hint", help="the scheduler's address or host name for this node")
+    run.add_argument("--head", help="the head's address (workers)")
+    run.add_argument("--gpus", type=int, default=0)
+    run.add_argument("--gpu-source", default="none given")
+    run.add_argument("--temp-root", default=os.environ.get("RAY_TMP_ROOT", "/tmp"))
+    run.add_argument("--head-wait", type=float, default=300.0, help="seconds a worker waits for the head (default: %(default)s)")
+    run.add_argument("--ray", default=shutil.which("ray") or "ray")
+    waits = commands.add_parser("wait", parents=[common], help="wait for every node of the job, with a deadline")
+    waits.add_argument("--head", required=True)
+    waits.add_argument("--nodes", required=True, help="the node names, comma-separated")
+    waits.add_argument("--gpus-per-node", type=int, default=0)
+    waits.add_argument("--deadline", type=float, default=600.0)
+    waits.add_argument("--watch", action="append", default=[], help="NODE=PID: the node's step; its end fails the wait")
+    waits.add_argument("--log-dir", default="logs")
+    args = parser.parse_args(argv)
+    if args.command == "start" and args.role == "worker" and not args.head:
+        parser.error("a worker needs --head")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "address":
+        print(node_address(args.hint, args.head))
+        return 0
+    return start(args) if args.command == "start" else wait(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+# shellcheck shell=bash
+# slurm/job.sh: what slurm/train.sbatch and slurm/ray.sbatch share, sourced by both (after
+# `cd "${SLURM_SUBMIT_DIR}"`): the allocation's node addresses, and the run's end.
+#
+#   node_address NODE        the node's address as SLURM reaches it (NodeAddr), else DNS
+#   requeue_setup            before the run: the run's counters, RESUME=auto after a requeue
+#   on_stop_signal SIG       the traps' part: record the first stop signal, call stop_run
+#   finish_run RC STARTED    after the run: end, or requeue (excluding bad nodes), as docs/SCHEDULERS.md says
+#
+# The sourcing script defines log() and stop_run() (how its run is told to checkpoint and stop).
+
+# Exit codes of a run that a requeue would only repeat: usage/config error, health check.
+readonly NO_REQUEUE_CODES=" 2 3 "
+
+STOP_SIGNAL=""
+
+node_address() {
+  local addr
+  addr="$(scontrol show node "$1" -o | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')"
+  [[ -n "${addr}" && "${addr}" != "$1" ]] || addr="$(getent ahosts "$1" | awk 'NR == 1 { print $1 }')"
+  printf '%s\n' "${addr:-$1}"
+}
+
+requeue_setup() {
+  RESTARTS="${SLURM_RESTART_COUNT:-0}"
+  COUNTER="logs/.requeue-${SLURM_CLUSTER_NAME:-slurm}-${SLURM_JOB_ID:-0}"
+  ((RESTARTS > 0)) || rm -f "${COUNTER}" # a job's first run starts a fresh count (job ids can repeat)
+  BAD_NODES="${PWD}/logs/.bad-nodes-${SLURM_CLUSTER_NAME:-slurm}-${SLURM_JOB_ID:-0}"
+  mkdir -p logs
+  rm -f "${BAD_NODES}" # each run names its own failing nodes
+  export PURRSIGHT_BAD_NODES_FILE="${BAD_NODES}"
+  if ((RESTARTS > 0)); then
+    export RESUME=auto # continue from the newest checkpoint of the run
+    log "run ${RESTARTS} after a requeue: resuming from the newest checkpoint"
+  fi
+}
+
+# shellcheck disable=SC2317 # invoked by the traps of the sourcing script
+on_stop_signal() {
+  # The first stop signal decides: the time limit's SIGTERM after our USR1 must not undo the requeue.
+  STOP_SIGNAL="${STOP_SIGNAL:-$1}"
+  stop_run "$1"
+}
+
+# Consecutive runs that ended within REQUEUE_MIN_RUNTIME seconds: a job that fails right
+# after every start must not requeue forever.
+quick_failures() {
+  local file="$1" runtime="$2" count=0
+  [[ -f "${file}" ]] && count="$(<"${file}")"
+  if ((runtime < ${REQUEUE_MIN_RUNTIME:-300})); then count=$((count + 1)); else count=0; fi
+  printf '%s\n' "${count}" >"${file}"
+  printf '%s\n' "${count}"
+}
+
+# The nodes that failed their own checks this run (each names itself in the file:
+# purrsight/launcher/health.py, purrsight/launcher/ray_node.py) join the job's exclude list, into
+# EXCLUDE_LIST. Not when every node failed (then the fault is the job's: config, data) or
+# beyond MAX_EXCLUDED_NODES.
+exclude_bad_nodes() {
+  local file="$1" current node checks
+  local -a allocated bad excluded
+  [[ -s "${file}" ]] || return 1
+  mapfile -t allocated < <(scontrol show hostnames "${SLURM_JOB_NODELIST}")
+  mapfile -t bad < <(cut -f1 "${file}" | sort -u)
+  if ((${#bad[@]} >= ${#allocated[@]})); then
+    log "every node failed its checks: the fault is the job's (config, data), not a node's"
+    return 1
+  fi
+  current="$(scontrol show job "${SLURM_JOB_ID}" -o | tr ' ' '\n' | sed -n 's/^ExcNodeList=//p')"
+  [[ "${current}" == "(null)" ]] && current=""
+  mapfile -t excluded < <({ [[ -z "${current}" ]] || scontrol show hostnames "${current}"; printf '%s\n' "${bad[@]}"; } | sort -u)
+  if ((${#excluded[@]} > ${MAX_EXCLUDED_NODES:-4})); then
+    log "not excluding ${bad[*]}: the job would exclude ${#excluded[@]} nodes (MAX_EXCLUDED_NODES=${MAX_EXCLUDED_NODES:-4})"
+    return 1
+  fi
+  while IFS=$'\t' read -r node checks; do
+    log "node ${node} failed its health checks (${checks}): excluding it from this job"
+  done <"${file}"
+  EXCLUDE_LIST="$(IFS=,; printf '%s' "${excluded[*]}")"
+}
+
+# Requeue with EXCLUDE_LIST excluded. SLURM refuses a running job's exclude list, so it is set
+# once the job is requeued; the requeue sends this script SIGTERM, ignored so it lives to do it
+# (SLURM kills it after KillWait at the latest).
+requeue_excluding() {
+  local attempt
+  trap '' TERM
+  scontrol requeue "${SLURM_JOB_ID}"
+  for attempt in 1 2 3 4 5 6 7 8 9 10; do
+    scontrol update JobId="${SLURM_JOB_ID}" ExcNodeList="${EXCLUDE_LIST}" 2>/dev/null && return 0
+    sleep "${attempt}"
+  done
+  log "could not set the job's exclude list to ${EXCLUDE_LIST}: the requeued job may get those nodes again"
+}
+
+# Ends the job without a requeue: the next submission starts a fresh quick-failure count.
+end_without_requeue() {
+  local rc="$1" message="$2"
+  rm -f "${COUNTER}"
+  log "${message}"
+  exit "${rc}"
+}
+
+finish_run() {
+  local rc="$1" started="$2"
+  if ((rc == 0)); then end_without_requeue 0 "training finished"; fi
+  if ((RESTARTS < ${MAX_REQUEUES:-20})) && exclude_bad_nodes "${BAD_NODES}"; then
+    rm -f "${BAD_NODES}"
+    log "requeueing without ${EXCLUDE_LIST}; the next run resumes"
+    requeue_excluding
+    exit "${rc}"
+  fi
+  if [[ "${NO_REQUEUE_CODES}" == *" ${rc} "* ]]; then
+    end_without_requeue "${rc}" "exit code ${rc} (bad input or a failed check): not requeueing"
+  fi
+  # SIGTERM alone is scancel, or a preemption that SLURM's PreemptMode handles (REQUEUE requeues
+  # the job itself). SLURM shows a cancelled job as COMPLETING, indistinguishable from other
+  # endings, and `scontrol requeue` would bring it back: so only USR1 (time limit, or preemption
+  # with PreemptParameters=send_user_signal) and failures requeue.
+  if [[ "${STOP_SIGNAL}" == TERM ]]; then
+    end_without_requeue "${rc}" "stopped by SIGTERM (scancel or preemption): not requeueing; the checkpoints are kept"
+  fi
+  local quick
+  quick="$(quick_failures "${COUNTER}" "$(($(date +%s) - started))")"
+  if ((quick >= ${MAX_QUICK_REQUEUES:-3})); then
+    end_without_requeue "${rc}" "not requeueing: ${quick} runs in a row ended within ${REQUEUE_MIN_RUNTIME:-300} s (MAX_QUICK_REQUEUES)"
+  fi
+  if ((RESTARTS >= ${MAX_REQUEUES:-20})); then
+    end_without_requeue "${rc}" "not requeueing: already requeued ${RESTARTS} times (MAX_REQUEUES)"
+  fi
+  log "run ended with code ${rc}${STOP_SIGNAL:+ after SIG${STOP_SIGNAL}}: requeueing; the next run resumes"
+  scontrol requeue "${SLURM_JOB_ID}" # ends this script; SLURM starts the job again later
+  exit "${rc}"
+}
