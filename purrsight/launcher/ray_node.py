@@ -207,7 +207,7 @@ def ray_processes(temp: Path) -> list[int]:
     return pids
 
 
-def teardown(temp: Path, say: Say, grace_s: float = 10.0) -> None:
+def teardown(temp: Path, say: Say, grace_s: float = 5.0) -> None:
     """Stop this job's Ray on this node (SIGTERM, then SIGKILL after ``grace_s``) and remove its temp dir."""
     pids = ray_processes(temp)
     for sig in (signal.SIGTERM, signal.SIGKILL):

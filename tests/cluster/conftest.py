@@ -149,10 +149,16 @@ def _start(args: list[str], env: dict[str, str], what: str, root: Path) -> None:
 
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    with running_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def running_cluster(root: Path) -> Iterator[SlurmCluster]:
+    """The cluster in ``root`` (an empty folder), for the session's tests or a benchmark."""
     for tool in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "qsub", "generate_pbs_nodefile"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is not installed: scripts/test.sh installs slurm-wlm, slurm-wlm-torque and munge (as root)")
-    root = tmp_path_factory.mktemp("slurm")
     for folder in ("state", "spool", "log", "nodefiles"):
         (root / folder).mkdir()
     (root / "plugstack.conf").write_text(f"required {SPANK_PBS}\n")

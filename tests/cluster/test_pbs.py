@@ -1,4 +1,4 @@
-"""pbs/train.pbs under a simulated PBS job.
+"""pbs/train.pbs under a simulated PBS job, and pbs/train.pbs and pbs/ray.pbs through a real batch system (below).
 
 No PBS server can be installed on these machines, so this stands in for one: a PBS_NODEFILE
 with each host repeated per core (as PBS writes it), PBS_O_WORKDIR and PBS_JOBID set as qsub
@@ -9,12 +9,15 @@ torchrun, gloo and the trainer.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 
+from tests.cluster.conftest import SlurmCluster
 from tests.helpers import REPO, tiny_overrides
 
 
@@ -105,3 +108,93 @@ def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: 
         assert {key: received.get(key) for key in sent} == sent
         assert "UNRELATED_SETTING" not in received  # forwarded by name or family only
         assert received["PBS_NODENUM"] in {"0", "2"}
+
+
+# --- PBS through a real batch system ------------------------------------------------------------
+# slurm-wlm-torque's qsub, qdel and qrerun drive the real SLURM test cluster (conftest.py): sbatch
+# reads the script's #PBS lines, spank_pbs sets PBS_JOBID, PBS_O_WORKDIR and the other PBS_*
+# variables, a TaskProlog writes PBS_NODEFILE (one line per slot), and since SLURM has no pbsdsh
+# the scripts start each host's task with srun (pbs/nodes.sh). Not covered: pbsdsh itself (the
+# simulated tests above), a Torque server's "N.server" job ids, select=...:ngpus= (dropped).
+
+
+def qsub_script(tmp: Path, name: str, resources: str) -> Path:
+    """The shipped script with its select line set to this cluster's nodes, as a site edits its header."""
+    text = (REPO / "pbs" / name).read_text()
+    script = tmp / name
+    script.write_text(re.sub(r"^#PBS -l select=.*$", f"#PBS -l {resources}", text, count=1, flags=re.M))
+    return script
+
+
+def qsub(slurm: SlurmCluster, tmp: Path, script: Path, synthetic_dir: Path, **overrides: object) -> str:
+    """`CONFIG=... OVERRIDES=... qsub -V -j oe -o OUT SCRIPT` from the repo, as docs/SCHEDULERS.md shows; the job id."""
+    env = dict(
+        slurm.env,
+        PATH=f"{REPO / '.venv' / 'bin'}:{slurm.env['PATH']}",
+        CONFIG="config/train_config.yaml",
+        OVERRIDES=" ".join(tiny_overrides(synthetic_dir, tmp / "runs", **overrides)),
+        LOG_DIR=str(tmp / "logs"),
+        OMP_NUM_THREADS="1",
+    )
+    args = ["qsub", "-V", "-j", "oe", "-o", str(tmp / "job.out"), str(script)]
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip().isdigit(), done.stdout + done.stderr
+    return done.stdout.strip()
+
+
+def wait_for(path: Path, text: str, slurm: SlurmCluster, job: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text(errors="replace")):
+        assert time.monotonic() < deadline, f"no {text!r} in {path}; job {job} {slurm.job_field(job, 'JobState')}"
+        time.sleep(0.5)
+
+
+def rerun(slurm: SlurmCluster, job: str) -> None:
+    """`qrerun JOB`. slurm-wlm-torque 22.05's qrerun stops in its own Perl (it calls
+    Slurm->requeue without the state argument) before reaching SLURM; where it does, this runs
+    `scontrol requeue JOB`, the call qrerun makes."""
+    done = subprocess.run(["qrerun", job], env=slurm.env, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        assert "Usage: Slurm::requeue(self, job_id, state)" in done.stderr, done.stderr
+        slurm.run("scontrol", "requeue", job)
+
+
+@pytest.mark.root
+def test_qsub_train_pbs_on_two_nodes_qrerun_resumes_and_qdel_leaves_a_checkpoint(
+    slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path
+) -> None:
+    script = qsub_script(tmp_path, "train.pbs", "nodes=2:ppn=1")
+    job = qsub(slurm, tmp_path, script, synthetic_dir, trainer__max_steps=100000, checkpoint__every_n_steps=40)
+    checkpoints = tmp_path / "runs" / "phase2-tiny" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (checkpoints / "step-00000040.ckpt").exists():
+        assert time.monotonic() < deadline, (tmp_path / "job.out").read_text(errors="replace")[-3000:]
+        time.sleep(0.5)
+    nodefile = (slurm.root / "nodefiles" / job).read_text().split()
+    assert nodefile == ["node0", "node1"], nodefile  # one line per slot, from PBS_NODEFILE
+    rerun(slurm, job)
+    node0 = tmp_path / "logs" / "latest_node0.log"
+    wait_for(node0, "resume=auto: continuing from", slurm, job)
+    wait_for(node0, "training from step", slurm, job)  # the resumed run trains
+    subprocess.run(["qdel", job], env=slurm.env, check=True, timeout=60)
+    assert slurm.wait_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=120) == "CANCELLED"
+    out = (tmp_path / "job.out").read_text(errors="replace")  # the rerun's: SLURM starts the file anew
+    assert f"[train.pbs {job}] job {job} ran before (qrerun): resuming from the newest checkpoint" in out
+    assert re.search(rf"\[train.pbs {job}\] 2 node\(s\): node0 node1; master 127\.0\.1\.1:{20000 + int(job)}", out)
+    stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", out)
+    assert len(stopped) == 2 and stopped[0] == stopped[1], out[-3000:]  # both ranks, at the same step
+    assert (checkpoints / f"step-{int(stopped[0]):08d}.ckpt").exists()
+
+
+@pytest.mark.root
+def test_qsub_ray_pbs_trains_on_two_nodes_to_the_end(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
+    script = qsub_script(tmp_path, "ray.pbs", "nodes=2:ppn=2")  # PBS_NODEFILE: each host twice
+    job = qsub(slurm, tmp_path, script, synthetic_dir, trainer__max_steps=20)
+    state = slurm.wait_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=400)
+    out = (tmp_path / "job.out").read_text(errors="replace")
+    assert state == "COMPLETED", out[-4000:]
+    assert "Ray over 2 node(s) node0 node1; head 127.0.1.1" in out and "all 2 node(s) up: node0, node1" in out
+    assert "[ray.pbs" in out and "training finished" in out
+    assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt").exists()
+    for node in ("node0", "node1"):
+        assert "stopping this job's Ray" in (tmp_path / "logs" / f"ray-{job}" / f"{node}.log").read_text()

@@ -98,13 +98,14 @@ def test_two_ray_jobs_on_the_same_nodes_train_to_the_end_one_from_a_set_prepared
 
 
 def failing_ray_on_the_second_node(folder: Path) -> Path:
-    """A `ray` that fails to start on the job's second node, on the first run only.
+    """A VENV whose `ray` fails to start on the job's second node, on the first run only.
 
     Stands in for a node whose Ray cannot start (a full /tmp, a broken install), which this
     one-machine cluster cannot have; every other start runs the real `ray`.
     """
-    folder.mkdir(parents=True)
-    fake = folder / "ray"
+    (folder / "bin").mkdir(parents=True)
+    (folder / "bin" / "activate").write_text(f'source {REPO / ".venv" / "bin" / "activate"}\nPATH="{folder / "bin"}:$PATH"\n')
+    fake = folder / "bin" / "ray"
     fake.write_text(
         "#!/usr/bin/env bash\n"
         'second="$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | sed -n 2p)"\n'
@@ -131,8 +132,7 @@ def test_a_node_whose_ray_fails_to_start_is_excluded_then_usr1_requeues_and_the_
     """
     steps = 120
     records = tmp_path / "samples"
-    fake_ray = failing_ray_on_the_second_node(tmp_path / "bin")
-    extra = {**record_samples_env(records, slurm.env), "PATH": f"{fake_ray}:{job_env(slurm, tmp_path)['PATH']}"}
+    extra = {**record_samples_env(records, slurm.env), "VENV": str(failing_ray_on_the_second_node(tmp_path / "venv"))}
     job = submit(
         slurm, tmp_path, synthetic_dir, extra_env=extra, script="slurm/ray.sbatch", sbatch_args=RAY_ALLOCATION,
         trainer__max_steps=steps, checkpoint__every_n_steps=20,
