@@ -11,7 +11,9 @@ a SLURM script that submits to Ray can tell them apart:
 
 Everything after ``--`` goes to ``train_phase2.py`` (``--config``, ``--resume``, overrides).
 SIGTERM or Ctrl-C here stops the job as ``ray job stop`` does (each worker saves a
-checkpoint) and still waits for its end; a second Ctrl-C leaves it running and returns.
+checkpoint) and still waits for its end; a second Ctrl-C leaves it running and returns (a second
+signal within 2 s is the first one's echo: scancel signals this process and the batch script that
+relays it).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from purrsight.internals.ray_logging import RUNTIME_ENV_LOGGERS
 ENTRYPOINT = ("python", "train_phase2.py", "--engine", "ray")
 ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")  # the order `ray job` reads them in
 FINAL_STATES = {"SUCCEEDED", "FAILED", "STOPPED"}
+SAME_STOP_S = 2.0  # a second signal sooner than this is the first one's echo, not a second Ctrl-C
 # Ray's SDK narrates the upload file by file and each websocket it closes; what is uploaded
 # is .rayignore's business (docs/RAY.md), and its warnings and errors still print.
 CHATTY_LOGGERS = {
@@ -110,6 +113,7 @@ class Submission:
         self.client = client
         self.job_id = job_id
         self.signals = 0
+        self.first_signal_at = 0.0
 
     async def follow(self) -> None:
         loop = asyncio.get_running_loop()
@@ -120,7 +124,11 @@ class Submission:
             sys.stdout.flush()
 
     def _on_signal(self, sig: int) -> None:
+        now = time.monotonic()
+        if self.signals and now - self.first_signal_at < SAME_STOP_S:
+            return  # the same stop, told twice: scancel signals this process and the batch script that relays it
         self.signals += 1
+        self.first_signal_at = self.first_signal_at or now
         if self.signals > 1:
             print(f"\nleaving job {self.job_id} running; stop it with `ray job stop {self.job_id}`", file=sys.stderr)
             raise SystemExit(SIGNAL_BASE + sig)
@@ -129,7 +137,10 @@ class Submission:
             "Ctrl-C again leaves it running",
             file=sys.stderr,
         )
-        self.client.stop_job(self.job_id)
+        try:
+            self.client.stop_job(self.job_id)
+        except (ConnectionError, OSError, RuntimeError) as err:  # the head is gone: nothing left to stop
+            print(f"could not reach the job server to stop {self.job_id} ({type(err).__name__})", file=sys.stderr)
 
     def final_info(self, timeout_s: float = 60.0) -> Any:
         """The job's info once it has ended (the log stream can close a moment before the status does)."""

@@ -26,11 +26,17 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 # Memory per node: SLURM's limit sizes each node's object store (30% of it), and keeps four
 # Ray nodes on this machine from claiming /dev/shm four times over.
 RAY_ALLOCATION = ("--mem=1000",)
+RANK0_STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \[rank 0\] INFO purrsight\.progress: step ")
 
 
 def stamp(line: str) -> float:
     """The time of a log line that starts with 'YYYY-mm-dd HH:MM:SS.fff'."""
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
+def step_stamps(text: str) -> list[float]:
+    """When rank 0 logged each of its steps (Ray prefixes the worker's lines with its own tag)."""
+    return [stamp(match.group(1)) for match in RANK0_STEP.finditer(text)]
 
 
 def no_ray_left(job: str, slots: int = 2) -> None:
@@ -39,14 +45,16 @@ def no_ray_left(job: str, slots: int = 2) -> None:
         assert ray_processes(temp) == [] and not temp.exists(), f"job {job}'s Ray left on slot {slot}"
 
 
-def test_two_ray_jobs_on_the_same_nodes_train_to_the_end_one_from_a_set_prepared_by_an_array(
+def test_two_ray_jobs_on_the_same_nodes_one_from_a_set_prepared_by_an_array_and_a_stop_that_checkpoints(
     slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path
 ) -> None:
     """docs/DATA.md's array (slurm/prepare.sbatch, 2 parts), then two ray.sbatch jobs at once on
-    node0 and node1: A trains from the index, B (three times longer) from the prepared set.
+    node0 and node1: A trains from the index to its end, B from the prepared set until, well after
+    A has ended, SIGTERM to its batch script (`scancel --batch --signal=TERM`) stops it.
 
     Each job's ports come from its own id, each node's Ray is sized from the allocation and logs
-    to its own file, and A's teardown at its end leaves B's Ray training on the same nodes.
+    to its own file; A's teardown leaves B's Ray training on the same nodes; B's stop leaves a
+    checkpoint on every worker and no requeue; neither leaves a Ray process or temp dir behind.
     """
     env = job_env(slurm, tmp_path)
     prepared = tmp_path / "prepared"
@@ -61,8 +69,7 @@ def test_two_ray_jobs_on_the_same_nodes_train_to_the_end_one_from_a_set_prepared
         time.sleep(1)
     parts = [(tmp_path / f"prepare-{array}_{task}.out").read_text() for task in (0, 1)]
     assert "part 0/2" in parts[0] and "part 1/2" in parts[1], parts
-    manifest = json.loads((prepared / "manifest.json").read_text())
-    assert manifest, parts
+    assert json.loads((prepared / "manifest.json").read_text()), parts
 
     on_shared_nodes = ("--nodelist=node0,node1", *RAY_ALLOCATION)
     for name in ("a", "b"):
@@ -72,17 +79,24 @@ def test_two_ray_jobs_on_the_same_nodes_train_to_the_end_one_from_a_set_prepared
     )  # fmt: skip
     second = submit(
         slurm, tmp_path / "b", synthetic_dir, script="slurm/ray.sbatch", sbatch_args=on_shared_nodes,
-        trainer__max_steps=60, data__prepared=str(prepared),
+        trainer__max_steps=100000, checkpoint__every_n_steps=100000, data__prepared=str(prepared),
     )  # fmt: skip
-    states = {job: slurm.wait_state(job, ENDED, timeout=400) for job in (first, second)}
+    assert slurm.wait_state(first, ENDED, timeout=400) == "COMPLETED", batch_output(tmp_path / "a", first, "purrsight-ray")[-3000:]
+    out_b = tmp_path / "b" / f"purrsight-ray-{second}.out"
+    (a_down,) = [line for line in batch_output(tmp_path / "a", first, "purrsight-ray").splitlines() if "Ray on every node" in line]
+    deadline = time.monotonic() + 300
+    # B trains on after A's teardown: two of its steps stamped after it.
+    while len([t for t in step_stamps(out_b.read_text(errors="replace")) if t > stamp(a_down)]) < 2:
+        assert time.monotonic() < deadline, out_b.read_text(errors="replace")[-3000:]
+        time.sleep(1)
+    slurm.run("scancel", "--batch", "--signal=TERM", second)
+    slurm.wait_state(second, ENDED, timeout=300)
     outs = {job: batch_output(tmp_path / name, job, "purrsight-ray") for job, name in ((first, "a"), (second, "b"))}
-    assert states == {first: "COMPLETED", second: "COMPLETED"}, outs[first][-3000:] + outs[second][-3000:]
 
-    for job, name, steps in ((first, "a", 20), (second, "b", 60)):
+    for job, name in ((first, "a"), (second, "b")):
         out = outs[job]
         assert f"submit --address http://127.0.1.1:{JobPorts.of(job).dashboard} " in out, out[-3000:]
-        assert "all 2 node(s) up: node0, node1" in out and "training finished" in out
-        assert (tmp_path / name / "runs" / "phase2-tiny" / "checkpoints" / f"step-{steps:08d}.ckpt").exists()
+        assert "all 2 node(s) up: node0, node1" in out
         for node, address in (("node0", "127.0.1.1"), ("node1", "127.0.1.2")):
             log = (tmp_path / name / "logs" / f"ray-{job}" / f"{node}.log").read_text()
             sized = re.search(rf"at {address}: \d+ CPUs \(affinity mask\), 0 GPUs \(SLURM\), object store 0\.3 GiB", log)
@@ -90,11 +104,14 @@ def test_two_ray_jobs_on_the_same_nodes_train_to_the_end_one_from_a_set_prepared
             assert f"stopping this job's Ray on {node}" in log
         no_ray_left(job)
     assert JobPorts.of(first).base != JobPorts.of(second).base
+    assert "training finished" in outs[first]
+    assert (tmp_path / "a" / "runs" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt").exists()
     assert f"data: 128 train samples (prepared {prepared})" in outs[second]
-    # A's Ray was stopped while B's, on the same two nodes, still trained to its end.
-    (a_down,) = [line for line in outs[first].splitlines() if "stopping this job's Ray on every node" in line]
-    (b_done,) = [line for line in outs[second].splitlines() if "INFO purrsight.ray_engine: done: step 60" in line]
-    assert stamp(a_down.split("] ", 1)[0]) < stamp(b_done), (a_down, b_done)
+    stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint", outs[second])
+    assert stopped, outs[second][-3000:]
+    assert (tmp_path / "b" / "runs" / "phase2-tiny" / "checkpoints" / f"step-{int(stopped.group(1)):08d}.ckpt").exists()
+    assert "stopped by SIGTERM (scancel or preemption): not requeueing; the checkpoints are kept" in outs[second]
+    assert slurm.job_field(second, "Restarts") == "0"
 
 
 def failing_ray_on_the_second_node(folder: Path) -> Path:

@@ -8,6 +8,7 @@ import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,7 +71,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     time the batch script's own log shows, from its first line to rank 0's "done" line.
     """
     steps = 120  # enough that the stop lands mid-run (80 steps, 20 s or more, to spare): USR1 goes out at the step-40 checkpoint
-    real_shape = {"data__num_workers": 2, "data__batch_size": 4, "trainer__accumulate_grad_batches": 2}
+    real_shape: dict[str, Any] = {"data__num_workers": 2, "data__batch_size": 4, "trainer__accumulate_grad_batches": 2}
     records = tmp_path / "samples"
     job = submit(
         slurm, tmp_path, synthetic_dir, record_samples_env(records, slurm.env),

@@ -88,3 +88,39 @@ def test_a_job_server_lost_while_following_is_one_line_and_exit_3(
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert "lost the job server at http://head:8265 while following raysubmit_gone" in line
     assert "ray job status raysubmit_gone" in line and "Traceback" not in err
+
+
+class StopRecorder:
+    """A job client that records stop requests; ``gone`` makes them fail as a dead head's would."""
+
+    def __init__(self, gone: bool = False) -> None:
+        self.stops: list[str] = []
+        self.gone = gone
+
+    def stop_job(self, job_id: str) -> None:
+        self.stops.append(job_id)
+        if self.gone:
+            raise ConnectionError("Connection reset by peer")
+
+
+def test_a_stop_told_twice_at_once_is_one_stop_and_a_later_second_leaves_the_job(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """scancel signals the wrapper and the batch script, which relays it: one stop, not a second Ctrl-C."""
+    client = StopRecorder()
+    following = submit.Submission(client, "raysubmit_1")
+    clock = [100.0]
+    monkeypatch.setattr(submit.time, "monotonic", lambda: clock[0])
+    following._on_signal(15)
+    clock[0] += 0.5
+    following._on_signal(15)  # the relay
+    assert client.stops == ["raysubmit_1"] and "leaving" not in capsys.readouterr().err
+    clock[0] += submit.SAME_STOP_S
+    with pytest.raises(SystemExit) as exit:
+        following._on_signal(2)  # a real second Ctrl-C
+    assert exit.value.code == 130 and "leaving job raysubmit_1 running" in capsys.readouterr().err
+
+
+def test_a_stop_the_head_cannot_take_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    submit.Submission(StopRecorder(gone=True), "raysubmit_2")._on_signal(15)
+    assert "could not reach the job server to stop raysubmit_2 (ConnectionError)" in capsys.readouterr().err
