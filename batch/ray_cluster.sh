@@ -3,6 +3,7 @@
 # scheduler-independent half of slurm/ray.sbatch and pbs/ray.pbs, sourced by both from the
 # job's working folder (docs/SCHEDULERS.md, "Ray inside a batch job").
 #
+#   ray_check_config CONFIG [k=v]   the config and overrides checked before any Ray starts (exit 2)
 #   ray_cluster_up           this job's Ray on every node (the head on the first), then a wait with a
 #                            deadline for every node and its GPUs: 0, or 3 naming the missing node
 #   ray_train CONFIG [k=v]   the training through purrsight.ray_engine.submit; USR1/TERM stop it
@@ -29,12 +30,16 @@ ray_python_env() {
   command -v ray >/dev/null || { log "error: no ray on PATH ($(command -v python || echo no python)): pip install -e '.[ray]'"; exit 2; }
 }
 
+ray_check_config() {
+  ray_python_env
+  python -m purrsight.launcher.ray_node check-config "$@"
+}
+
 ray_cluster_up() {
   local index role names deadline="${RAY_START_TIMEOUT:-600}"
   local -a watch=()
   RAY_LOG_DIR="$(realpath -m "${LOG_DIR:-logs}")/ray-${RAY_JOB}" # each node's log: <node>.log
   mkdir -p "${RAY_LOG_DIR}"
-  ray_python_env
   # A token of this job's own: another user's process on a shared node cannot submit code to this
   # cluster. Each node's command inherits it (srun) or gets it forwarded (RAY_ prefix, pbs/nodes.sh).
   export RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0

@@ -2,6 +2,7 @@
 
 What slurm/ray.sbatch and pbs/ray.pbs run through batch/ray_cluster.sh (docs/SCHEDULERS.md):
 
+    python -m purrsight.launcher.ray_node check-config CONFIG [section.key=value ...]
     python -m purrsight.launcher.ray_node address [--hint ADDR] [--head ADDR]
     python -m purrsight.launcher.ray_node start head|worker --job JOB --slot K --name NODE ...
     python -m purrsight.launcher.ray_node wait --job JOB --head ADDR --nodes NODE[,NODE...] ...
@@ -363,6 +364,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--job", default="0", help="the batch job's id: every port and the temp dir follow from it")
     common.add_argument("--port-base", type=int, default=int(os.environ.get("RAY_PORT_BASE", PORT_BASE)))
+    check = commands.add_parser("check-config", help="validate the config before any Ray starts (exit 2 naming each problem)")
+    check.add_argument("config")
+    check.add_argument("overrides", nargs="*")
     address = commands.add_parser("address", help="print the address this node's Ray announces")
     address.add_argument("--hint", help="the scheduler's address or host name for this node")
     address.add_argument("--head", help="the head's address (workers: the route to it picks the interface)")
@@ -392,6 +396,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command == "check-config":
+        from purrsight.config import ConfigError, load_config
+
+        try:
+            load_config(args.config, args.overrides)
+        except ConfigError as err:
+            err.print_problems()
+            return ExitCode.USAGE
+        return 0
     if args.command == "address":
         print(node_address(args.hint, args.head))
         return 0

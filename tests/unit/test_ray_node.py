@@ -16,6 +16,7 @@ import pytest
 from purrsight.errors import ExitCode
 from purrsight.launcher import ray_node
 from purrsight.launcher.ray_node import JobPorts, object_store_bytes, ray_processes, teardown, temp_dir
+from tests.helpers import REPO
 
 
 def ports_of(job: str, slots: int) -> set[int]:
@@ -109,3 +110,10 @@ def test_the_wait_names_the_missing_nodes_at_its_deadline(tmp_path: Path, monkey
     args = ["wait", "--job", "5", "--head", "127.0.0.1", "--nodes", "n0,n1,n2", "--gpus-per-node", "8", "--deadline", "1"]
     assert ray_node.main(args) == ExitCode.CLUSTER
     assert bad_nodes.read_text() == "n1\tray start\nn2\tray start\n"  # n1 joined without its GPUs
+
+
+def test_a_bad_config_is_named_before_any_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(REPO / "config" / "train_config.yaml")
+    assert ray_node.main(["check-config", config, "trainer.max_steps=-3"]) == ExitCode.USAGE
+    assert "config error: override trainer.max_steps=-3" in capsys.readouterr().err
+    assert ray_node.main(["check-config", config]) == 0
