@@ -10,7 +10,7 @@ What slurm/ray.sbatch and pbs/ray.pbs run through batch/ray_cluster.sh (docs/SCH
 Every port and the temp dir follow from the job id (and the node's slot in the job), so two
 jobs sharing nodes never meet; ``start`` runs ``ray start --block`` and, however it ends,
 stops this node's Ray of this job only (by its temp dir, never ``ray stop``, which stops every
-Ray on the node). Ray is imported only by ``wait``.
+Ray on the node). The node's size: ray_node_size; the wait: ray_wait.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from purrsight.bad_nodes import name_bad_node
 from purrsight.errors import ExitCode
 from purrsight.launcher import network
+from purrsight.launcher.ray_node_size import OBJECT_STORE_SHARE, cpu_count, gib, memory_limit, object_store_bytes
 
 # A job's fixed ports: a block of 100 in 10000-19999 (RAY_PORT_BASE moves it). Below Linux's
 # ephemeral range, where an outgoing connection could take a port before Ray binds it, and
@@ -51,8 +51,6 @@ NODE_PORTS = (
 )
 NODE_SLOTS = (BLOCK - 4) // len(NODE_PORTS)  # 16: nodes further apart share ports, on different hosts
 MAX_TEMP_DIR = 40  # Ray's socket paths add ~60 bytes below the temp dir; a Unix socket path holds 107
-OBJECT_STORE_SHARE = 0.3  # Ray's own default share of memory
-MIN_OBJECT_STORE = 100 * 2**20  # Ray refuses less than 75 MiB
 
 
 @dataclass(frozen=True)
@@ -121,53 +119,6 @@ def node_address(hint: str | None, head: str | None) -> str:
         if route and route.source:
             return route.source
     return network.resolve(socket.gethostname())
-
-
-# --- size ----------------------------------------------------------------------------------
-
-
-def cgroup_file(name: str) -> Path | None:
-    """``name`` in this process's cgroup v2 folder (SLURM's job/step cgroup, a container's)."""
-    try:
-        line = Path("/proc/self/cgroup").read_text().splitlines()[0]
-    except (OSError, IndexError):
-        return None
-    path = Path("/sys/fs/cgroup") / line.split("::", 1)[-1].lstrip("/") / name
-    return path if line.startswith("0::") and path.exists() else None
-
-
-def cpu_count() -> tuple[int, str]:
-    """CPUs this node's Ray may use: the affinity mask, capped by the cgroup's CPU quota."""
-    cpus, source = len(os.sched_getaffinity(0)), "affinity mask"
-    quota_file = cgroup_file("cpu.max")
-    if quota_file is not None:
-        quota, _, period = quota_file.read_text().partition(" ")
-        if quota != "max" and int(period or 100000) > 0:
-            capped = max(1, int(int(quota) / int(period)))
-            if capped < cpus:
-                cpus, source = capped, "cgroup cpu.max"
-    return cpus, source
-
-
-def memory_limit() -> tuple[int, str]:
-    """Bytes this job may hold on the node: the least of the cgroup's limit, SLURM's and the machine's."""
-    limits = [(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine's memory")]
-    limit_file = cgroup_file("memory.max")
-    if limit_file is not None and limit_file.read_text().strip().isdigit():
-        limits.append((int(limit_file.read_text()), "cgroup memory.max"))
-    if os.environ.get("SLURM_MEM_PER_NODE", "").isdigit():
-        limits.append((int(os.environ["SLURM_MEM_PER_NODE"]) * 2**20, "SLURM_MEM_PER_NODE"))
-    return min(limits)
-
-
-def object_store_bytes(memory: int, shm_free: int) -> int:
-    """Ray's default share of the job's memory, held to what /dev/shm has free (beyond that
-    Ray falls back to a slow disk-backed store, or fails to start)."""
-    return max(MIN_OBJECT_STORE, min(int(memory * OBJECT_STORE_SHARE), int(shm_free * 0.9)))
-
-
-def gib(size: int) -> str:
-    return f"{size / 2**30:.1f} GiB"
 
 
 # --- start and stop --------------------------------------------------------------------------
@@ -290,74 +241,6 @@ def start(args: argparse.Namespace) -> int:
     return ExitCode.CLUSTER if code else 0
 
 
-# --- wait for the cluster ----------------------------------------------------------------------
-
-
-def alive_nodes(dashboard: str) -> dict[str, dict[str, float]]:
-    """Node name -> total resources, for every node the head sees alive."""
-    from ray.util.state import list_nodes
-
-    nodes = list_nodes(address=dashboard, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
-    return {str(node.node_name): dict(node.resources_total or {}) for node in nodes}
-
-
-def step_ended(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    # A zombie is an ended child the shell has not reaped yet.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except (OSError, IndexError):
-        return True
-
-
-def wait(args: argparse.Namespace) -> int:
-    """Wait until every node is up with its GPUs, then print the job server's address; exit 3
-    naming the missing node at the deadline, or at once when a node's step (``--watch NODE=PID``)
-    has ended. A node named so joins the job's bad-node list (PURRSIGHT_BAD_NODES_FILE)."""
-    say = Say("wait")
-    expected = args.nodes.split(",")
-    watched = dict(item.split("=", 1) for item in args.watch)
-    dashboard = f"http://{args.head}:{JobPorts.of(args.job, args.port_base).dashboard}"
-    deadline = time.monotonic() + args.deadline
-    last = ""
-    while True:
-        for node, pid in watched.items():
-            if step_ended(int(pid)):
-                say(f"error: node {node}'s Ray step ended before the cluster was up; its log: {args.log_dir}/{node}.log")
-                name_bad_node(["ray start"], node=node)
-                return ExitCode.CLUSTER
-        try:
-            alive = alive_nodes(dashboard)
-        except Exception as err:  # the dashboard is still starting: ConnectionError, RayStateApiException
-            alive, error = {}, f" (head: {type(err).__name__})"
-        else:
-            error = ""
-        ready = [n for n in expected if n in alive and alive[n].get("GPU", 0) >= args.gpus_per_node]
-        missing = [n for n in expected if n not in ready]
-        if not missing:
-            say(f"all {len(expected)} node(s) up: {', '.join(expected)}")
-            print(dashboard)  # for the batch script: where to submit
-            return 0
-        status = f"{len(ready)}/{len(expected)} node(s) up; waiting for {', '.join(missing)}{error}"
-        if status != last:
-            say(status)
-            last = status
-        if time.monotonic() > deadline:
-            without = [n for n in missing if n in alive]
-            detail = f" ({', '.join(without)} joined without {args.gpus_per_node} GPUs)" if without else ""
-            say(f"error: {', '.join(missing)} not up after {args.deadline:.0f} s{detail}; logs: {args.log_dir}/<node>.log")
-            if len(missing) < len(expected):  # not when the head itself never answered: that is no worker's fault
-                for node in missing:
-                    name_bad_node(["ray start"], node=node)
-            return ExitCode.CLUSTER
-        time.sleep(1)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m purrsight.launcher.ray_node", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -408,7 +291,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "address":
         print(node_address(args.hint, args.head))
         return 0
-    return start(args) if args.command == "start" else wait(args)
+    if args.command == "start":
+        return start(args)
+    from purrsight.launcher.ray_wait import wait  # it imports this module (and Ray)
+
+    return wait(args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""purrsight.launcher.ray_node: a job's Ray ports, temp dir, address and size, its teardown and its wait.
+"""purrsight.launcher.ray_node, ray_node_size, ray_wait: a job's Ray ports, temp dir, address, size, teardown, wait.
 
 The SLURM tests (tests/cluster/test_ray_batch.py) run it inside real jobs; these check its
 decisions one by one, and the teardown and the wait on real processes.
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from purrsight.errors import ExitCode
-from purrsight.launcher import ray_node
-from purrsight.launcher.ray_node import JobPorts, object_store_bytes, ray_processes, teardown, temp_dir
+from purrsight.launcher import ray_node, ray_node_size, ray_wait
+from purrsight.launcher.ray_node import JobPorts, ray_processes, teardown, temp_dir
+from purrsight.launcher.ray_node_size import object_store_bytes
 from tests.helpers import REPO
 
 
@@ -52,12 +53,12 @@ def test_the_object_store_takes_rays_share_of_the_jobs_memory_held_to_dev_shm() 
     gib = 2**30
     assert object_store_bytes(memory=10 * gib, shm_free=64 * gib) == 3 * gib
     assert object_store_bytes(memory=100 * gib, shm_free=10 * gib) == 9 * gib  # a small /dev/shm
-    assert object_store_bytes(memory=100 * 2**20, shm_free=64 * gib) == ray_node.MIN_OBJECT_STORE
+    assert object_store_bytes(memory=100 * 2**20, shm_free=64 * gib) == ray_node_size.MIN_OBJECT_STORE
 
 
 def test_slurms_memory_limit_sizes_the_node_when_it_is_the_least(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_MEM_PER_NODE", "1000")
-    assert ray_node.memory_limit() == (1000 * 2**20, "SLURM_MEM_PER_NODE")
+    assert ray_node_size.memory_limit() == (1000 * 2**20, "SLURM_MEM_PER_NODE")
 
 
 def test_the_address_is_node_addr_then_the_schedulers_own_when_this_machine_holds_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,7 +105,7 @@ def test_the_wait_ends_at_once_naming_a_node_whose_step_ended(tmp_path: Path, mo
 
 
 def test_the_wait_names_the_missing_nodes_at_its_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ray_node, "alive_nodes", lambda dashboard: {"n0": {"CPU": 2.0, "GPU": 8.0}, "n1": {"CPU": 2.0}})
+    monkeypatch.setattr(ray_wait, "alive_nodes", lambda dashboard: {"n0": {"CPU": 2.0, "GPU": 8.0}, "n1": {"CPU": 2.0}})
     bad_nodes = tmp_path / "bad-nodes"
     monkeypatch.setenv("PURRSIGHT_BAD_NODES_FILE", str(bad_nodes))
     args = ["wait", "--job", "5", "--head", "127.0.0.1", "--nodes", "n0,n1,n2", "--gpus-per-node", "8", "--deadline", "1"]
