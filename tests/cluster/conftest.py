@@ -12,6 +12,9 @@ That wait is what keeps the new run's launch credential from being taken for the
 revoked one, so the tests wait it out rather than forcing an earlier start (`scontrol update
 StartTime=now` raced it and failed the restarted job now and then).
 
+`bf_interval=5,sched_interval=5` (defaults 30 and 60): a requeued job, once its hold is over,
+waits for the scheduler's next pass; five seconds keeps that wait short.
+
 `BatchStartTimeout=60` and `MessageTimeout=30` (defaults 10 and 10): these tests run beside
 the rest of the suite on two cores, where a batch script's launch or an RPC can take longer
 than 10 s; SLURM then requeues a job it is still starting, which no test asks for.
@@ -58,6 +61,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=5,sched_interval=5
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
