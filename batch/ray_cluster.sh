@@ -3,35 +3,45 @@
 # scheduler-independent half of slurm/ray.sbatch and pbs/ray.pbs, sourced by both from the
 # job's working folder (docs/SCHEDULERS.md, "Ray inside a batch job").
 #
-#   ray_check_config CONFIG [k=v]   the config and overrides checked before any Ray starts (exit 2)
-#   ray_cluster_up           this job's Ray on every node (the head on the first), then a wait with a
-#                            deadline for every node and its GPUs: 0, or 3 naming the missing node
-#   ray_train CONFIG [k=v]   the training through purrsight.ray_engine.submit; USR1/TERM stop it
-#                            (every worker checkpoints); its exit code is the driver's
+#   ray_cluster_init JOB GPUS GPU_SOURCE   the job id (ports, temp dirs, log folder follow from it)
+#                            and the GPUs of each node (and where that number comes from)
+#   ray_node_add NAME HINT   a node, in order (the first is the head), with the scheduler's
+#                            address or host name for it
+#   ray_run CONFIG [k=v]     the config checked (exit 2), this job's Ray up on every node with a
+#                            deadline (exit 3 naming a missing node), then the training through
+#                            purrsight.ray_engine.submit; its exit code is the driver's
+#   ray_stop_training SIG    the traps' part: the training stops, every worker checkpointing
 #   ray_cluster_down         this job's Ray stopped on every node, nothing else of the node's
 #
-# The wrapper sets RAY_JOB (the job id), RAY_NODE_NAMES and RAY_NODE_HINTS (arrays: the nodes,
-# first the head, and the scheduler's address of each), RAY_GPUS_PER_NODE and RAY_GPU_SOURCE,
-# and defines log, ray_on_node INDEX COMMAND... (execs COMMAND on that node: srun, pbsdsh or ssh;
-# called in the background) and ray_stop_nodes (asks every node's command to end, SIGTERM).
+# The wrapper defines log, ray_on_node INDEX COMMAND... (execs COMMAND on that node: srun, pbsdsh
+# or ssh; called in the background) and ray_stop_nodes PID... (asks the nodes' commands started
+# so to end, SIGTERM), and keeps STOP_SIGNAL (the first stop signal) in its traps.
+
+# shellcheck source=batch/python_env.sh disable=SC1091 # linted on its own
+source batch/python_env.sh
+
+RAY_JOB=0
+RAY_GPUS_PER_NODE=0
+RAY_GPU_SOURCE="none given"
+RAY_NODE_NAMES=()
+RAY_NODE_HINTS=()
 
 RAY_STEP_PIDS=()
 RAY_SUBMIT_PID=""
 
-ray_python_env() {
-  # The Python the nodes run: VENV, else this folder's .venv, else the one on PATH (as the launcher).
-  if [[ -n "${VENV:-}" ]]; then
-    # shellcheck disable=SC1091
-    source "${VENV}/bin/activate"
-  elif [[ -f .venv/bin/activate && -z "${VIRTUAL_ENV:-}" ]]; then
-    # shellcheck disable=SC1091
-    source .venv/bin/activate
-  fi
-  command -v ray >/dev/null || { log "error: no ray on PATH ($(command -v python || echo no python)): pip install -e '.[ray]'"; exit 2; }
+ray_cluster_init() {
+  RAY_JOB="$1" RAY_GPUS_PER_NODE="$2" RAY_GPU_SOURCE="$3"
+}
+
+ray_node_add() {
+  RAY_NODE_NAMES+=("$1")
+  RAY_NODE_HINTS+=("$2")
 }
 
 ray_check_config() {
-  ray_python_env
+  # The nodes inherit this Python (srun) or get its PATH forwarded (pbs/nodes.sh).
+  activate_job_python
+  command -v ray >/dev/null || { log "error: no ray on PATH ($(command -v python || echo no python)): pip install -e '.[ray]'"; exit 2; }
   python -m purrsight.launcher.ray_node check-config "$@"
 }
 
@@ -65,11 +75,24 @@ ray_cluster_up() {
     "${watch[@]}")"
 }
 
-# shellcheck disable=SC2317 # invoked by the wrappers' stop_run
+# shellcheck disable=SC2317 # invoked by the wrappers' traps
 ray_stop_training() {
+  log "received SIG$1: stopping the training (every worker saves a checkpoint)"
   # The submit wrapper answers its first SIGTERM as `ray job stop` does: every worker saves a
   # checkpoint, and it waits for the job's end.
   if [[ -n "${RAY_SUBMIT_PID}" ]]; then kill -s TERM "${RAY_SUBMIT_PID}" 2>/dev/null || true; fi
+}
+
+ray_run() {
+  local rc=0
+  ray_check_config "$@" || rc=$?
+  ((rc != 0)) || ray_cluster_up || rc=$?
+  if ((rc == 0)) && [[ -z "${STOP_SIGNAL:-}" ]]; then
+    ray_train "$@" || rc=$?
+  elif ((rc == 0)); then
+    rc=143 # stopped while the cluster came up: nothing trained, nothing to checkpoint
+  fi
+  return "${rc}"
 }
 
 ray_train() {
@@ -100,7 +123,7 @@ ray_cluster_down() {
   local pid deadline=$((SECONDS + 60))
   ((${#RAY_STEP_PIDS[@]})) || return 0
   log "stopping this job's Ray on every node"
-  ray_stop_nodes
+  ray_stop_nodes "${RAY_STEP_PIDS[@]}"
   for pid in "${RAY_STEP_PIDS[@]}"; do
     while kill -0 "${pid}" 2>/dev/null && ((SECONDS < deadline)); do sleep 1; done
     kill -s KILL "${pid}" 2>/dev/null || true

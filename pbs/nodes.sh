@@ -1,6 +1,9 @@
 # shellcheck shell=bash
 # pbs/nodes.sh: what pbs/train.pbs and pbs/ray.pbs share, sourced by both from the job's folder.
 #
+#   pbs_job_arguments ARG...  CONFIG (default: the embedded default) and JOB_OVERRIDES (array): the
+#                             script's arguments, else OVERRIDES split on spaces (qsub passes none)
+#   pbs_job_number            the number of PBS_JOBID ("4242.server" -> 4242; 0 without one)
 #   pbs_hosts                 PBS_HOSTS and PBS_HOST_INDEXES (arrays): the unique hosts of
 #                             PBS_NODEFILE in file order, and each one's first line (its vnode)
 #   pbs_run_on INDEX CMD...   run CMD on host INDEX, in the job's folder with the job's settings
@@ -31,6 +34,19 @@ forwarded_env() {
       fi
     done
   done < <(compgen -e)
+}
+
+pbs_job_arguments() {
+  CONFIG="${CONFIG:-config/train_config.yaml}"
+  JOB_OVERRIDES=("$@")
+  if ((${#JOB_OVERRIDES[@]} == 0)) && [[ -n "${OVERRIDES:-}" ]]; then read -r -a JOB_OVERRIDES <<<"${OVERRIDES}"; fi
+}
+
+pbs_job_number() {
+  local number="${PBS_JOBID:-0}"
+  number="${number%%.*}"
+  number="${number//[^0-9]/}"
+  printf '%s\n' "${number:-0}"
 }
 
 pbs_hosts() {

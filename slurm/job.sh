@@ -3,6 +3,7 @@
 # `cd "${SLURM_SUBMIT_DIR}"`): the allocation's node addresses, and the run's end.
 #
 #   node_address NODE        the node's address as SLURM reaches it (NodeAddr), else DNS
+#   gpus_per_node            the GPUs SLURM gave each node ("a100:8" -> 8; 0 when none or unreadable)
 #   requeue_setup            before the run: the run's counters, RESUME=auto after a requeue
 #   on_stop_signal SIG       the traps' part: record the first stop signal, call stop_run
 #   finish_run RC STARTED    after the run: end, or requeue (excluding bad nodes), as docs/SCHEDULERS.md says
@@ -19,6 +20,13 @@ node_address() {
   addr="$(scontrol show node "$1" -o | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')"
   [[ -n "${addr}" && "${addr}" != "$1" ]] || addr="$(getent ahosts "$1" | awk 'NR == 1 { print $1 }')"
   printf '%s\n' "${addr:-$1}"
+}
+
+gpus_per_node() {
+  local gpus="${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}"
+  gpus="${gpus##*:}"
+  [[ "${gpus}" =~ ^[0-9]+$ ]] || gpus=0
+  printf '%s\n' "${gpus}"
 }
 
 requeue_setup() {
