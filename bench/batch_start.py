@@ -25,29 +25,19 @@ import statistics
 import subprocess
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 from bench.common import REPO, machine
 from purrsight.data.synthetic import generate
 from tests.cluster.conftest import SlurmCluster, running_cluster
-from tests.helpers import tiny_overrides
+from tests.helpers import log_time, rank0_steps, tiny_overrides
 
 SCRIPTS = {"train.sbatch": "purrsight-phase2", "ray.sbatch": "purrsight-ray"}
-STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \[rank 0\] INFO purrsight\.progress: step (\d+)/")
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \[\w+\.sbatch \d+\] (.*)$", re.M)
 
 
-def seconds(stamp: str) -> float:
-    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp()
-
-
-def steps(text: str) -> list[tuple[float, int]]:
-    return [(seconds(match.group(1)), int(match.group(2))) for match in STEP.finditer(text)]
-
-
 def script_line(text: str, words: str) -> float:
-    return next(seconds(match.group(1)) for match in STAMP.finditer(text) if words in match.group(2))
+    return next(log_time(match.group(1)) for match in STAMP.finditer(text) if words in match.group(2))
 
 
 def run(cluster: SlurmCluster, script: str, work: Path, data: Path) -> dict[str, float]:
@@ -60,7 +50,7 @@ def run(cluster: SlurmCluster, script: str, work: Path, data: Path) -> dict[str,
     job = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout.strip()
     out = work / f"{SCRIPTS[script]}-{job}.out"
     deadline = time.monotonic() + 600
-    while not any(step >= 20 for _, step in steps(out.read_text(errors="replace") if out.exists() else "")):
+    while not any(step >= 20 for _, step in rank0_steps(out.read_text(errors="replace") if out.exists() else "")):
         if time.monotonic() > deadline:
             raise RuntimeError(f"{script} job {job} did not reach step 20")
         time.sleep(0.2)
@@ -72,8 +62,8 @@ def run(cluster: SlurmCluster, script: str, work: Path, data: Path) -> dict[str,
         raise RuntimeError(f"{script} job {job} ended {state}:\n{text[-3000:]}")
     resumed_at = text.index("resume=auto: continuing from")
     return {
-        "start": steps(text)[0][0] - submitted,
-        "requeue": steps(text[resumed_at:])[0][0] - signalled,
+        "start": rank0_steps(text)[0][0] - submitted,
+        "requeue": rank0_steps(text[resumed_at:])[0][0] - signalled,
         "held": script_line(text, "after a requeue: resuming") - script_line(text, "requeueing; the next run resumes"),
     }
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -182,6 +184,21 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
 
 def column(rows: list[dict[str, str]], name: str) -> list[float]:
     return [float(row[name]) for row in rows if row.get(name)]
+
+
+# Rank 0's step line (logging.progress=lines) wherever it stands in a line: a node's log, a batch
+# script's output (srun's "[node0 rank0] " prefix) or Ray's ("(RayTrainWorker pid=…) " prefix).
+RANK0_STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \[rank 0\] INFO purrsight\.progress: step (\d+)/")
+
+
+def log_time(stamp: str) -> float:
+    """The Unix time of a log line's 'YYYY-mm-dd HH:MM:SS.fff' (its first 23 characters)."""
+    return datetime.strptime(stamp[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
+def rank0_steps(text: str) -> list[tuple[float, int]]:
+    """(when, step) of each of rank 0's step lines in ``text``."""
+    return [(log_time(match.group(1)), int(match.group(2))) for match in RANK0_STEP.finditer(text)]
 
 
 def free_port() -> int:

@@ -11,7 +11,6 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from purrsight.bad_nodes import BAD_NODES_ENV, name_bad_node
+from purrsight.launcher import network
 
 if TYPE_CHECKING:  # the caller loaded the config; importing pydantic here would cost every import of this module
     from purrsight.config import Config
@@ -165,25 +165,17 @@ def check_writable(folder: Path) -> str:
 
 
 def check_master(addr: str, port: int, timeout_s: float, interval_s: float = 1.0) -> str:
-    """Retry a TCP connect until the master's rendezvous port answers or the timeout passes.
-
-    A worker node started before its master waits here instead of failing at once.
-    """
-    deadline = time.monotonic() + timeout_s
-    attempts = 0
-    while True:
-        attempts += 1
-        try:
-            with socket.create_connection((addr, port), timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
-                return f"{addr}:{port} answered after {attempts} attempt(s)"
-        except OSError as err:
-            if time.monotonic() + interval_s > deadline:
-                raise CheckFailedError(
-                    f"Cannot connect to master node at {addr}:{port} after {timeout_s:.0f} s ({err.strerror or err}). "
-                    "Check: the master node's launcher is running; the firewall allows TCP "
-                    f"{port} between nodes; {addr} is the master's address on a network this node reaches"
-                ) from None
-            time.sleep(interval_s)
+    """The master's rendezvous port answers within the timeout (a worker node started before its
+    master waits for it)."""
+    try:
+        attempts = network.await_port(addr, port, timeout_s, interval_s)
+    except OSError as err:
+        raise CheckFailedError(
+            f"Cannot connect to master node at {addr}:{port} after {timeout_s:.0f} s ({err.strerror or err}). "
+            "Check: the master node's launcher is running; the firewall allows TCP "
+            f"{port} between nodes; {addr} is the master's address on a network this node reaches"
+        ) from None
+    return f"{addr}:{port} answered after {attempts} attempt(s)"
 
 
 def run_check(name: str, check: Callable[[], str]) -> Result:

@@ -1,4 +1,4 @@
-"""Which interface and address reach the master, and what InfiniBand this node has.
+"""Which interface and address reach the master, whether its port answers, and what InfiniBand this node has.
 
 Both are read from the system (``ip route get``, ``/sys/class/infiniband``) by thin
 functions, and decided by pure ones that take the text or the tree as arguments, so the
@@ -10,6 +10,8 @@ from __future__ import annotations
 import ipaddress
 import socket
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,29 @@ def resolve(host: str) -> str:
         return str(ipaddress.ip_address(host))
     except ValueError:
         return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+
+
+def await_port(
+    addr: str, port: int, timeout_s: float, interval_s: float = 1.0, waiting: Callable[[OSError], None] | None = None
+) -> int:
+    """Retry a TCP connect until ``addr:port`` answers; the attempts it took.
+
+    A node started before the one it joins waits here instead of failing at once; ``waiting``
+    hears the first refusal. Past ``timeout_s`` the last attempt's OSError is raised.
+    """
+    deadline = time.monotonic() + timeout_s
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            with socket.create_connection((addr, port), timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
+                return attempts
+        except OSError as err:
+            if time.monotonic() + interval_s > deadline:
+                raise
+            if attempts == 1 and waiting is not None:
+                waiting(err)
+            time.sleep(interval_s)
 
 
 def parse_route(text: str) -> Route | None:

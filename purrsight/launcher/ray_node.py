@@ -61,7 +61,7 @@ class JobPorts:
 
     @classmethod
     def of(cls, job: str, base: int = PORT_BASE) -> JobPorts:
-        number = int("".join(ch for ch in job if ch.isdigit()) or 0)
+        number = int("".join(ch for ch in job.split(".", 1)[0] if ch.isdigit()) or 0)  # "4242.server" -> 4242
         return cls(base + (number % JOB_SLOTS) * BLOCK)
 
     @property
@@ -122,23 +122,6 @@ def node_address(hint: str | None, head: str | None) -> str:
 
 
 # --- start and stop --------------------------------------------------------------------------
-
-
-def wait_for_port(host: str, port: int, deadline_s: float, say: Say) -> bool:
-    """Whether ``host:port`` accepts a connection before the deadline (the head is up and reachable)."""
-    deadline = time.monotonic() + deadline_s
-    said = False
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=5):
-                return True
-        except OSError as err:
-            if time.monotonic() > deadline:
-                return False
-            if not said:
-                say(f"waiting for the head at {host}:{port} ({err.strerror or err})")
-                said = True
-            time.sleep(1)
 
 
 def ray_processes(temp: Path) -> list[int]:
@@ -211,7 +194,13 @@ def start(args: argparse.Namespace) -> int:
     if args.role == "head":
         command += ["--head", "--dashboard-host", address, *ports.head_flags()]
     else:
-        if not wait_for_port(args.head, ports.gcs, args.head_wait, say):
+
+        def waiting(err: OSError) -> None:
+            say(f"waiting for the head at {args.head}:{ports.gcs} ({err.strerror or err})")
+
+        try:
+            network.await_port(args.head, ports.gcs, args.head_wait, waiting=waiting)
+        except OSError:
             say(
                 f"error: the head {args.head}:{ports.gcs} is not reachable from {address} after {args.head_wait:.0f} s "
                 "(a firewall, or the wrong interface: set NODE_ADDR)"

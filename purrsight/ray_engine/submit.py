@@ -112,8 +112,7 @@ class Submission:
     def __init__(self, client: Any, job_id: str) -> None:
         self.client = client
         self.job_id = job_id
-        self.signals = 0
-        self.first_signal_at = 0.0
+        self.stop_asked_at: float | None = None  # when the first SIGINT/SIGTERM asked the job to stop
 
     async def follow(self) -> None:
         loop = asyncio.get_running_loop()
@@ -125,13 +124,12 @@ class Submission:
 
     def _on_signal(self, sig: int) -> None:
         now = time.monotonic()
-        if self.signals and now - self.first_signal_at < SAME_STOP_S:
+        if self.stop_asked_at is not None and now - self.stop_asked_at < SAME_STOP_S:
             return  # the same stop, told twice: scancel signals this process and the batch script that relays it
-        self.signals += 1
-        self.first_signal_at = self.first_signal_at or now
-        if self.signals > 1:
+        if self.stop_asked_at is not None:
             print(f"\nleaving job {self.job_id} running; stop it with `ray job stop {self.job_id}`", file=sys.stderr)
             raise SystemExit(SIGNAL_BASE + sig)
+        self.stop_asked_at = now
         print(
             f"\n{signal.Signals(sig).name}: stopping job {self.job_id} (each worker saves a checkpoint); "
             "Ctrl-C again leaves it running",

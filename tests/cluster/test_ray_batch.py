@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from purrsight.launcher.ray_node import JobPorts, ray_processes, temp_dir
 from tests.cluster.conftest import SlurmCluster
 from tests.cluster.test_slurm import batch_output, job_env, sbatch, submit
-from tests.helpers import REPO, check_every_sample_once, record_samples_env, tiny_overrides
+from tests.helpers import REPO, check_every_sample_once, log_time, rank0_steps, record_samples_env, tiny_overrides
 
 pytest.importorskip("ray", reason="slurm/ray.sbatch needs the ray extra (scripts/test.sh installs it)")
 pytestmark = pytest.mark.root  # SLURM's daemons run as root here
@@ -26,17 +25,6 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 # Memory per node: SLURM's limit sizes each node's object store (30% of it), and keeps four
 # Ray nodes on this machine from claiming /dev/shm four times over.
 RAY_ALLOCATION = ("--mem=1000",)
-RANK0_STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \[rank 0\] INFO purrsight\.progress: step ")
-
-
-def stamp(line: str) -> float:
-    """The time of a log line that starts with 'YYYY-mm-dd HH:MM:SS.fff'."""
-    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
-
-
-def step_stamps(text: str) -> list[float]:
-    """When rank 0 logged each of its steps (Ray prefixes the worker's lines with its own tag)."""
-    return [stamp(match.group(1)) for match in RANK0_STEP.finditer(text)]
 
 
 def no_ray_left(job: str, slots: int = 2) -> None:
@@ -86,7 +74,7 @@ def test_two_ray_jobs_on_the_same_nodes_one_from_a_set_prepared_by_an_array_and_
     (a_down,) = [line for line in batch_output(tmp_path / "a", first, "purrsight-ray").splitlines() if "Ray on every node" in line]
     deadline = time.monotonic() + 300
     # B trains on after A's teardown: two of its steps stamped after it.
-    while len([t for t in step_stamps(out_b.read_text(errors="replace")) if t > stamp(a_down)]) < 2:
+    while len([when for when, _ in rank0_steps(out_b.read_text(errors="replace")) if when > log_time(a_down)]) < 2:
         assert time.monotonic() < deadline, out_b.read_text(errors="replace")[-3000:]
         time.sleep(1)
     slurm.run("scancel", "--batch", "--signal=TERM", second)

@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 
 from purrsight.runs.attempts import read_attempts, summarize
 from tests.cluster.conftest import SlurmCluster
-from tests.helpers import REPO, check_every_sample_once, fault_env, record_samples_env, tiny_overrides
+from tests.helpers import REPO, check_every_sample_once, fault_env, log_time, record_samples_env, tiny_overrides
 
 # The test nodes have 2 CPUs and no GPUs: these (and --nodes, 2 unless a test says) override the script's #SBATCH defaults.
 SMALL_ALLOCATION = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
@@ -104,9 +103,9 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     # From the batch script's first line to rank 0's last ("done: step 120"): what comes after it,
     # torchrun's agents noticing their workers' exit and leaving the rendezvous (1 s idle, 4 s on a
     # loaded machine), is no attempt's and is left out.
-    first = datetime.strptime(out.splitlines()[0][:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+    first = log_time(out.splitlines()[0])
     (done,) = [line for line in out.splitlines() if f"INFO purrsight: done: step {steps}" in line]
-    last = datetime.strptime(done.split("] ", 1)[1][:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+    last = log_time(done.split("] ", 1)[1])
     wall = last - first
     total = sum(split.total for split in summary.splits)
     assert abs(total - wall) <= 0.02 * wall, (total, wall, summary)

@@ -35,6 +35,7 @@ def test_every_port_follows_from_the_job_and_two_jobs_or_two_nodes_never_share_o
     assert len(sixteen) == 3 + 16 * 6 and min(sixteen) >= 10000 and max(sixteen) < 20000  # below MASTER_PORT's 20000
     assert sixteen.isdisjoint(ports_of("4243", 16))
     assert JobPorts.of("4242") == JobPorts.of("4242.pbs-server")  # a PBS job id's number
+    assert JobPorts.of("42") == JobPorts.of("42.server7")  # not the server name's digits
     assert JobPorts.of("7", base=30000).gcs == 30700  # RAY_PORT_BASE
 
 
