@@ -115,6 +115,9 @@ def lora_a_init(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     the same on every rank, whether the model is built whole or sharded (training/fsdp.py)."""
     key = name.split("base_model.model.", 1)[-1]  # as peft names it, wherever the LLM sits
     generator = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:15], 16))
-    value = torch.empty(shape)
+    # On the CPU, where the generator is, whatever default device the caller set: Lightning
+    # builds the model under `torch.device("cuda")` on a GPU, and a CUDA tensor refuses a CPU
+    # generator (every bf16 run on a GPU stopped here; caught by tests/gpu on an H200).
+    value = torch.empty(shape, device="cpu")
     nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
     return value

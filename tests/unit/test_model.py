@@ -260,3 +260,17 @@ def test_compiled_decoder_layers_train_like_eager_ones_and_keep_checkpoint_names
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         if a.requires_grad:
             assert torch.allclose(a.grad, b.grad, atol=1e-5), name
+
+
+def test_lora_a_init_is_a_cpu_value_whatever_the_default_device() -> None:
+    """Lightning builds the model under `torch.device("cuda")` on a GPU; the LoRA A values come
+    from a CPU generator and must be made on the CPU there too (every GPU run failed on it).
+    The meta device stands in for CUDA as the default device: both differ from the generator's."""
+    from purrsight.model.llm import lora_a_init
+
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    plain = lora_a_init(name, torch.Size([4, 16]), seed=3)
+    with torch.device("meta"):
+        under_other_default = lora_a_init(name, torch.Size([4, 16]), seed=3)
+    assert under_other_default.device.type == "cpu"
+    assert torch.equal(under_other_default, plain)
