@@ -7,6 +7,9 @@ pid, and two writers must never write into one temp file. A reader (or a second 
 the old file or the new one, never half of one; a writer that dies leaves a ``.*.tmp`` file
 that ``stale_temp_files`` finds. What is published in order (a prepared set's shards, then its
 manifest) reaches the disk in that order.
+
+A folder (an export) is published the same way: written whole into a temporary folder beside it,
+every file and folder in it fsynced, then renamed into place (``publishing_folder``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -66,6 +70,64 @@ def publish(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """``write(stream)`` into a temporary file, then published whole at ``path``."""
     with publishing(path) as stream:
         write(stream)
+
+
+def copy_atomically(source: Path, target: Path) -> None:
+    """A copy of ``source`` published whole at ``target`` (its old content stays until the copy is whole)."""
+    with source.open("rb") as reading:
+        publish(target, lambda stream: shutil.copyfileobj(reading, stream, 16 * 2**20))
+
+
+def link_atomically(source: Path, target: Path) -> None:
+    """``target`` made a hard link to ``source``, replacing what was there in one rename.
+
+    OSError where the filesystem has no hard links (the caller copies then). The link's temporary
+    name is as unique as a file's: two writers (two hosts on one shared folder) never collide on it.
+    """
+    tmp = temp_name(target)
+    os.link(source, tmp)
+    try:
+        os.replace(tmp, target)
+    finally:
+        # Gone after a rename; still there after a failed one, or when ``target`` already was
+        # this file (rename(2) then does nothing and leaves both names).
+        tmp.unlink(missing_ok=True)
+    sync_folder(target.parent)
+
+
+def _sync_tree(folder: Path) -> None:
+    """fsync every file under ``folder``, then every folder, deepest first (a file before its entry)."""
+    folders = [folder]
+    for path in sorted(folder.rglob("*")):
+        if path.is_dir():
+            folders.append(path)
+        else:
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    for each in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        sync_folder(each)
+
+
+@contextmanager
+def publishing_folder(path: Path) -> Iterator[Path]:
+    """A temporary folder beside ``path`` that becomes ``path`` when the block ends without an error.
+
+    ``path`` must not exist, or be an empty folder: one rename cannot replace a folder that holds
+    files, and what it holds is not ours to delete (the rename fails with OSError, ENOTEMPTY).
+    On an error (or a KeyboardInterrupt) the temporary folder is removed and ``path`` is left as
+    it was; a writer killed outright leaves a hidden ``.*.tmp`` folder that ``stale_temp_files``
+    finds.
+    """
+    tmp = temp_name(path)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _sync_tree(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    sync_folder(path.parent)
 
 
 def write_atomically(path: Path, data: bytes) -> None:

@@ -28,7 +28,7 @@ import socket
 import time
 from pathlib import Path
 
-from purrsight.atomic_file import write_text_atomically
+from purrsight.atomic_file import copy_atomically, link_atomically, write_text_atomically
 from purrsight.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -113,14 +113,15 @@ def clear_for_new_run(run_dir: Path, if_exists: str) -> None:
 
 
 def link_or_copy(source: Path, target: Path) -> None:
-    """Point ``target`` at ``source``: a hard link, or a copy where the filesystem has none."""
-    tmp = target.with_name(f".{target.name}.link")
-    tmp.unlink(missing_ok=True)
+    """Point ``target`` at ``source``: a hard link, or a copy where the filesystem has none.
+
+    Either way through atomic_file.py (a unique temp name, fsync, rename): a writer killed
+    mid-copy leaves the old ``target`` whole and a ``.*.tmp`` file that the next start removes.
+    """
     try:
-        os.link(source, tmp)
+        link_atomically(source, target)
     except OSError:
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, target)
+        copy_atomically(source, target)
 
 
 def set_aside_later_checkpoints(resumed: Path, step: int) -> Path | None:

@@ -2,8 +2,10 @@
 
 Layout in ``<run_dir>/checkpoints``: ``step-00000050.ckpt`` ... (the newest
 ``keep_last``), and ``last.ckpt``, a hard link to the newest (a copy where the
-filesystem has no hard links). Every file is written to a temporary name, flushed
-and renamed, so a process killed mid-write leaves the previous checkpoint whole.
+filesystem has no hard links). Every file, ``last.ckpt``'s link or copy included, goes
+through purrsight/atomic_file.py (a unique temporary name, fsync, rename), so a process
+killed mid-write leaves the previous checkpoint whole, and the ``.*.tmp`` file it left is
+removed at the next start.
 """
 
 from __future__ import annotations

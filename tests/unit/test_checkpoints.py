@@ -1,20 +1,25 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from purrsight.atomic_file import stale_temp_files
 from purrsight.config import Config, load_config
-from purrsight.run_folder import RunFolderError, step_checkpoints
+from purrsight.run_folder import RunFolderError, link_or_copy, step_checkpoints
 from purrsight.runs import checkpoint_saver
 from purrsight.runs.checkpoint_files import CheckpointReadError, newest_checkpoint, saved_step
 from purrsight.runs.checkpoint_saver import AtomicCheckpointIO
 from purrsight.runs.start import ResumeError, StartPlan, choose_start, plan_start, prepare_run_folder
 from purrsight.training.module import CheckpointMismatchError, verify_checkpoint
 from purrsight.training.optim import warmup_cosine
-from tests.helpers import DEFAULT_CONFIG
+from tests.helpers import DEFAULT_CONFIG, REPO, python_env
+from tests.unit.test_atomic_file import DiskOrder
 
 
 def test_killed_mid_write_leaves_the_previous_checkpoint_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,6 +36,67 @@ def test_killed_mid_write_leaves_the_previous_checkpoint_whole(tmp_path: Path, m
         io.save_checkpoint({"step": torch.tensor(2)}, target)
     assert io.load_checkpoint(target)["step"].item() == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # the temp file is gone
+
+
+# A filesystem without hard links (some FUSE and SMB mounts) cannot be mounted on this machine
+# (no vfat tools, no FUSE filesystem): os.link refusing is the one fake, as such a mount refuses.
+LINKLESS_COPY_KILLED_AT = """
+import os, resource, signal, sys
+from pathlib import Path
+from purrsight.run_folder import link_or_copy
+
+def no_hard_links(*args, **kwargs):
+    raise PermissionError(1, "Operation not permitted")
+
+os.link = no_hard_links
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the kernel's default ends the writer
+limit = int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+link_or_copy(Path(sys.argv[1]), Path(sys.argv[2]))
+"""
+
+
+def test_a_last_ckpt_copy_killed_mid_write_leaves_the_old_one_and_a_temp_the_next_start_removes(tmp_path: Path) -> None:
+    """last.ckpt copied (no hard links) by a real process the kernel kills half way through the
+    write (SIGXFSZ at a file-size limit of half the checkpoint): the old last.ckpt is whole, and
+    what the copy left is a temp file that the saver's start removes (stale_temp_files)."""
+    newest = tmp_path / "step-00000020.ckpt"
+    newest.write_bytes(os.urandom(4 * 2**20))
+    last = write_checkpoint(tmp_path / "last.ckpt", 10)
+    before = last.read_bytes()
+    limit = 2 * 2**20
+    args = [sys.executable, "-c", LINKLESS_COPY_KILLED_AT, str(newest), str(last), str(limit)]
+    killed = subprocess.run(args, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -signal.SIGXFSZ, killed.stderr[-2000:]
+    assert last.read_bytes() == before and saved_step(last) == 10
+    (torn,) = stale_temp_files(tmp_path)  # before the fix: a fixed '.last.ckpt.link' that no start removed
+    assert torn.name.startswith(".last.ckpt.") and torn.stat().st_size == limit
+
+
+def test_a_last_ckpt_copy_is_synced_before_it_replaces_the_old_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the fsync a power cut after the rename could leave an empty last.ckpt (ext4's delayed allocation)."""
+    newest = write_checkpoint(tmp_path / "step-00000020.ckpt", 20)
+    write_checkpoint(tmp_path / "last.ckpt", 10)
+
+    def no_hard_links(*args: object) -> None:  # as above: no such filesystem can be mounted here
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_hard_links)
+    order = DiskOrder(monkeypatch)
+    link_or_copy(newest, tmp_path / "last.ckpt")
+    (synced, tmp), renamed, synced_folder = order.events
+    assert synced == "fsync" and Path(tmp).name.startswith(".last.ckpt.") and tmp.endswith(".tmp")
+    assert renamed == ("rename", str(tmp_path / "last.ckpt")) and synced_folder == ("fsync", str(tmp_path))
+    assert saved_step(tmp_path / "last.ckpt") == 20 and not stale_temp_files(tmp_path)
+
+
+def test_last_ckpt_is_a_hard_link_to_the_newest_and_leaves_no_temp(tmp_path: Path) -> None:
+    newest = write_checkpoint(tmp_path / "step-00000020.ckpt", 20)
+    write_checkpoint(tmp_path / "last.ckpt", 10)
+    for _ in range(2):  # the second time last.ckpt already is the newest: rename(2) then keeps both names
+        link_or_copy(newest, tmp_path / "last.ckpt")
+        assert (tmp_path / "last.ckpt").samefile(newest)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step-00000020.ckpt"]  # was: '.last.ckpt.link' left
 
 
 def test_checkpoint_loading_refuses_pickled_code(tmp_path: Path) -> None:
