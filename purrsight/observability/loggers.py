@@ -4,13 +4,19 @@ Step numbers: purrsight/observability/step_numbering.py. Trackers (MLflow, W&B):
 
 History. Lightning's CSV writer deletes ``metrics.csv`` when it starts, so a resumed run
 (by hand, RESUME=auto, a torchrun restart, a SLURM requeue) lost every row before the
-resume. Here the rows up to the resumed step stay and later ones (redone now) are
-replaced; TensorBoard is told to drop its own later events (``purge_step``).
+resume, and it rewrites the file in place when a new key appears, so a kill then cut the
+run's history. Here the rows up to the resumed step stay and later ones (redone now) are
+replaced, rows are only appended, and a wider header is published whole (``_ContinuingWriter``);
+TensorBoard is told to drop its own later events (``purge_step``).
 """
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import io
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +25,80 @@ from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import rank_zero_experiment
 
+from purrsight.atomic_file import write_atomically, write_text_atomically
 from purrsight.config import Config, ConfigError
 from purrsight.observability.step_numbering import RunStepNumbering
 from purrsight.observability.trackers import build_trackers
 from purrsight.run_folder import truncate_history
 
+log = logging.getLogger(__name__)
+
 
 class _ContinuingWriter(ExperimentWriter):
-    """Lightning's CSV writer, keeping the earlier rows up to ``through_step`` instead of deleting the file."""
+    """Lightning's CSV writer, continuing one run's ``metrics.csv`` and never rewriting it in place.
+
+    - At start the rows up to ``through_step`` stay (Lightning's deletes the file), and a last
+      line torn by a kill mid-append is cut: appended to, it would merge with the next row.
+    - Rows are appended under the header the file has.
+    - A key the header lacks (``val/loss`` at the first validation) needs a wider header. The
+      file is then written anew, earlier rows and new ones under the wider header, through
+      atomic_file.py: a kill leaves the old file or the new one, never the truncated one that
+      Lightning's in-place rewrite left. A new section with its own header, appended, would
+      need no rewrite, but csv.DictReader and pandas read one header per file; one table is
+      what readers (tests/helpers.read_metrics, the report) take, and the rewrite happens once
+      per new key, not per save.
+    """
 
     def __init__(self, log_dir: str, through_step: int) -> None:
         self._through_step = through_step
         super().__init__(log_dir)
 
     def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv here
-        # The kept rows' columns: new ones are added by Lightning's header rewrite.
-        self.metrics_keys = truncate_history(Path(self.metrics_file_path), self._through_step)
+        path = Path(self.metrics_file_path)
+        _cut_torn_last_line(path)
+        self.metrics_keys = truncate_history(path, self._through_step)  # the kept rows' columns
+
+    def save(self) -> None:
+        if not self.metrics:
+            return
+        path = Path(self.metrics_file_path)
+        if self._record_new_keys() or not path.is_file():
+            self._publish_whole(path)
+        else:
+            self._append(path)
+        self.metrics = []
+
+    def _append(self, path: Path) -> None:
+        with path.open("a", newline="") as handle:
+            csv.DictWriter(handle, fieldnames=self.metrics_keys).writerows(self.metrics)
+            handle.flush()
+            os.fsync(handle.fileno())  # once per flush (every 100 steps): the rows survive a power cut
+
+    def _publish_whole(self, path: Path) -> None:
+        earlier: list[dict[str, str]] = []
+        if path.is_file():
+            with path.open(newline="") as handle:
+                earlier = list(csv.DictReader(handle))
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.metrics_keys)
+        writer.writeheader()
+        writer.writerows(earlier)
+        writer.writerows(self.metrics)
+        write_text_atomically(path, text.getvalue())
+
+
+def _cut_torn_last_line(path: Path) -> None:
+    """Remove a last line without its newline: what a process killed mid-append leaves."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb") as handle:
+        handle.seek(-1, os.SEEK_END)
+        if handle.read(1) == b"\n":
+            return
+    data = path.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    write_atomically(path, whole)
+    log.warning("%s: removed a torn last line (%d bytes), left by a run killed while writing it", path, len(data) - len(whole))
 
 
 class RunCSVLogger(RunStepNumbering, CSVLogger):
