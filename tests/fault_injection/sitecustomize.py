@@ -15,7 +15,12 @@ Faults (``PURRSIGHT_TEST_FAULT``):
 - ``preflight_delay:RANK:SECONDS``: that rank's local work in the preflight takes SECONDS
   longer, a planted straggler.
 - ``slow_prepare_shard:SECONDS``: every shard of ``train_phase2.py prepare`` takes SECONDS longer
-  (as 4,096 12-MP photos would), so a stop has queued shards to not wait for.
+  (as 4,096 12-MP photos would), spent inside its write with its temp file open, so a stop has
+  queued shards to not wait for and shards half written.
+- ``kill_during_shard_write:N``: SIGKILL the prepare process during its N-th shard write, half of
+  the shard's rows handed to the writer and its temp file open, as a node that dies mid-prepare.
+- ``kill_during_export_write``: SIGKILL ``train_phase2.py export`` once half of
+  ``projectors.safetensors`` is written and flushed (the model and tokenizer files already are).
 
 Not a fault but a witness, planted the same way: ``PURRSIGHT_TEST_RECORD_SAMPLES=DIR`` makes
 every training process append what it trains to ``DIR/<start time ns>-<host>-<pid>-rank<R>.jsonl``
@@ -43,7 +48,11 @@ RECORD_SAMPLES = os.environ.get("PURRSIGHT_TEST_RECORD_SAMPLES", "")
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):
-    """Runs ``patch(module)`` right after ``name`` is imported, whoever imports it."""
+    """Runs ``patch(module)`` right after ``name`` is imported, whoever imports it.
+
+    Each ``patch`` takes the module as Any: it reaches the module's own functions, which
+    ModuleType does not declare.
+    """
 
     def __init__(self, name: str, patch: Callable[[ModuleType], None]) -> None:
         self.name, self.patch = name, patch
@@ -89,7 +98,7 @@ class _SaveThenKill:
 
 
 def _kill_during_checkpoint_write(count: str) -> Callable[[ModuleType], None]:
-    def patch(module: ModuleType) -> None:
+    def patch(module: Any) -> None:
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
             module.torch = _SaveThenKill(module.torch, int(count))  # type: ignore[attr-defined]
 
@@ -97,7 +106,7 @@ def _kill_during_checkpoint_write(count: str) -> Callable[[ModuleType], None]:
 
 
 def _preflight_delay(rank: str, seconds: str) -> Callable[[ModuleType], None]:
-    def patch(module: ModuleType) -> None:
+    def patch(module: Any) -> None:
         local_work = module._local_work
 
         def slow_local_work(device: Any) -> None:
@@ -111,7 +120,7 @@ def _preflight_delay(rank: str, seconds: str) -> Callable[[ModuleType], None]:
 
 
 def _record_samples(folder: str) -> Callable[[ModuleType], None]:
-    def patch(module: ModuleType) -> None:
+    def patch(module: Any) -> None:
         cls = module.Phase2Module
         batch_start = cls.on_train_batch_start
         state: dict[str, Any] = {"sink": None, "since_step": 0}
@@ -138,14 +147,57 @@ def _record_samples(folder: str) -> Callable[[ModuleType], None]:
 
 
 def _slow_prepare_shard(seconds: str) -> Callable[[ModuleType], None]:
-    def patch(module: ModuleType) -> None:
-        prepare_shard = module._prepare_shard
+    def patch(module: Any) -> None:
+        write_shard = module.write_shard
 
-        def slow(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(float(seconds))
-            return prepare_shard(*args, **kwargs)
+        def slow(path: Any, rows: Any, *args: Any, **kwargs: Any) -> Any:
+            def slow_rows() -> Any:
+                time.sleep(float(seconds))  # asked for the first row: the shard's temp file is open
+                yield from rows
 
-        module._prepare_shard = slow
+            return write_shard(path, slow_rows(), *args, **kwargs)
+
+        module.write_shard = slow
+
+    return patch
+
+
+def _kill_during_shard_write(count: str) -> Callable[[ModuleType], None]:
+    def patch(module: Any) -> None:
+        write_shard = module.write_shard
+        writes = [0]
+
+        def killed(path: Any, rows: Any, *args: Any, **kwargs: Any) -> Any:
+            writes[0] += 1
+            if writes[0] != int(count):
+                return write_shard(path, rows, *args, **kwargs)
+            every = list(rows)
+
+            def half_then_killed() -> Any:
+                yield from every[: len(every) // 2]
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            return write_shard(path, half_then_killed(), *args, **kwargs)
+
+        module.write_shard = killed
+
+    return patch
+
+
+def _kill_during_export_write() -> Callable[[ModuleType], None]:
+    def patch(module: Any) -> None:
+        save_file = module.save_file
+
+        def half_then_killed(tensors: Any, filename: str, *args: Any, **kwargs: Any) -> None:
+            save_file(tensors, filename, *args, **kwargs)
+            whole = open(filename, "rb").read()  # noqa: SIM115  # the process ends below
+            with open(filename, "wb") as stream:
+                stream.write(whole[: len(whole) // 2])
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        module.save_file = half_then_killed
 
     return patch
 
@@ -159,6 +211,10 @@ if FAULT:
         sys.meta_path.insert(0, PatchOnImport("purrsight.runs.checkpoint_saver", _kill_during_checkpoint_write(arguments)))
     elif kind == "slow_prepare_shard":
         sys.meta_path.insert(0, PatchOnImport("purrsight.datasets.prepare_job", _slow_prepare_shard(arguments)))
+    elif kind == "kill_during_shard_write":
+        sys.meta_path.insert(0, PatchOnImport("purrsight.datasets.prepare_job", _kill_during_shard_write(arguments)))
+    elif kind == "kill_during_export_write":
+        sys.meta_path.insert(0, PatchOnImport("purrsight.training.export", _kill_during_export_write()))
     elif kind == "preflight_delay":
         sys.meta_path.insert(0, PatchOnImport("purrsight.distributed.preflight", _preflight_delay(*arguments.split(":"))))
     else:

@@ -23,6 +23,7 @@ from tests.helpers import (
     LEARNED_NATS,
     REPO,
     column,
+    fault_env,
     noise_in,
     python_env,
     read_metrics,
@@ -211,6 +212,27 @@ def test_export_refuses_a_tokenizer_that_would_not_reload(trained: Path, tmp_pat
     word_level.save_pretrained(out)
     with pytest.raises(ExportError, match="Qwen2Tokenizer that splits 'What colour is the cat in the picture"):
         check_tokenizer_reloads(word_level, out)
+
+
+def test_an_export_killed_mid_write_publishes_nothing_and_the_next_one_does(finished_run: Path, tmp_path: Path) -> None:
+    """SIGKILL with projectors.safetensors half written (tests/fault_injection: kill_during_export_write):
+    no OUT at all, not a folder that loads half a model; the next export removes what the killed one
+    left and publishes OUT whole; a third into the same OUT is refused, the second's files untouched."""
+    out = tmp_path / "x"
+    args = [TRAIN, "export", "--checkpoint", str(finished_run / "checkpoints" / "last.ckpt"), "--out", str(out)]
+    killed = run_python(args, env=fault_env("kill_during_export_write"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not out.exists()  # before the fix: OUT held the model, the tokenizer and half the projectors
+    (left,) = tmp_path.glob(".x.*.tmp")
+    assert (left / "model.safetensors").is_file()
+    again = run_python(args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"removing {left}, left by an interrupted export" in again.stderr and not left.exists()
+    assert {"model.safetensors", "projectors.safetensors", "resolved_config.yaml"} <= {p.name for p in out.iterdir()}
+    written = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    third = run_python(args)
+    assert third.returncode == 2 and f"error: export: {out} already exists and holds files" in third.stderr, third.stderr
+    assert "Traceback" not in third.stderr and {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == written
 
 
 def test_resume_without_checkpoint_and_bad_config_are_one_line(

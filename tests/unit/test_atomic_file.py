@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from purrsight import atomic_file
-from purrsight.atomic_file import publish, stale_temp_files, temp_name, write_json_atomically
+from purrsight.atomic_file import publish, publishing_folder, stale_temp_files, temp_name, write_json_atomically
 from purrsight.data.prepared_manifest import MANIFEST_NAME
 from purrsight.datasets.prepare_job import prepare_set
 from tests.helpers import tiny_config
@@ -54,6 +54,22 @@ def test_a_write_that_fails_half_way_leaves_the_old_file_and_no_temp(tmp_path: P
     with pytest.raises(KeyboardInterrupt):
         publish(target, dies_half_way)
     assert target.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["plan.sh"]
+
+
+def test_a_folder_is_published_whole_or_not_at_all_and_never_over_one_that_holds_files(tmp_path: Path) -> None:
+    out = tmp_path / "export"
+    with pytest.raises(KeyboardInterrupt), publishing_folder(out) as folder:
+        (folder / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt  # a Ctrl-C half way
+    assert list(tmp_path.iterdir()) == []  # no OUT, no temp folder
+    out.mkdir()  # an empty folder is taken
+    with publishing_folder(out) as folder:
+        (folder / "sub").mkdir()
+        (folder / "sub" / "a.json").write_text("{}")
+    assert (out / "sub" / "a.json").read_text() == "{}" and [p.name for p in tmp_path.iterdir()] == ["export"]
+    with pytest.raises(OSError), publishing_folder(out) as folder:
+        (folder / "b.json").write_text("{}")
+    assert [p.name for p in out.rglob("*")] == ["sub", "a.json"] and not stale_temp_files(tmp_path)
 
 
 def test_temp_names_differ_between_hosts_that_share_a_pid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
