@@ -13,8 +13,11 @@ per-sample work is reading and normalising. Made by ``python train_phase2.py pre
     DIR/bad_samples.jsonl         samples left out (data.on_bad_sample: skip), one per line
     DIR/manifest.json             written last, atomically, once every shard exists: the set is whole
 
-Every file is written to a temporary name and renamed, so a prepare killed half-way leaves
-whole shards and no manifest: it is never taken for complete, and a second prepare continues.
+Every file is written to a temporary name and renamed (purrsight/atomic_file.py), so a prepare
+killed half-way leaves whole shards, hidden ``.shard-….tmp`` files and no manifest: it is never
+taken for complete, and a second prepare removes the temp files and continues. The manifest is
+written only while the samples left out, counted over every shard's receipt, stay within
+data.max_bad_samples, whichever run or part prepared the shards.
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ window at the tower's rate, text tokenised) and writes memory-mapped Arrow shard
 parallel over the machine's cores and, with ``--part I/N``, over machines (one part each; the
 part that finishes last writes the manifest, or any later prepare does). Killed half-way, it
 continues where it stopped: a shard is done when its receipt exists.
+
+SIGTERM (a scheduler's stop) and Ctrl-C end every process within seconds, remove the shards cut
+short and exit 128+N; a start removes what a killed prepare left of its part's shards. With
+data.on_bad_sample=skip, the bad samples of every shard done so far, this run's, earlier runs'
+and other parts', are counted against data.max_bad_samples before a manifest is written.
 """
 
 from __future__ import annotations
@@ -15,14 +20,17 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
-from purrsight.atomic_file import write_atomically
+from purrsight.atomic_file import TEMP_SUFFIX, stale_temp_files, write_atomically
 from purrsight.atomic_file import write_json_atomically as write_json
 from purrsight.config import Config, load_config
 from purrsight.data.index import read_index
@@ -40,10 +48,13 @@ from purrsight.data.prepared_manifest import (
 from purrsight.data.text import PromptTooLongError, TextEncoder
 from purrsight.datasets.builder import build_decoders, preparation_settings, source_of
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
+from purrsight.errors import SIGNAL_BASE
 
 log = logging.getLogger("purrsight.prepare")
 MAX_LISTED_PROBLEMS = 50  # listed in full; the count says how many more there are
 DEFAULT_SHARD_SIZE = 4096  # samples per shard: ~600 MB of 224-px pictures, a few seconds of work per core
+# A shard's data or receipt half written (atomic_file.temp_name): .shard-00003.arrow.<host>.<pid>.<random>.tmp
+TEMP_SHARD = re.compile(r"^\.shard-(\d+)\.(?:arrow|json)\..+" + re.escape(TEMP_SUFFIX) + "$")
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,54 @@ def _init_pool_worker(config: Config) -> None:
     # A terminal's Ctrl-C reaches every process of the group: the parent ends the workers
     # (pool.terminate) and says so in one line, instead of each printing a KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # pool.terminate's SIGTERM (or a scheduler's, to the whole group) ends a worker at once; the
+    # parent's handler, inherited through the fork, is the parent's alone. The parent removes
+    # what a worker ended so leaves (remove_temp_shards).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _init_worker(config)
+
+
+class PrepareStopped(BaseException):
+    """SIGTERM or SIGINT arrived: raised in the main process, like KeyboardInterrupt (no ``except Exception`` takes it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StopOnSignals:
+    """SIGTERM (a scheduler's stop) and SIGINT (Ctrl-C) raise PrepareStopped in this process, once.
+
+    A signal this process inherited as ignored stays ignored: a shell starts a background job
+    with SIGINT ignored, so that the terminal's Ctrl-C is not its to take.
+    """
+
+    def __init__(self) -> None:
+        self.main = os.getpid()
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.main:  # a pool worker forked before its initializer ran: end as the default does
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.signum is None:  # a second signal (SLURM signals every process) must not cut the cleanup short
+            self.signum = signum
+            raise PrepareStopped(signum)
+
+
+@contextmanager
+def stopping_on_signals() -> Iterator[None]:
+    handler = _StopOnSignals()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    installed = [sig for sig, was in previous.items() if was is not signal.SIG_IGN]
+    for sig in installed:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig in installed:
+            signal.signal(sig, previous[sig])
 
 
 def _prepare_shard(task: ShardTask, out: Path) -> ShardResult:
@@ -208,15 +266,58 @@ def _tasks(config: Config, records: dict[str, list[dict[str, Any]]], shard_size:
     ]
 
 
-def write_manifest_when_whole(out: Path, plan: dict[str, Any], tasks: list[ShardTask]) -> dict[str, Any] | None:
+def remove_temp_shards(out: Path, tasks: list[ShardTask]) -> list[Path]:
+    """Remove the half-written files (data or receipt) of ``tasks``' shards; the paths removed.
+
+    Only these shards': with --part, other machines may be writing their own into the same folder.
+    """
+    shards = {(task.split, task.number) for task in tasks}
+    removed = []
+    for split in sorted({task.split for task in tasks}):
+        for path in stale_temp_files(out / split):
+            match = TEMP_SHARD.match(path.name)
+            if match and (split, int(match.group(1))) in shards:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
+Receipts = dict[str, dict[str, Any]]  # shard name (shard_name) -> its receipt
+
+
+def _receipts(out: Path, tasks: list[ShardTask]) -> Receipts:
+    """The receipts of the shards done so far (by this run, earlier runs or other parts)."""
+    paths = {shard_name(task.split, task.number): out / f"{shard_name(task.split, task.number)}.json" for task in tasks}
+    return {name: read_json(path) for name, path in paths.items() if path.is_file()}
+
+
+def check_bad_sample_cap(config: Config, receipts: Receipts) -> None:
+    """PreparedSetError when the shards done so far left out more samples than data.max_bad_samples.
+
+    Over the whole set, not one run's shards: a rerun (whose done shards are not redone) or a
+    part each under the cap must not publish a set over it. The count only grows, so a part
+    that finds it over refuses at once, the set whole or not.
+    """
+    bad = [entry for receipt in receipts.values() for entry in receipt["bad"]]
+    if len(bad) <= config.data.max_bad_samples:
+        return
+    left_out = sorted(f"{name}.json" for name, receipt in receipts.items() if receipt["bad"])
+    named = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+    hint = (
+        f"above data.max_bad_samples={config.data.max_bad_samples} across the set; raise the cap, or fix the files "
+        f"and delete the receipts of the shards that left them out ({named}) so that prepare does those again"
+    )
+    raise PreparedSetError(problems=_bad_sample_problems(bad, hint))
+
+
+def write_manifest_when_whole(out: Path, plan: dict[str, Any], tasks: list[ShardTask], receipts: Receipts) -> dict[str, Any] | None:
     """The manifest, written when every shard of every split has its receipt; None before."""
+    if len(receipts) < len(tasks):
+        return None
     splits: dict[str, Any] = {}
     bad_lines: list[str] = []
     for task in tasks:
-        receipt_path = out / f"{shard_name(task.split, task.number)}.json"
-        if not receipt_path.is_file():
-            return None
-        receipt = read_json(receipt_path)
+        receipt = receipts[shard_name(task.split, task.number)]
         entry = splits.setdefault(task.split, {"shards": [], "samples": 0, "bad": 0})
         entry["shards"].append({"name": shard_name(task.split, task.number), "rows": receipt["rows"]})
         entry["samples"] += receipt["rows"]
@@ -228,14 +329,13 @@ def write_manifest_when_whole(out: Path, plan: dict[str, Any], tasks: list[Shard
     return manifest
 
 
-def _bad_sample_problems(config: Config, bad: list[dict[str, str]]) -> list[str]:
+def _bad_sample_problems(bad: list[dict[str, str]], hint: str) -> list[str]:
     lines = [f"{b['where']}: {b['error']}" for b in bad[:MAX_LISTED_PROBLEMS]]
     more = f" ({len(bad) - MAX_LISTED_PROBLEMS} more not listed)" if len(bad) > MAX_LISTED_PROBLEMS else ""
-    if config.data.on_bad_sample == "error":
-        hint = "fix or remove them and run prepare again (done shards are kept), or set data.on_bad_sample=skip to leave them out"
-    else:
-        hint = f"above data.max_bad_samples={config.data.max_bad_samples}; fix the data or raise the cap"
     return [*lines, f"{len(bad)} bad sample(s){more}: {hint}"]
+
+
+REFUSED_HINT = "fix or remove them and run prepare again (done shards are kept), or set data.on_bad_sample=skip to leave them out"
 
 
 def prepare_set(config: Config, out: Path, processes: int, part: tuple[int, int], shard_size: int) -> dict[str, Any] | None:
@@ -253,7 +353,11 @@ def prepare_set(config: Config, out: Path, processes: int, part: tuple[int, int]
     _claim_folder(out, plan)
     tasks = _tasks(config, records, shard_size)
     index_of, count = part
-    mine = [t for t in tasks if t.number % count == index_of and not (out / f"{shard_name(t.split, t.number)}.json").is_file()]
+    ours = [t for t in tasks if t.number % count == index_of]
+    removed = remove_temp_shards(out, ours)
+    if removed:
+        log.warning("removed %d half-written shard file(s) left by an interrupted prepare (%s, ...)", len(removed), removed[0])
+    mine = [t for t in ours if not (out / f"{shard_name(t.split, t.number)}.json").is_file()]
     total = sum(len(r) for r in records.values())
     log.info(
         "prepare %s: %d samples in %d shards (part %d/%d: %d shards to do, %d processes) -> %s",
@@ -266,49 +370,68 @@ def prepare_set(config: Config, out: Path, processes: int, part: tuple[int, int]
         processes,
         out,
     )
-    bad: list[dict[str, str]] = []
-    done_samples = 0
+    bad = _decode_shards(config, out, mine, processes, started)
+    if bad and data.on_bad_sample == "error":
+        raise PreparedSetError(problems=_bad_sample_problems(bad, REFUSED_HINT))
+    receipts = _receipts(out, tasks)
+    check_bad_sample_cap(config, receipts)
+    manifest = write_manifest_when_whole(out, plan, tasks, receipts)
+    if manifest is None:
+        log.info("part %d/%d done; the set is complete once every part is (the last one writes %s)", index_of, count, MANIFEST_NAME)
+    return manifest
+
+
+def _decode_shards(config: Config, out: Path, mine: list[ShardTask], processes: int, started: float) -> list[dict[str, str]]:
+    """Decode and write ``mine``, in ``processes`` processes; the bad samples found.
+
+    A stop (PrepareStopped, KeyboardInterrupt) or a worker's error ends every worker now instead
+    of decoding the queued shards first (hours on a large set), and removes the shards they cut
+    short; done shards keep their receipts for the next prepare.
+    """
     work = [(task, out) for task in mine]
-    results: Iterator[ShardResult]
     pool = None
-    if processes == 1 or len(mine) <= 1:
-        _init_worker(config)
-        results = map(_run_shard, work)
-    else:
-        pool = multiprocessing.get_context("fork").Pool(processes, initializer=_init_pool_worker, initargs=(config,))
-        results = pool.imap_unordered(_run_shard, work)
     try:
-        for number, result in enumerate(results, start=1):
-            bad += result.bad
-            done_samples += result.rows + len(result.bad)
-            elapsed = time.monotonic() - started
-            log.info(
-                "shard %d/%d done (%s %d): %d samples in %.0f s, %.0f samples/s",
-                number,
-                len(mine),
-                result.split,
-                result.number,
-                done_samples,
-                elapsed,
-                done_samples / max(elapsed, 1e-9),
-            )
+        results: Iterator[ShardResult]
+        if processes == 1 or len(mine) <= 1:
+            _init_worker(config)
+            results = map(_run_shard, work)
+        else:
+            pool = multiprocessing.get_context("fork").Pool(processes, initializer=_init_pool_worker, initargs=(config,))
+            results = pool.imap_unordered(_run_shard, work)
+        bad = _follow(results, len(mine), started)
     except BaseException:
         if pool is not None:
-            # A worker's error or Ctrl-C: end every worker now instead of decoding the queued
-            # shards first (hours on a large set). A shard cut short publishes nothing (its temp
-            # file stays, hidden; done shards keep their receipts for the next prepare).
-            pool.terminate()
+            pool.terminate()  # SIGTERM: a worker ends mid-write, its temp file left for the line below
             pool.join()
+        removed = remove_temp_shards(out, mine)
+        if removed:
+            log.info("removed %d half-written shard file(s) of the shards cut short", len(removed))
         raise
     if pool is not None:
         pool.close()
         pool.join()
-    if bad and (data.on_bad_sample == "error" or len(bad) > data.max_bad_samples):
-        raise PreparedSetError(problems=_bad_sample_problems(config, bad))
-    manifest = write_manifest_when_whole(out, plan, tasks)
-    if manifest is None:
-        log.info("part %d/%d done; the set is complete once every part is (the last one writes %s)", index_of, count, MANIFEST_NAME)
-    return manifest
+    return bad
+
+
+def _follow(results: Iterator[ShardResult], shards: int, started: float) -> list[dict[str, str]]:
+    """Log each shard as it is done; the bad samples of all."""
+    bad: list[dict[str, str]] = []
+    done_samples = 0
+    for number, result in enumerate(results, start=1):
+        bad += result.bad
+        done_samples += result.rows + len(result.bad)
+        elapsed = time.monotonic() - started
+        log.info(
+            "shard %d/%d done (%s %d): %d samples in %.0f s, %.0f samples/s",
+            number,
+            shards,
+            result.split,
+            result.number,
+            done_samples,
+            elapsed,
+            done_samples / max(elapsed, 1e-9),
+        )
+    return bad
 
 
 def prepare_command(args: argparse.Namespace) -> int:
@@ -317,10 +440,13 @@ def prepare_command(args: argparse.Namespace) -> int:
     if out is None:
         raise PreparedSetError("prepare: no output folder: pass --out DIR or set data.prepared in the config")
     try:
-        manifest = prepare_set(config, out, args.num_proc or default_processes(), args.part, args.shard_size)
-    except KeyboardInterrupt:
-        log.warning("prepare interrupted: the shards done are kept; the same command continues from them")
-        return 128 + signal.SIGINT
+        with stopping_on_signals():
+            manifest = prepare_set(config, out, args.num_proc or default_processes(), args.part, args.shard_size)
+    except (PrepareStopped, KeyboardInterrupt) as stop:
+        signum = stop.signum if isinstance(stop, PrepareStopped) else signal.SIGINT
+        name = signal.Signals(signum).name
+        log.warning("prepare interrupted by %s: the shards done are kept; the same command continues from them", name)
+        return SIGNAL_BASE + signum
     if manifest is not None:
         splits = manifest["splits"].items()
         counts = ", ".join(f"{split} {entry['samples']} samples ({entry['bad']} left out)" for split, entry in splits)

@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
+from purrsight.atomic_file import stale_temp_files
 from tests.helpers import (
     DEFAULT_CONFIG,
     REPO,
@@ -98,31 +100,46 @@ def test_full_disk_stops_with_a_clear_error_and_keeps_earlier_checkpoints(synthe
         subprocess.run(["umount", str(folder)], check=False)
 
 
-def test_ctrl_c_during_prepare_ends_every_worker_at_once_and_a_second_prepare_continues(
-    synthetic_dir: Path, tmp_path: Path
+def default_stop_signals() -> None:
+    """In the child before exec: SIGINT and SIGTERM at their defaults, whatever this test inherited.
+
+    A shell hands a background job SIGINT as ignored, and an ignored SIGINT stays ignored in the
+    child (prepare keeps it so, as a background job should): the stop would then never arrive.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_during_prepare_ends_every_worker_at_once_and_a_second_prepare_continues(
+    stop: signal.Signals, synthetic_dir: Path, tmp_path: Path
 ) -> None:
-    """SIGINT to prepare's process group (a terminal's Ctrl-C) with 2 processes and 32 shards of
-    2 s each queued (tests/fault_injection: slow_prepare_shard): every process ends within
-    seconds instead of after the queue (30 s), the shards done keep their receipts, nothing is
-    half-published (a shard whose receipt is missing is not done), and the same command then
-    finishes the set."""
+    """SIGINT (a terminal's Ctrl-C) or SIGTERM (a scheduler's stop) to prepare's process group with
+    2 processes and 32 shards of 2 s each queued, each spent inside the shard's write
+    (tests/fault_injection: slow_prepare_shard): every process ends within seconds instead of after
+    the queue (30 s), exit 128+N, the shards done keep their receipts, the shards cut short leave no
+    temp file, nothing is half-published (a shard whose receipt is missing is not done), and the
+    same command then finishes the set."""
     out = tmp_path / "set"
     command = [sys.executable, str(REPO / "train_phase2.py"), "prepare", "--config", str(DEFAULT_CONFIG), "--out", str(out)]
     command += ["--num-proc", "2", "--shard-size", "4", *tiny_overrides(synthetic_dir, tmp_path, data__val_index="null")]
     env = {**python_env(), **fault_env("slow_prepare_shard:2")}
-    prepare = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    prepare = subprocess.Popen(
+        command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_stop_signals
+    )
     assert prepare.stderr is not None
     for line in prepare.stderr:
         if "shard 1/32 done" in line:
             break
     group = [prepare.pid, *(child.pid for child in psutil.Process(prepare.pid).children(recursive=True))]
     stopped = time.monotonic()
-    os.killpg(prepare.pid, signal.SIGINT)
+    os.killpg(prepare.pid, stop)
     rest = prepare.communicate(timeout=60)[1]  # before the fix: hung here, waiting for the queued shards' workers
-    assert prepare.returncode == 130, rest[-3000:]
+    assert prepare.returncode == 128 + stop, rest[-3000:]  # before the fix, SIGTERM: -15, killed with nothing cleaned
     assert time.monotonic() - stopped < 10, rest[-3000:]
     assert not [pid for pid in group if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    assert "prepare interrupted: the shards done are kept" in rest and "Traceback" not in rest, rest[-3000:]
+    assert f"prepare interrupted by {stop.name}: the shards done are kept" in rest and "Traceback" not in rest, rest[-3000:]
+    assert stale_temp_files(out / "train") == []  # before the fix: each worker's shard cut short, left hidden
     receipts = sorted((out / "train").glob("*.json"))
     assert 1 <= len(receipts) < 32 and not (out / "manifest.json").exists()
     shards = {p.stem for p in (out / "train").glob("*.arrow")}

@@ -11,9 +11,9 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +23,12 @@ import torch
 from PIL import Image
 from transformers import CLIPImageProcessor, SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
 
+from purrsight.atomic_file import stale_temp_files
 from purrsight.config import Config
 from purrsight.data.prepared_manifest import MANIFEST_NAME, PLAN_NAME, PreparedSetError, read_manifest, tokenizer_digest
 from purrsight.datasets.builder import build_datasets, build_decoders
 from purrsight.datasets.prepare_job import prepare_set
-from tests.helpers import REPO, python_env, tiny_config
+from tests.helpers import REPO, fault_env, python_env, tiny_config
 from tests.unit.test_real_media import SPEECH, STEREO_VORBIS, png_16bit, sample_data
 
 EXIF_ORIENTATION = 0x0112
@@ -184,18 +185,26 @@ def test_a_partial_set_is_refused_and_a_second_prepare_continues_it(real_media: 
     assert len(build_datasets(with_prepared(config, folder), 1).train) == 6  # type: ignore[arg-type]
 
 
-def test_bad_samples_are_listed_all_at_once_or_left_out_and_listed(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> None:
+CUT = json.dumps({"id": "cut", "prompt": "p", "response": "r", "image": "truncated.jpg"})  # does not decode
+GONE = json.dumps({"id": "gone", "prompt": "p", "response": "r", "audio": "absent.wav"})  # no such file
+
+
+def media_with_bad_samples(real_media: Path, tmp_path: Path, lines: list[str]) -> Path:
+    """A folder of the real media plus a truncated JPEG, indexed by ``lines``; its index."""
     broken = tmp_path / "broken"
     broken.mkdir()
     for item in real_media.iterdir():
-        (broken / item.name).symlink_to(item)
+        if item.name != "index.jsonl":
+            (broken / item.name).symlink_to(item)
     (broken / "truncated.jpg").write_bytes((real_media / "photo.jpg").read_bytes()[:3000])
-    lines = (real_media / "index.jsonl").read_text().splitlines()
-    lines.append(json.dumps({"id": "cut", "prompt": "p", "response": "r", "image": "truncated.jpg"}))
-    lines.append(json.dumps({"id": "gone", "prompt": "p", "response": "r", "audio": "absent.wav"}))
-    (broken / "index.jsonl").unlink()
     (broken / "index.jsonl").write_text("\n".join(lines) + "\n")
-    config = media_config(broken, synthetic_dir, tmp_path, data__train_index=str(broken / "index.jsonl"))
+    return broken / "index.jsonl"
+
+
+def test_bad_samples_are_listed_all_at_once_or_left_out_and_listed(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> None:
+    index = media_with_bad_samples(real_media, tmp_path, [*(real_media / "index.jsonl").read_text().splitlines(), CUT, GONE])
+    broken = index.parent
+    config = media_config(broken, synthetic_dir, tmp_path, data__train_index=str(index))
     with pytest.raises(PreparedSetError) as refused:
         prepare_set(config, tmp_path / "p", processes=1, part=(0, 1), shard_size=4)
     problems = refused.value.lines()
@@ -209,6 +218,45 @@ def test_bad_samples_are_listed_all_at_once_or_left_out_and_listed(real_media: P
     assert manifest is not None and manifest["splits"]["train"] == {**manifest["splits"]["train"], "samples": 6, "bad": 2}
     listed = [json.loads(line) for line in (tmp_path / "q" / "bad_samples.jsonl").read_text().splitlines()]
     assert [entry["where"].rpartition(" ")[2] for entry in listed] == ["'cut')", "'gone')"]
+
+
+def skipping_with_a_cap_of_one(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> Config:
+    """Two shards of 4 samples, one bad sample in each: under a cap of 1 each, over it together."""
+    good = (real_media / "index.jsonl").read_text().splitlines()
+    index = media_with_bad_samples(real_media, tmp_path, [CUT, *good[:3], GONE, *good[3:6]])
+    return media_config(
+        index.parent, synthetic_dir, tmp_path, data__train_index=str(index), data__on_bad_sample="skip", data__max_bad_samples=1
+    )
+
+
+def test_parts_each_under_the_bad_sample_cap_but_over_it_together_publish_no_manifest(
+    real_media: Path, synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """--part 0/2 and 1/2 (a SLURM array): each leaves one sample out, the cap is 1: the part that
+    finishes the set refuses it (before the fix: each part counted its own and published)."""
+    config = skipping_with_a_cap_of_one(real_media, synthetic_dir, tmp_path)
+    folder = tmp_path / "p"
+    assert prepare_set(config, folder, processes=1, part=(0, 2), shard_size=4) is None  # half the set, 1 bad: under
+    with pytest.raises(PreparedSetError) as refused:
+        prepare_set(config, folder, processes=1, part=(1, 2), shard_size=4)
+    assert refused.value.lines()[-1].startswith("2 bad sample(s): above data.max_bad_samples=1 across the set")
+    assert "train/shard-00000.json, train/shard-00001.json" in refused.value.lines()[-1]
+    assert not (folder / MANIFEST_NAME).exists()
+    raised = with_prepared(config, folder, max_bad_samples=2)  # the way out the message names
+    manifest = prepare_set(raised, folder, processes=1, part=(1, 2), shard_size=4)
+    assert manifest is not None and manifest["splits"]["train"]["bad"] == 2 and manifest["splits"]["train"]["samples"] == 6
+
+
+def test_a_rerun_after_a_bad_sample_refusal_refuses_again(real_media: Path, synthetic_dir: Path, tmp_path: Path) -> None:
+    """Its shards are done (receipts kept), so it decodes nothing: before the fix it counted no bad
+    sample and published the set over the cap."""
+    config = skipping_with_a_cap_of_one(real_media, synthetic_dir, tmp_path)
+    folder = tmp_path / "p"
+    for _ in range(2):
+        with pytest.raises(PreparedSetError) as refused:
+            prepare_set(config, folder, processes=1, part=(0, 1), shard_size=4)
+        assert refused.value.lines()[-1].startswith("2 bad sample(s): above data.max_bad_samples=1")
+        assert not (folder / MANIFEST_NAME).exists()
 
 
 def test_an_index_with_bad_lines_lists_them_all_before_decoding(synthetic_dir: Path, tmp_path: Path) -> None:
@@ -265,20 +313,22 @@ def test_two_parts_prepared_by_two_processes_make_one_set(synthetic_dir: Path, t
 
 
 def test_a_prepare_killed_mid_way_is_refused_then_continued(synthetic_dir: Path, tmp_path: Path) -> None:
-    """kill -9 of a real prepare once its first shards are written: no manifest, whole shards, a rerun finishes."""
+    """SIGKILL of a real prepare half way through writing its 4th shard (tests/fault_injection:
+    kill_during_shard_write): no manifest, whole shards, the torn one's temp file; a rerun removes
+    that and finishes."""
     out = tmp_path / "p"
     args = [str(REPO / "train_phase2.py"), "prepare", "--config", str(REPO / "config" / "train_config.yaml"), "--out", str(out)]
     args += ["--num-proc", "1", "--shard-size", "4", f"data.synthetic_dir={synthetic_dir}"]
     args += [f"data.train_index={synthetic_dir}/train.jsonl", f"data.val_index={synthetic_dir}/val.jsonl"]
-    proc = subprocess.Popen([sys.executable, *args], env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while len(list((out / "train").glob("*.json"))) < 3 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
+    killed = subprocess.run(
+        [sys.executable, *args], env={**python_env(), **fault_env("kill_during_shard_write:4")}, capture_output=True, timeout=300
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     receipts = sorted(p.name for p in (out / "train").glob("*.json"))
-    assert 3 <= len(receipts) < 32, receipts  # killed part of the way through the 32 training shards
+    assert len(receipts) == 3, receipts  # killed part of the way through the 32 training shards
     assert not (out / MANIFEST_NAME).exists()
+    (torn,) = stale_temp_files(out / "train")
+    assert torn.name.startswith(".shard-00003.arrow.")
     for receipt in receipts:  # every shard with a receipt is whole
         assert (out / "train" / receipt.replace(".json", ".arrow")).stat().st_size > 0
     config = tiny_config(synthetic_dir, tmp_path, data__prepared=str(out))
@@ -286,6 +336,8 @@ def test_a_prepare_killed_mid_way_is_refused_then_continued(synthetic_dir: Path,
         build_datasets(config, 1)
     done = subprocess.run([sys.executable, *args], env=python_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert f"removed 1 half-written shard file(s) left by an interrupted prepare ({torn}, ...)" in done.stderr
+    assert not torn.exists() and stale_temp_files(out / "train") == []  # before the fix: left there for good
     assert f"{32 + 8 - len(receipts)} shards to do" in done.stderr
     assert len(build_datasets(config, 1).train) == 128  # type: ignore[arg-type]
 
