@@ -68,11 +68,22 @@ class ImageDecoder:
         self.normalisation = fused_normalisation(processor)
         self.draft_box = self._draft_box()
         self.pixel_scaling = self._pixel_scaling()
-        if max_pixels is not None:
+        self._apply_pixel_limit()
+
+    def _apply_pixel_limit(self) -> None:
+        if self.max_pixels is not None:
             # Pillow's bomb guard, set to our limit, not switched off: it protects every
             # Image.open in the process, processors' and plotting code's too (a warning above
             # the limit, an error above twice it). load() names the file and the setting.
-            Image.MAX_IMAGE_PIXELS = max_pixels
+            Image.MAX_IMAGE_PIXELS = self.max_pixels
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A loader worker (or a prepare worker) gets this decoder unpickled, and the limit is
+        # Pillow's process-wide setting, not the decoder's: set it again in the process it lands
+        # in (with 2 loader workers a 200-MP scan under a 250-MP limit was refused at Pillow's own
+        # 179 MP default).
+        self.__dict__.update(state)
+        self._apply_pixel_limit()
 
     def _draft_box(self) -> tuple[int, int] | None:
         """The smallest (width, height) a JPEG is decoded at: twice what the tower's resize keeps.

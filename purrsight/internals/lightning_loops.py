@@ -4,9 +4,18 @@ Lightning restores its count of the epoch's batches from a checkpoint as saved, 
 run's micro-batches, and ends the epoch when the count reaches the loader's length. After a
 change of world size or batch shape that count must be derived again from our data position
 (data_position.py); Lightning has no public way to set it, so a resume rewrites the counters
-in the checkpoint's loop state before Lightning restores them. ``check_layout`` runs when the
-trainer is built, so a Lightning upgrade that moves them stops the start with one line instead
-of resuming with a wrong count.
+in the checkpoint's loop state before Lightning restores them.
+
+Two more of the epoch loop's private parts are ours to set:
+
+- the count its loggers take as the step (``_batches_that_stepped``): Lightning never rewrites it
+  on a resume whose first window is partial, and it stayed one behind the optimizer step for good;
+- its decision to validate (``_should_check_val_fx``): Lightning counts micro-batches
+  (``val_check_interval``), which after a partial window falls inside a window, and it validates
+  whenever ``should_stop`` is set, so a stop signal ran a whole validation pass before the exit.
+
+``check_layout`` runs when the trainer is built, so a Lightning upgrade that moves any of them
+stops the start with one line instead of resuming with a wrong count.
 """
 
 from __future__ import annotations
@@ -34,11 +43,54 @@ def _layout_error(where: str) -> LightningLayoutError:
     )
 
 
+EPOCH_LOOP_PARTS = ("_batches_that_stepped", "_should_check_val_fx", "_should_check_val_epoch", "_should_accumulate")
+
+
 def check_layout(trainer: pl.Trainer) -> None:
     """Refuse a Lightning whose fit loop does not keep the batch counters a resume sets."""
     current = trainer.fit_loop.state_dict().get(BATCH_PROGRESS, {}).get("current", {})
     if not all(counter in current for counter in COUNTERS):
         raise _layout_error(f"loops.{FIT_LOOP}.{BATCH_PROGRESS}.current")
+    missing = [part for part in EPOCH_LOOP_PARTS if not hasattr(trainer.fit_loop.epoch_loop, part)]
+    if missing:
+        raise LightningLayoutError(
+            f"pytorch_lightning {pl.__version__}'s training epoch loop has no {', '.join(missing)}, which PurrSight sets; "
+            "install the version requirements.txt names"
+        )
+
+
+def validate_at_optimizer_steps(trainer: pl.Trainer, every_n_steps: int) -> None:
+    """Validate right after every ``every_n_steps``-th optimizer step, and never once a stop is agreed.
+
+    Replaces the epoch loop's decision, which counts micro-batches and validates when
+    ``should_stop`` is set. Lightning calls it after each micro-batch (and once when it restarts
+    from a checkpoint, to skip a validation that belongs to the saved step).
+    """
+    loop = trainer.fit_loop.epoch_loop
+
+    def should_validate(data_fetcher: Any) -> bool:
+        if not loop._should_check_val_epoch() or trainer.should_stop:
+            return False
+        stepped = not loop._should_accumulate()  # this micro-batch closed its window: the optimizer stepped
+        return stepped and trainer.global_step > 0 and trainer.global_step % every_n_steps == 0
+
+    loop._should_check_val_fx = should_validate  # type: ignore[method-assign]
+
+
+def set_logged_step(trainer: pl.Trainer) -> None:
+    """Make the loggers' step the optimizer step count (Lightning's restore can leave it one behind)."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+
+
+def saved_epoch_ended(checkpoint: dict[str, Any]) -> bool:
+    """Whether the checkpoint was saved at its epoch's last batch (Lightning then starts the next)."""
+    progress = checkpoint.get("loops", {}).get(FIT_LOOP, {}).get(BATCH_PROGRESS, {})
+    return bool(progress.get("is_last_batch", False))
+
+
+def saved_epoch_batches(checkpoint: dict[str, Any]) -> int:
+    """The saved epoch's batches Lightning counts as taken, in the saving run's micro-batches."""
+    return int(epoch_batches(checkpoint)["ready"])
 
 
 def epoch_batches(checkpoint: dict[str, Any]) -> dict[str, int]:

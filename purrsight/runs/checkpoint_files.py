@@ -61,12 +61,12 @@ def newest_checkpoint(folder: Path) -> tuple[Path, int] | None:
     return None
 
 
-def training_position(path: Path) -> DataPosition | None:
-    """The data position in a checkpoint file (None when it holds none).
+def training_position(path: Path, world_now: int) -> DataPosition | None:
+    """The data position in a checkpoint file (None when it holds none); ``world_now`` as saved_position takes it.
 
     Memory-mapped: only the few small entries read here leave the disk, whatever the
     checkpoint's size.
     """
     import torch
 
-    return saved_position(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    return saved_position(torch.load(path, map_location="cpu", weights_only=True, mmap=True), world_now)

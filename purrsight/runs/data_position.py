@@ -56,42 +56,67 @@ class DataPosition:
         return position
 
 
-def saved_position(checkpoint: dict[str, Any]) -> DataPosition | None:
-    """The data position a loaded checkpoint holds; None when it holds none (no training yet)."""
+def saved_position(checkpoint: dict[str, Any], world_now: int) -> DataPosition | None:
+    """The data position a loaded checkpoint holds; None when it holds none (not a fit's checkpoint).
+
+    ``world_now``: the processes of the run that resumes, taken as the saving run's for the one
+    earlier layout that kept no world size (it is said in a warning).
+    """
     meta = checkpoint.get("purrsight")
     if isinstance(meta, dict) and POSITION_KEY in meta:
         return DataPosition.from_dict(meta[POSITION_KEY])
-    return _position_before_this_entry(checkpoint)
+    return _position_before_this_entry(checkpoint, world_now)
 
 
-def _position_before_this_entry(checkpoint: dict[str, Any]) -> DataPosition | None:
-    """The position in a checkpoint of a PurrSight that kept it in the loader's state.
+def _position_before_this_entry(checkpoint: dict[str, Any], world_now: int) -> DataPosition | None:
+    """The position in a checkpoint of a PurrSight that kept it in the loader's state, or nowhere.
 
-    Those wrote it into torchdata's StatefulDataLoader state, inside Lightning's loop state.
-    Without loader workers the training sampler's own state is there, exact. With workers it
-    was a snapshot taken ahead of training; then the fit loop's count of the epoch's batches,
-    in the saving world's units, gives the position (exact unless that epoch had already
-    changed world size, which with workers those versions miscounted anyway). The batch shape
-    comes from the run config saved beside it.
+    The layouts, newest first (each PurrSight version's DataModule wrote one):
+
+    - our training sampler's state in torchdata's StatefulDataLoader state, without loader
+      workers: ``{epoch, consumed, world_size}``, exact;
+    - the same inside the workers' snapshot, taken ahead of training: then the fit loop's count
+      of the epoch's batches, in the saving world's units, gives the position (exact unless that
+      epoch had already changed world size, which with workers those versions miscounted anyway);
+    - torchdata's StatefulDistributedSampler, ``{"yielded": N}`` (rank 0's count in its own
+      shard), or no loader state at all (torch's DistributedSampler): both drew the order our
+      sampler draws from position 0, and kept no world size. The fit loop's batch count gives the
+      position in the world that saved it, taken to be this one, and a warning says so: on the
+      same number of processes the resume is exact.
+
+    The batch shape comes from the run config saved beside it.
     """
+    loops = checkpoint.get("loops", {}).get("fit_loop")
+    if not isinstance(loops, dict):
+        return None
     saved = checkpoint.get("purrsight", {}).get("config")
     config = safe_yaml_load(saved) if isinstance(saved, str) else {}
     config = config if isinstance(config, dict) else {}
     batch_size = int(config.get("data", {}).get("batch_size", 1))
     accumulation = int(config.get("trainer", {}).get("accumulate_grad_batches", 1))
-    loops = checkpoint.get("loops", {}).get("fit_loop", {})
+    epoch = int(checkpoint.get("epoch", 0))
     loader_states = loops.get("state_dict", {}).get("combined_loader") or [{}]
     in_process = loader_states[0].get("_sampler_iter_state", {}).get("sampler_state")  # no loader workers
     if isinstance(in_process, dict) and "consumed" in in_process:
         epoch, consumed, world = (int(in_process[k]) for k in ("epoch", "consumed", "world_size"))
         return DataPosition(epoch, consumed, world, batch_size, accumulation)
-    snapshot = _find_sampler_state(loader_states)
     ready = loops.get("epoch_loop.batch_progress", {}).get("current", {}).get("ready")
-    if snapshot is None or ready is None:
+    if ready is None:
         return None
-    world = int(snapshot["world_size"])
-    log.warning("checkpoint from an earlier PurrSight with loader workers: data position taken from its batch count")
-    return DataPosition(int(checkpoint.get("epoch", 0)), int(ready) * batch_size * world, world, batch_size, accumulation)
+    snapshot = _find_sampler_state(loader_states)
+    if snapshot is not None:
+        world = int(snapshot["world_size"])
+        log.warning("checkpoint from an earlier PurrSight with loader workers: data position taken from its batch count")
+    else:
+        world = world_now
+        log.warning(
+            "checkpoint from a PurrSight before 2026-11-23 (torchdata's sampler state, or none): it keeps no world size; "
+            "taking it as saved on %d process(es), as this run has: resume it on the number of processes that saved it, "
+            "or its epoch %d continues at another sample",
+            world,
+            epoch,
+        )
+    return DataPosition(epoch, int(ready) * batch_size * world, world, batch_size, accumulation)
 
 
 def _find_sampler_state(value: Any) -> dict[str, Any] | None:

@@ -6,21 +6,21 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import os
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from lightning_fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, Sample
-from purrsight.data.fork_server_signals import ignore_stop_signals
+from purrsight.data.loader_worker import init_loader_worker
 from purrsight.data.sampler import GlobalPositionSampler, batches_done
 from purrsight.datasets.builder import build_datasets
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
-from purrsight.internals.lightning_loops import drop_loader_states, set_batches_done
+from purrsight.internals.lightning_loops import drop_loader_states, saved_epoch_ended, set_batches_done
 from purrsight.runs.data_position import DataPosition, saved_position
 
 
@@ -29,17 +29,15 @@ def _worker_start() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     # Imported once by the server, so each worker only unpickles its dataset (tokenizer, decoders);
     # fork_server_signals leaves stop signals to the trainer (its docstring says why).
-    preload = ["purrsight.data.fork_server_signals", "purrsight.data.dataset", "purrsight.data.prepared", "transformers"]
+    preload = [
+        "purrsight.data.fork_server_signals",
+        "purrsight.data.loader_worker",  # Lightning's seeding with it: imported once, not in every worker
+        "purrsight.data.dataset",
+        "purrsight.data.prepared",
+        "transformers",
+    ]
     context.set_forkserver_preload(preload)
     return context
-
-
-def _init_loader_worker(worker_id: int, rank: int, seed_workers: bool) -> None:
-    """Each loader worker's start: stop signals left to the trainer (fork_server_signals.py), and the
-    seeds Lightning's own init function sets (it adds it only to loaders that have none)."""
-    ignore_stop_signals()  # after torch's worker loop installed its SIGTERM handler
-    if seed_workers:
-        pl_worker_init_function(worker_id, rank)
 
 
 class Phase2DataModule(pl.LightningDataModule):
@@ -62,6 +60,9 @@ class Phase2DataModule(pl.LightningDataModule):
             return
         built = build_datasets(self.config, self._world()[0])
         self.train_set, self.val_set, self.collator = built.train, built.val, built.collator
+
+    def _trainer_epoch(self) -> int:
+        return self.trainer.current_epoch if self.trainer is not None else 0
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -88,7 +89,7 @@ class Phase2DataModule(pl.LightningDataModule):
             # and a fork while one of them holds an interpreter lock leaves the worker hung for ever
             # (seen: Python 3.11's PyOS_AfterFork_Child waiting on the thread-state lock).
             multiprocessing_context=_worker_start() if data.num_workers > 0 else None,
-            worker_init_fn=partial(_init_loader_worker, rank=self._world()[1], seed_workers=seed_workers),
+            worker_init_fn=partial(init_loader_worker, rank=self._world()[1], seed_workers=seed_workers),
             drop_last=shuffle,
             generator=torch.Generator().manual_seed(self.config.run.seed),
         )
@@ -101,13 +102,13 @@ class Phase2DataModule(pl.LightningDataModule):
         # epoch (data/sampler.py), so a resume continues exactly, on any world size.
         world, rank = self._world()
         self.train_sampler = GlobalPositionSampler(len(self.train_set), world, rank, self.config.run.seed)  # type: ignore[arg-type]
-        if self._resume_at is not None:
-            at = self._resume_at
+        at = self._resume_at
+        if at is not None:
             self.train_sampler.resume_at(at.epoch, at.consumed, at.world_size)
-        if self.trainer is not None:
-            # Lightning creates the loader's iterator before it sets the epoch, and with loader
-            # workers that iterator draws its first indices at once: the restored epoch's, not epoch 0's.
-            self.train_sampler.set_epoch(self.trainer.current_epoch)
+        # Lightning creates the loader's iterator before it advances its epoch (on a resume from
+        # an epoch's last step, to the next), and loader workers draw their first indices at once:
+        # the sampler starts in the epoch the position names, not in the trainer's epoch of now.
+        self.train_sampler.set_epoch(at.epoch if at is not None else self._trainer_epoch())
         return self._loader(self.train_set, self.train_sampler, shuffle=True)
 
     # ------------------------------------------------------------------ training position
@@ -140,21 +141,27 @@ class Phase2DataModule(pl.LightningDataModule):
         other run's batches. It is derived again from the position, in this run's batches.
         Called from the LightningModule's on_load_checkpoint, before Lightning restores its loops.
         """
-        position = saved_position(checkpoint)
+        world, _ = self._world()
+        position = saved_position(checkpoint, world)
         drop_loader_states(checkpoint)
         if position is None or self.train_set is None:
             return
-        self._resume_at = position
-        world, _ = self._world()
         size, batch = len(self.train_set), self.config.data.batch_size  # type: ignore[arg-type]
+        epoch_batches = (size // world) // batch
+        if position.epoch == int(checkpoint.get("epoch", 0)) and saved_epoch_ended(checkpoint):
+            # Saved at its epoch's last batch by a version that kept the epoch's end as (epoch, its
+            # last sample): Lightning's restore moves on to the next epoch, and so does the position.
+            position = replace(position, epoch=position.epoch + 1, consumed=0)
+        self._resume_at = position
         if position.epoch > int(checkpoint.get("epoch", 0)):
-            done = (size // world) // batch  # saved as its epoch ended: Lightning's restore moves on to the next
+            done = epoch_batches  # saved as its epoch ended: Lightning's restore moves on to the next
         else:
             # Exact, not rounded to whole steps: Lightning finds the epoch's last batch by this
             # count (a rounded one missed it, and the epoch's last micro-batches joined the next
             # epoch's first step). Checkpoints are taken at step ends, so on the same world size
             # the count is whole steps; after a change of world size the first step takes the
-            # micro-batches left to the new world's next step boundary.
+            # micro-batches left to the new world's next step boundary (runs/step_windows.py
+            # makes that step the mean of what it took).
             done = batches_done(size, world, batch, position.consumed)
         set_batches_done(checkpoint, done)
 

@@ -105,7 +105,8 @@ def train(
     )
     module = Phase2Module(config)
     if ckpt is not None and int(os.environ.get("RANK", "0")) == 0:
-        change = global_batch_change(training_position(ckpt), config, int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        change = global_batch_change(training_position(ckpt, world), config, world)
         if change:
             log.warning(change)
     data = Phase2DataModule(config)

@@ -16,7 +16,7 @@ from purrsight.config import Config
 from purrsight.distributed.preflight_callback import Preflight
 from purrsight.distributed.watchdog import ProgressWatchdog
 from purrsight.errors import UserError
-from purrsight.internals.lightning_loops import check_layout
+from purrsight.internals.lightning_loops import check_layout, validate_at_optimizer_steps
 from purrsight.observability.loggers import build_loggers
 from purrsight.observability.profiler import StepProfiler
 from purrsight.observability.progress_bar import StepBar, StepLines, use_progress_bar
@@ -25,6 +25,7 @@ from purrsight.observability.telemetry import Telemetry
 from purrsight.placement import Placement, decide, from_launcher
 from purrsight.runs.attempts import AttemptRecorder
 from purrsight.runs.checkpoint_saver import AtomicCheckpointIO, CheckpointSaver
+from purrsight.runs.step_windows import StepWindows
 from purrsight.training.fsdp import ShardedFrozenBase
 
 
@@ -134,7 +135,7 @@ def build_trainer(
     local, nodes = launch_world()
     run_dir = config.run.run_dir
     bar = use_progress_bar(config.logging.progress)
-    callbacks: list[pl.Callback] = [saver, FitStepNumbering(), *(extra_callbacks or [])]
+    callbacks: list[pl.Callback] = [saver, FitStepNumbering(), StepWindows(), *(extra_callbacks or [])]
     if recorder is not None:
         callbacks.append(recorder)
     callbacks.append(Preflight(config.preflight))
@@ -167,6 +168,8 @@ def build_trainer(
         max_epochs=-1,  # max_steps decides; epochs just repeat the (re-shuffled) data
         accumulate_grad_batches=trainer_cfg.accumulate_grad_batches,
         gradient_clip_val=trainer_cfg.gradient_clip_val,
+        # Lightning's own count (micro-batches) is replaced below by validate_at_optimizer_steps;
+        # given here so that its checks and progress bars see the same interval.
         val_check_interval=trainer_cfg.val_every_n_steps * trainer_cfg.accumulate_grad_batches,
         check_val_every_n_epoch=None,
         # No validation set: no validation loop at all (an empty loader makes Lightning warn on every run).
@@ -183,4 +186,5 @@ def build_trainer(
         default_root_dir=str(run_dir),
     )
     check_layout(trainer)  # a resume sets its loop counters: an upgrade that moved them stops here
+    validate_at_optimizer_steps(trainer, trainer_cfg.val_every_n_steps)
     return trainer

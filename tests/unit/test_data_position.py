@@ -31,17 +31,23 @@ def test_checkpoints_of_the_landed_main_give_their_position() -> None:
     """Before this entry the position lay in torchdata's loader state: in the training sampler's own
     state without loader workers (exact), inside a worker snapshot with them (then the fit loop's
     batch count, in the saving world's units, is the position)."""
-    saved_shape = {"config": dump_config(load_config(DEFAULT_CONFIG, ["data.batch_size=4"], check_paths=False))}
+    saved_shape: dict[str, Any] = {"config": dump_config(load_config(DEFAULT_CONFIG, ["data.batch_size=4"], check_paths=False))}
     in_process = checkpoint_with(5, **saved_shape)
     sampler = {"epoch": 0, "consumed": 40, "world_size": 2}
     in_process["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"_sampler_iter_state": {"sampler_state": sampler}}]
-    assert saved_position(in_process) == DataPosition(0, 40, 2, 4, 1)
+    assert saved_position(in_process, 1) == DataPosition(0, 40, 2, 4, 1)
     shape = ["data.batch_size=2", "trainer.accumulate_grad_batches=2"]
     with_workers = checkpoint_with(6, epoch=1, config=dump_config(load_config(DEFAULT_CONFIG, shape, check_paths=False)))
     snapshot = {"_snapshot": {"_main_snapshot": {"_sampler_iter_state": {"sampler_state": {**sampler, "consumed": 64}}}}}
     with_workers["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [snapshot]
-    assert saved_position(with_workers) == DataPosition(1, 6 * 2 * 2, 2, 2, 2)
-    assert saved_position(checkpoint_with(3)) is None  # nothing recorded at all
+    assert saved_position(with_workers, 1) == DataPosition(1, 6 * 2 * 2, 2, 2, 2)
+    # Before torchdata's loader state, or with torchdata's own sampler ({"yielded": N}): no world
+    # size kept; the fit loop's count in the resuming world's units (a warning says so).
+    no_loader_state = checkpoint_with(3, **saved_shape)
+    assert saved_position(no_loader_state, 2) == DataPosition(0, 3 * 4 * 2, 2, 4, 1)
+    no_loader_state["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"_sampler_iter_state": {"yielded": 12}}]
+    assert saved_position(no_loader_state, 3) == DataPosition(0, 3 * 4 * 3, 3, 4, 1)
+    assert saved_position({"epoch": 0, "purrsight": {}}, 1) is None  # not a fit's checkpoint
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,147 @@
+"""The data position over the whole space of settings, through Lightning's real fit loop.
+
+Each example trains a simulated job (tests/simulated_ranks.py: W ranks' real DataModules in one
+process), stops it at a random micro-batch as a SIGTERM would (the checkpoint lands at that
+step's end), and resumes it with the same or another world size, batch, accumulation and
+number of loader workers. An uninterrupted run of the first shape is the reference.
+
+Invariants (docs/DATA.md, "Resume"):
+- no sample twice in an epoch, over both fits;
+- fewer than one micro-batch of all ranks left out of a finished epoch (drop_last);
+- an unchanged world (ranks, batch, accumulation; loader workers may differ) resumes into
+  exactly the uninterrupted order: every rank's samples at every micro-batch;
+- every window holds ``accumulate_grad_batches`` micro-batches except the first after the
+  resume and an epoch's last, and every step's gradient is the mean over its window;
+- the logged step is the optimizer step; validation runs right after an optimizer step only;
+- every rank computes the same position; the job ends at ``max_steps``.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.simulated_ranks import LEGACY_LAYOUTS, Record, Shape, fit
+
+
+@pytest.fixture(autouse=True)
+def quiet() -> Iterator[None]:
+    """Lightning's and our INFO lines at every fit would bury a failure's report."""
+    logging.disable(logging.WARNING)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+@st.composite
+def shapes(draw: st.DrawFn) -> Shape:
+    world = draw(st.integers(1, 8))
+    # Loader workers on few ranks only: each simulated rank starts its own.
+    workers = draw(st.sampled_from([0, 2])) if world <= 2 else 0
+    return Shape(world, draw(st.integers(1, 8)), draw(st.integers(1, 4)), workers)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[Shape, Shape, int, int, int]:
+    first = draw(shapes())
+    if draw(st.booleans()):  # the same world, maybe other loader workers
+        second = Shape(first.world, first.batch, first.accumulation, draw(st.sampled_from([0, 2])) if first.world <= 2 else 0)
+    else:
+        second = draw(shapes())
+    size = draw(st.integers(max(first.world * first.batch, second.world * second.batch), 160))
+    per_epoch = -(-((size // first.world) // first.batch) // first.accumulation)  # optimizer steps in an epoch
+    max_steps = draw(st.integers(1, min(3 * per_epoch + 1, 30)))
+    stop_at = draw(stop_points(first, size, max_steps))
+    return first, second, size, max_steps, stop_at
+
+
+def stop_points(shape: Shape, size: int, max_steps: int) -> st.SearchStrategy[int]:
+    """Any micro-batch up to ``max_steps``, an epoch's last one half of the time (the edge that broke)."""
+    last = micro_batches_to(shape, size, max_steps)
+    per_epoch = (size // shape.world) // shape.batch
+    epoch_ends = [end for end in range(per_epoch, last + 1, per_epoch)]
+    anywhere = st.integers(1, last)
+    return st.one_of(anywhere, st.sampled_from(epoch_ends)) if epoch_ends else anywhere
+
+
+def micro_batches_to(shape: Shape, size: int, steps: int) -> int:
+    """Micro-batches an uninterrupted run of ``shape`` takes for ``steps`` optimizer steps."""
+    per_epoch = (size // shape.world) // shape.batch
+    whole, rest = divmod(steps, -(-per_epoch // shape.accumulation))
+    return whole * per_epoch + min(per_epoch, rest * shape.accumulation)
+
+
+def samples_by_epoch(*records: Record) -> dict[int, list[int]]:
+    epochs: dict[int, list[int]] = defaultdict(list)
+    for record in records:
+        for epoch, _, by_rank in record.micro_batches:
+            for ids in by_rank.values():
+                epochs[epoch].extend(ids)
+    return epochs
+
+
+def check_windows(record: Record, accumulation: int) -> None:
+    for epoch, taken, epoch_last, first_of_fit in record.windows:
+        assert 1 <= taken <= accumulation, (epoch, taken)
+        assert taken == accumulation or epoch_last or first_of_fit, f"a window of {taken} in epoch {epoch}"
+    assert max(record.gradient_errors, default=0.0) < 1e-9  # each step's gradient: the mean over its window
+    assert all(step == belongs for step, belongs in record.logged), record.logged
+    assert all(not inside and step % 3 == 0 for step, inside in record.validated_at), record.validated_at
+    assert not record.positions_disagree
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_a_stop_anywhere_and_a_resume_on_any_world_keep_every_promise(scenario: tuple[Shape, Shape, int, int, int]) -> None:
+    first, second, size, max_steps, stop_at = scenario
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        before = fit(first, size, max_steps, folder / "run", stop_at=stop_at)
+        after = fit(second, size, max_steps, folder / "run", resume=True)
+        reference = fit(first, size, max_steps, folder / "reference")
+
+    assert after.final_step == max_steps
+    epochs = samples_by_epoch(before, after)
+    for epoch, ids in epochs.items():
+        assert len(ids) == len(set(ids)), f"epoch {epoch}: a sample twice"
+        if epoch + 1 in epochs:  # finished: what the last world left out is less than one micro-batch of all ranks
+            ended_by = second if after.resumed_in_epoch is not None and epoch >= after.resumed_in_epoch else first
+            assert size - len(ids) < ended_by.world * ended_by.batch, f"epoch {epoch}: {size - len(ids)} left out"
+    for record, shape in ((before, first), (after, second), (reference, first)):
+        check_windows(record, shape.accumulation)
+    same_world = (first.world, first.batch, first.accumulation) == (second.world, second.batch, second.accumulation)
+    if same_world:
+        assert before.micro_batches + after.micro_batches == reference.micro_batches
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("layout", LEGACY_LAYOUTS)
+def test_checkpoints_of_earlier_layouts_resume_into_the_uninterrupted_order(layout: str, workers: int, tmp_path: Path) -> None:
+    """On the world that saved them, each layout an earlier PurrSight wrote (simulated_ranks.LEGACY_LAYOUTS),
+    saved at an epoch's last step and in the middle of one: 23 samples on 2 ranks x 3 x 2 (3
+    micro-batches an epoch, windows of 2 and 1)."""
+    shape = Shape(world=2, batch=3, accumulation=2, workers=workers)
+    reference = fit(shape, 23, 6, tmp_path / "reference")
+    for stop_at in (3, 5):  # the first epoch's last micro-batch; the second epoch's second
+        folder = tmp_path / f"stop-{stop_at}"
+        before = fit(shape, 23, 6, folder, stop_at=stop_at, legacy=layout)
+        after = fit(shape, 23, 6, folder, resume=True)
+        assert before.micro_batches + after.micro_batches == reference.micro_batches, f"stop at micro-batch {stop_at}"
+
+
+def test_a_resume_from_an_epochs_last_step_with_loader_workers_trains_the_uninterrupted_order(tmp_path: Path) -> None:
+    """The case found by hand: 128 samples, 2 ranks x 8, 2 loader workers (8 steps an epoch), the
+    step-8 checkpoint. Lightning builds the loader's iterator before it moves to epoch 1, and the
+    workers draw their first indices at once: they drew epoch 0's order."""
+    shape = Shape(world=2, batch=8, accumulation=1, workers=2)
+    before = fit(shape, 128, 16, tmp_path / "run", stop_at=8)
+    after = fit(shape, 128, 16, tmp_path / "run", resume=True)
+    reference = fit(shape, 128, 16, tmp_path / "reference")
+    assert [epoch for epoch, _, _ in after.micro_batches] == [1] * 8
+    assert before.micro_batches + after.micro_batches == reference.micro_batches
