@@ -20,3 +20,43 @@ class SampleIds(Dataset[int]):
 
 def collate_ids(ids: list[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
+
+
+class WorkerSettings(Dataset[dict]):
+    """Decodes one picture with the decoder it was given, in whatever process it lands in, and
+    reports that process's settings: what a loader worker really has (tests/unit/test_loader_workers.py)."""
+
+    def __init__(self, decoder: object, picture: str, size: int) -> None:
+        self.decoder = decoder
+        self.picture = picture
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict:
+        import logging
+        import os
+        import signal
+
+        from PIL import Image
+
+        error = ""
+        try:
+            self.decoder(self.picture)  # type: ignore[operator]
+        except Exception as err:  # reported, not raised: the test names what the worker said
+            error = str(err)
+        handlers = logging.getLogger().handlers
+        return {
+            "pid": os.getpid(),
+            "max_image_pixels": Image.MAX_IMAGE_PIXELS,
+            "decode_error": error,
+            "torch_threads": torch.get_num_threads(),
+            "sigterm_ignored": signal.getsignal(signal.SIGTERM) is signal.SIG_IGN,
+            "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
+            "log_format": handlers[0].formatter._fmt if handlers and handlers[0].formatter else "",  # type: ignore[union-attr]
+        }
+
+
+def first_item(items: list[dict]) -> dict:
+    return items[0]

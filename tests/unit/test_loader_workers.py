@@ -1,4 +1,5 @@
-"""Loader workers (training/datamodule.py): started from a fork server, and deaf to stop signals."""
+"""Loader workers (training/datamodule.py, data/loader_worker.py): started from a fork server, deaf to stop
+signals, with the trainer's process-wide settings."""
 
 from __future__ import annotations
 
@@ -6,13 +7,19 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
+from PIL import Image
 from torch.utils.data import SequentialSampler
 
 from purrsight.config import load_config
+from purrsight.data.media import ImageDecoder
 from purrsight.training.datamodule import Phase2DataModule
 from tests.helpers import DEFAULT_CONFIG, REPO
+from tests.sample_ids import WorkerSettings, first_item
+
+PILLOW_DEFAULT = Image.MAX_IMAGE_PIXELS  # before any decoder of ours set it in this process
 
 
 def test_sigterm_to_the_workers_and_their_fork_server_leaves_the_loader_running() -> None:
@@ -37,3 +44,28 @@ def test_importing_the_signal_module_elsewhere_changes_nothing() -> None:
     check = "import signal, purrsight.data.fork_server_signals; print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
     done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "True", done.stderr
+
+
+def test_every_process_wide_setting_reaches_a_real_loader_worker(tmp_path: Path) -> None:
+    """Inside real workers (2, from the fork server): Pillow's limit as data.max_image_pixels sets it
+    (a 200-MP scan under the 250-MP default decodes; it was refused at Pillow's own 179 MP), one
+    intra-op thread, stop signals ignored, our log line format. With 0 workers the same holds in
+    this process."""
+    scan = tmp_path / "scan.jpg"
+    Image.new("L", (20000, 10000), 200).save(scan, quality=50)  # 200 MP: above Pillow's default, under ours
+    config = load_config(DEFAULT_CONFIG, ["data.num_workers=2", "data.batch_size=1"], check_paths=False)
+    decoder = ImageDecoder(None, 32, config.data.max_image_pixels)
+    Image.MAX_IMAGE_PIXELS = PILLOW_DEFAULT  # as a fresh process has it: the decoder must carry ours
+    dataset = WorkerSettings(decoder, str(scan), 4)
+    module = Phase2DataModule(config)
+    loader = module._loader(dataset, SequentialSampler(range(4)), shuffle=False)  # type: ignore[arg-type]
+    loader.collate_fn = first_item
+    seen = list(loader)
+    assert {item["pid"] for item in seen} - {os.getpid()}, "the items came from loader workers"
+    for item in seen:
+        assert item["pid"] != os.getpid()
+        assert item["max_image_pixels"] == config.data.max_image_pixels
+        assert item["decode_error"] == ""
+        assert item["torch_threads"] == 1
+        assert item["sigterm_ignored"] and item["sigint_ignored"]
+        assert "%(levelname)s %(name)s: %(message)s" in item["log_format"]
