@@ -16,6 +16,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on cluster nodes
 import matplotlib.pyplot as plt  # imported after the backend is chosen
 
+from purrsight.atomic_file import publish, write_text_atomically
 from purrsight.observability.tracker_sender import Lost
 from purrsight.observability.trackers import LEDGER_NAME
 from purrsight.run_folder import HANGS_LOG
@@ -45,7 +46,7 @@ def _plot(path: Path, title: str, ylabel: str, curves: dict[str, tuple[list[floa
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    publish(path, lambda stream: figure.savefig(stream, format="png", dpi=100))
     plt.close(figure)
     return path
 
@@ -110,5 +111,5 @@ def write_report(run_dir: Path, preflight_table: str | None = None) -> Path:
         lines += ["", "## Preflight all-reduce", "", "```", preflight_table, "```"]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots if p is not None]
     report = run_dir / "report.md"
-    report.write_text("\n".join(lines) + "\n")
+    write_text_atomically(report, "\n".join(lines) + "\n")
     return report
