@@ -17,8 +17,8 @@ matplotlib.use("Agg")  # files only: no display on cluster nodes
 import matplotlib.pyplot as plt  # imported after the backend is chosen
 
 from purrsight.atomic_file import publish, write_text_atomically
-from purrsight.observability.tracker_sender import Lost
-from purrsight.observability.trackers import LEDGER_NAME
+from purrsight.observability.tracker_journal import LEDGER_NAME, QUEUE_DIR
+from purrsight.observability.tracker_sender import Tally
 from purrsight.run_folder import HANGS_LOG
 from purrsight.runs.attempts import plot_timeline, read_attempts, summarize, summary_lines
 
@@ -51,18 +51,26 @@ def _plot(path: Path, title: str, ylabel: str, curves: dict[str, tuple[list[floa
     return path
 
 
-def _lost_tracker_points(run_dir: Path) -> list[str]:
-    """A section naming what a tracker server never received (trackers.json, written by the sender)."""
+def _undelivered_tracker_points(run_dir: Path) -> list[str]:
+    """Sections naming what a tracker server does not hold (trackers.json): points given up in an
+    outage longer than the queue, and points still waiting on disk for the next attempt."""
     ledger = run_dir / LEDGER_NAME
     if not ledger.is_file():
         return []
-    lost = [(name, entry["lost"]) for name, entry in json.loads(ledger.read_text()).items() if entry.get("lost")]
-    if not lost:
-        return []
-    lines = ["", "## Tracker points never delivered", ""]
-    for name, entry in lost:
-        item = Lost(int(entry["count"]), entry.get("first_step"), entry.get("last_step"))
-        lines.append(f"- {name}: {item} never reached the server; metrics/metrics.csv holds every point")
+    entries = json.loads(ledger.read_text()).items()
+    lost = [(name, Tally(**entry["lost"])) for name, entry in entries if entry.get("lost")]
+    kept = [(name, Tally(**entry["kept"])) for name, entry in entries if entry.get("kept")]
+    lines = []
+    if lost:
+        lines += ["", "## Tracker points never delivered", ""]
+        lines += [f"- {name}: {item} never reached the server; metrics/metrics.csv holds every point" for name, item in lost]
+    if kept:
+        lines += ["", "## Tracker points waiting to be sent", ""]
+        lines += [
+            f"- {name}: {item} not on the server when the run ended, kept in {QUEUE_DIR}/{name}/: "
+            "the next attempt (a resume) sends them"
+            for name, item in kept
+        ]
     return lines
 
 
@@ -106,7 +114,7 @@ def write_report(run_dir: Path, preflight_table: str | None = None) -> Path:
     hangs = run_dir / HANGS_LOG
     if hangs.is_file():
         lines += ["", "## Hangs the watchdog named", "", "```", hangs.read_text().rstrip(), "```"]
-    lines += _lost_tracker_points(run_dir)
+    lines += _undelivered_tracker_points(run_dir)
     if preflight_table:
         lines += ["", "## Preflight all-reduce", "", "```", preflight_table, "```"]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots if p is not None]

@@ -3,10 +3,13 @@
 The training thread only queues (never blocks, never raises). The sender thread sends in
 order; queued points travel together, up to ``BATCH_LIMIT`` in one request (after an outage the
 queue drains in a few requests, not one per step); a failed call is retried with our own backoff (the tracker
-client's retries are turned off: MLflow's run for minutes on the calling thread). A point
-counts as sent when its call returned, and only then does ``on_sent`` run (the ledger's
-record). The queue is bounded: in a long outage the oldest points give way and are counted
-as lost, named in the log and in ``trackers.json``, which the run report reads.
+client's retries are turned off: MLflow's run for minutes on the calling thread). A failed
+request may still have reached the server (it stored the points, then the answer was lost or
+came after the client gave up), so ``send_points`` is told when it sends points again after a
+failure: it asks the server what it holds first. A call counts as sent when it returned, and
+only then does ``on_sent`` run. The queue is bounded: in a long outage the oldest points give way
+(``on_dropped`` names them). What is still queued when the sender closes is handed back to the
+caller, which keeps it on disk for the next attempt (trackers.py, tracker_journal.py).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ class Call:
 
 
 @dataclass
-class Lost:
+class Tally:
+    """A count of points and the steps they span, for the log, ``trackers.json`` and the report."""
+
     count: int = 0
     first_step: int | None = None
     last_step: int | None = None
@@ -46,7 +51,7 @@ class Lost:
         self.count += 1
         self._widen(step)
 
-    def add_all(self, other: Lost) -> None:
+    def add_all(self, other: Tally) -> None:
         self.count += other.count
         self._widen(other.first_step)
         self._widen(other.last_step)
@@ -61,7 +66,7 @@ class Lost:
 
     def __str__(self) -> str:
         steps = f" (steps {self.first_step}-{self.last_step})" if self.first_step is not None else ""
-        return f"{self.count} call{'s' if self.count != 1 else ''}{steps}"
+        return f"{self.count} point{'s' if self.count != 1 else ''}{steps}"
 
 
 class BackgroundSender:
@@ -70,13 +75,17 @@ class BackgroundSender:
         name: str,
         capacity: int = CAPACITY,
         retry_first_s: float = RETRY_FIRST_S,
-        send_points: Callable[[list[Any]], None] | None = None,
+        send_points: Callable[[list[Any], bool], None] | None = None,
+        on_dropped: Callable[[Call], None] | None = None,
     ) -> None:
         self.name = name
-        self.send_points = send_points  # sends several points' payloads in one request
+        # Sends several points' payloads in one request; its flag: the last try failed, so the
+        # server may hold some of them already.
+        self.send_points = send_points
+        self.on_dropped = on_dropped  # a call the overflow gave up (runs on the caller's thread)
         self.capacity = capacity
         self.retry_first_s = retry_first_s
-        self.lost = Lost()
+        self.lost = Tally()  # calls the overflow gave up
         self.failures = 0
         self._queue: deque[Call] = deque()
         self._changed = threading.Condition()
@@ -87,23 +96,28 @@ class BackgroundSender:
         self._thread = threading.Thread(target=self._run, name=f"{name}-sender", daemon=True)
         self._thread.start()
 
-    def put(self, call: Call) -> None:
-        """Queue a call; returns at once. Full: the oldest queued call gives way and is counted lost."""
+    def put(self, call: Call) -> bool:
+        """Queue a call; returns at once, False after close() (not queued). Full: the oldest queued
+        call gives way (counted in ``lost``, handed to ``on_dropped``)."""
+        dropped = None
         with self._changed:
             if self._closing:
-                self.lost.add(call.step)
-                return
+                return False
             if len(self._queue) >= self.capacity:
-                self.lost.add(self._queue.popleft().step)
+                dropped = self._queue.popleft()
+                self.lost.add(dropped.step)
             self._queue.append(call)
             self._changed.notify_all()
+        if dropped is not None and self.on_dropped is not None:
+            self.on_dropped(dropped)
+        return True
 
     def pending(self) -> int:
         with self._changed:
             return len(self._queue)
 
-    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> Lost:
-        """Wait (at most ``timeout_s``) for the queue to be sent; what is left is lost. Returns all lost.
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> list[Call]:
+        """Wait (at most ``timeout_s``) for the queue to be sent; returns the calls left unsent, in order.
 
         A server already failing gets one more try of the call at the head, not the whole wait:
         a stop during an outage (a preemption's grace period) ends as promptly as without a tracker.
@@ -115,10 +129,10 @@ class BackgroundSender:
             self._changed.notify_all()
             while self._queue and time.monotonic() < deadline and not (self._failing and self._tried_since_close):
                 self._changed.wait(timeout=max(0.0, deadline - time.monotonic()))
-            while self._queue:
-                self.lost.add(self._queue.popleft().step)
+            left = list(self._queue)
+            self._queue.clear()
             self._changed.notify_all()
-        return self.lost
+        return left
 
     def _next_calls(self) -> list[Call]:
         """The head of the queue: one call, or the run of points at its head (lock held)."""
@@ -132,9 +146,9 @@ class BackgroundSender:
             calls.append(call)
         return calls
 
-    def _send(self, calls: list[Call]) -> None:
+    def _send(self, calls: list[Call], after_failure: bool) -> None:
         if calls[0].point is not None and self.send_points is not None:
-            self.send_points([call.point for call in calls])
+            self.send_points([call.point for call in calls], after_failure)
         else:
             calls[0].send()
 
@@ -147,8 +161,9 @@ class BackgroundSender:
                 if not self._queue:
                     return
                 calls = self._next_calls()
+                after_failure = self._failing
             try:
-                self._send(calls)
+                self._send(calls, after_failure)
             except Exception as error:  # any failure of the tracker client: retried, never raised into training
                 self._note_failure(calls[0], error)
                 with self._changed:

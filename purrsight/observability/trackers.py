@@ -3,182 +3,68 @@
 Lightning's loggers open a new tracker run in every process unless handed the old run's id
 (Lightning #13524, #4935), and every restart is a new process; so the id lives in the run
 folder (``trackers.json``, written by rank 0 before any step is sent). After a restart the
-redone steps are **not sent again**: MLflow's are skipped by our ledger of what the server
-acknowledged, W&B drops a step lower than one it has. MLflow's points travel on a thread of
-their own (tracker_sender.py) so a dead server never holds training. docs/OBSERVABILITY.md,
-"Experiment trackers", gives the choices and their reasons.
+redone steps are **not sent again**: MLflow's are skipped by our ledger of what was queued and
+what the server took, W&B drops a step lower than one it has. MLflow's points travel on a
+thread of their own (tracker_sender.py) so a dead server never holds training, and wait on disk
+until the server has them (tracker_journal.py), so a run that dies leaves them for the next
+attempt. Every call at a run's start and end is bounded. docs/OBSERVABILITY.md, "Experiment
+trackers", gives the choices and their reasons.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import secrets
+import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pytorch_lightning.loggers import Logger, MLFlowLogger, WandbLogger
 from pytorch_lightning.utilities import rank_zero_only
 
-from purrsight.atomic_file import write_json_atomically
 from purrsight.config import Config, ConfigError
 from purrsight.observability.step_numbering import RunStepNumbering
-from purrsight.observability.tracker_sender import WARN_EVERY_N_FAILURES, BackgroundSender, Call, Lost
+from purrsight.observability.tracker_journal import QUEUE_DIR, PointJournal, QueuedPoint, TrackerLedger, tally
+from purrsight.observability.tracker_sender import CLOSE_TIMEOUT_S, WARN_EVERY_N_FAILURES, BackgroundSender, Call
 
 log = logging.getLogger(__name__)
 
-LEDGER_NAME = "trackers.json"
-# The MLflow client's own retries (exponential, minutes) and timeout, for the sender's calls:
-# retrying is the sender's job, and a call must give up soon enough for a stop to be prompt.
-SENDER_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+T = TypeVar("T")
+
+# The MLflow client's own retries (exponential, minutes) and timeout, for every call from the
+# first: retrying is the sender's job, and a call at start or end must give up within seconds.
+MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+# W&B's own init waits for its service process without a limit; offline it takes a second or
+# two, online its own default allows 90 s. Every other rank waits for this one meanwhile.
+WANDB_START_TIMEOUT_S = 60.0
 
 
-class TrackerLedger:
-    """One tracker's entry in ``trackers.json``: its run id and the steps it has been sent."""
+def within(timeout_s: float, call: Callable[[], T], name: str) -> T:
+    """``call()`` on a thread of its own, waited for at most ``timeout_s``; TimeoutError after that.
 
-    def __init__(self, run_dir: Path, tracker: str, target: str) -> None:
-        self.path = run_dir / LEDGER_NAME
-        self.tracker = tracker
-        self.target = target  # where the run lives (URI, project): another target is another run
-        entry = self._read().get(tracker, {})
-        if entry.get("target") != target:
-            if entry:
-                log.warning(
-                    "%s: the run folder's tracker run lives at %s, not %s: starting a new one", tracker, entry["target"], target
-                )
-            entry = {}
-        self.run_id: str | None = entry.get("run_id")
-        self.through_step: int = entry.get("through_step", -1)
-        self.keys_at_step: set[str] = set(entry.get("keys_at_step", []))
-        self.lost = Lost(**entry.get("lost", {}))
-        # [first, last] step of points sent and not yet acknowledged: a kill there leaves it unknown
-        # whether the server has them, and the next attempt asks the server (settle).
-        self.in_flight: list[int] | None = entry.get("in_flight")
-        # Queued in this process but not yet acknowledged: never queued twice, never recorded early.
-        self._claimed_step, self._claimed_keys = self.through_step, set(self.keys_at_step)
-
-    def _read(self) -> dict[str, Any]:
-        if not self.path.is_file():
-            return {}
-        return dict(json.loads(self.path.read_text()))
-
-    def _write(self) -> None:
-        ledger = self._read()  # the other tracker's entry is kept as it is
-        ledger[self.tracker] = {
-            "target": self.target,
-            "run_id": self.run_id,
-            "through_step": self.through_step,
-            "keys_at_step": sorted(self.keys_at_step),
-            **({"lost": self.lost.as_dict()} if self.lost.count else {}),
-            **({"in_flight": self.in_flight} if self.in_flight else {}),
-        }
-        write_json_atomically(self.path, ledger)
-
-    def remember_run(self, run_id: str) -> None:
-        self.run_id = run_id
-        self._write()
-
-    def unsent(self, metrics: Mapping[str, Any], step: int) -> dict[str, Any]:
-        """The points of ``metrics`` at ``step`` neither acknowledged nor queued yet; now counted as queued."""
-        if step < self._claimed_step:
-            return {}
-        if step > self._claimed_step:
-            self._claimed_step, self._claimed_keys = step, set()
-        fresh = {key: value for key, value in metrics.items() if key not in self._claimed_keys}
-        self._claimed_keys.update(fresh)
-        return fresh
-
-    def sending(self, first_step: int, last_step: int) -> None:
-        """Points of these steps go to the server now (recorded first: see in_flight)."""
-        self.in_flight = [first_step, last_step]
-        self._write()
-
-    def acknowledge(self, metrics: Mapping[str, Any], step: int, write: bool = True) -> None:
-        """The server took these points: a restart will not send them again."""
-        if step < self.through_step:
-            return
-        if step > self.through_step:
-            self.through_step, self.keys_at_step = step, set()
-        self.keys_at_step.update(metrics)
-        if self.in_flight and step >= self.in_flight[1]:
-            self.in_flight = None
-        if write:
-            self._write()
-
-    def settle(self, on_server: dict[int, set[str]]) -> None:
-        """Resolve the last attempt's points in flight by what the server holds (step -> metric names)."""
-        for step in sorted(on_server):
-            self.acknowledge(dict.fromkeys(on_server[step]), step, write=False)
-        self.in_flight = None
-        self._claimed_step, self._claimed_keys = self.through_step, set(self.keys_at_step)
-        self._write()
-
-    def record_lost(self, lost: Lost) -> None:
-        """Points this attempt could not deliver, added to the run's count (the run report shows it)."""
-        self.lost.add_all(lost)
-        self._write()
-
-
-class _SendEachStepOnce:
-    """Mixin for a tracker logger: skips what a restart logs again; a tracker error is a warning, not a crash.
-
-    With a ``sender`` (set on rank 0 by ``attach``) the calls go through its thread; without
-    one (W&B) they are made here.
+    The thread is left to finish or hang by itself: it is a daemon and never holds the exit.
     """
+    outcome: list[tuple[bool, Any]] = []
 
-    ledger: TrackerLedger
-    sender: BackgroundSender | None = None
-    _failures = 0
-
-    def _unsent(self, metrics: Mapping[str, float], step: int) -> dict[str, float]:
-        return self.ledger.unsent(metrics, step)
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        fresh = dict(metrics) if step is None else self._unsent(metrics, step)
-        if not fresh:
-            return
-        if self.sender is not None:
-            acknowledge = None if step is None else (lambda: self.ledger.acknowledge(fresh, step))
-            self.sender.put(Call(lambda: self._send(fresh, step), step, acknowledge, point=self._point(fresh, step)))
-            return
+    def run() -> None:
         try:
-            self._send(fresh, step)
-        except Exception as error:  # an unreachable tracker must not end a week-long run
-            if self._failures % WARN_EVERY_N_FAILURES == 0:
-                log.warning(
-                    "%s: could not send step %s (%s: %s); training goes on, metrics/metrics.csv keeps it",
-                    self.ledger.tracker,
-                    step,
-                    type(error).__name__,
-                    error,
-                )
-            self._failures += 1
+            outcome.append((True, call()))
+        except BaseException as error:  # handed to the caller, not printed by the thread
+            outcome.append((False, error))
 
-    def _send(self, metrics: Mapping[str, float], step: int | None) -> None:
-        super().log_metrics(metrics, step)  # type: ignore[misc]  # the Lightning logger this is mixed into
-
-    def _point(self, metrics: Mapping[str, float], step: int | None) -> Any:
-        """A point's payload for a sender that sends several in one request (None: sent alone)."""
-        return None
-
-    def close_sender(self) -> None:
-        """Wait a bounded time for the queued calls; name and record what never reached the server."""
-        if self.sender is None:
-            return
-        lost = self.sender.close()
-        self.sender = None
-        if lost.count:
-            log.warning(
-                "%s: %s never reached the server before the run ended; metrics/metrics.csv keeps them",
-                self.ledger.tracker,
-                lost,
-            )
-            self.ledger.record_lost(lost)
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise TimeoutError(f"{name} did not return within {timeout_s:g} s")
+    done, value = outcome[0]
+    if not done:
+        raise value
+    return value  # type: ignore[no-any-return]  # call's own result
 
 
 def flat_params(value: Any, prefix: str = "") -> dict[str, str]:
@@ -191,31 +77,152 @@ def flat_params(value: Any, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): str(value)}
 
 
-@contextmanager
-def _fail_fast_http() -> Iterator[None]:
-    """MLflow retries an unreachable server for minutes by default: at start a few seconds must do."""
-    saved = {name: os.environ.get(name) for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
-    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="1", MLFLOW_HTTP_REQUEST_TIMEOUT="10")
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
+class MLflowThroughSender(MLFlowLogger):
+    """MLflow's points queued for the sender's thread and kept on disk until the server has them."""
+
+    ledger: TrackerLedger
+    journal: PointJournal
+    sender: BackgroundSender | None = None
+    _closed = False
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        step = 0 if step is None else step  # MLflow's own default; Lightning always gives one here
+        fresh = self.ledger.unsent(metrics, step)
+        if not fresh or self.sender is None:
+            return
+        point = QueuedPoint(step, int(time.time() * 1000), {key: float(value) for key, value in fresh.items()})
+        self.journal.append(point)  # before the queue: a death from here on leaves it on disk
+        self.sender.put(self._call(point))  # after close() it stays on disk only, for the next attempt
+
+    def _call(self, point: QueuedPoint) -> Call:
+        return Call(lambda: self._send_points([point], after_failure=True), point.step, point=point)
+
+    def _send_points(self, points: list[QueuedPoint], after_failure: bool) -> None:
+        """One request for the points (the sender's thread). After a failed try the server may hold
+        some already (it stored them and the answer was lost): those are not sent again."""
+        held = self._held_by_server(points) if after_failure else set()
+        metrics = [
+            self._metric(key, value, point)
+            for point in points
+            for key, value in point.metrics.items()
+            if (point.step, key) not in held
+        ]
+        if metrics:
+            self.experiment.log_batch(run_id=self.run_id, metrics=metrics, synchronous=True)
+        self.ledger.acknowledge_all(points)
+        self.journal.forget_before(self.ledger.through_step)
+
+    @staticmethod
+    def _metric(key: str, value: float, point: QueuedPoint) -> Any:
+        from mlflow.entities import Metric
+
+        return Metric(key=key, value=value, timestamp=point.stamp_ms, step=point.step)
+
+    def _held_by_server(self, points: list[QueuedPoint]) -> set[tuple[int, str]]:
+        """Which (step, metric) of ``points`` the server holds, from the metrics' histories.
+
+        We send each (step, metric) once, so one there is one of ours. A history is read whole
+        (paged by MLflow's client): this runs only after a failure and at a start that found points left.
+        """
+        wanted = {(point.step, key) for point in points for key in point.metrics}
+        first, last = min(step for step, _ in wanted), max(step for step, _ in wanted)
+        held: set[tuple[int, str]] = set()
+        for key in sorted({key for _, key in wanted}):
+            for metric in self.experiment.get_metric_history(self.run_id, key):
+                if first <= metric.step <= last and (metric.step, key) in wanted:
+                    held.add((metric.step, key))
+        return held
+
+    def _left_by_last_attempt(self) -> list[QueuedPoint]:
+        """The points an earlier attempt queued and never saw resolved, less what the server holds."""
+        left = []
+        for point in self.journal.read():
+            unresolved = {key: value for key, value in point.metrics.items() if not self.ledger.resolved(point.step, key)}
+            if unresolved:
+                left.append(QueuedPoint(point.step, point.stamp_ms, unresolved))
+        if not left:
+            self.journal.clear()
+            return []
+        held = self._held_by_server(left)
+        # Recorded as taken only up to the first point still to send: the ledger's record is "all up to here".
+        taken = []
+        for point in left:
+            if any((point.step, key) not in held for key in point.metrics):
+                break
+            taken.append(point)
+        if taken:
+            self.ledger.acknowledge_all(taken)
+        self.ledger.claim(left)  # the steps a restart trains again are not queued again
+        to_send = [
+            QueuedPoint(point.step, point.stamp_ms, {k: v for k, v in point.metrics.items() if (point.step, k) not in held})
+            for point in left
+        ]
+        to_send = [point for point in to_send if point.metrics]
+        log.info(
+            "mlflow: the last attempt left %s queued; the server holds %d of them, the rest are sent now",
+            tally(left),
+            len(left) - len(to_send),
+        )
+        return to_send
+
+    def _dropped(self, call: Call) -> None:
+        if call.point is not None:
+            self.ledger.give_up(call.point)
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        """Mark the run ended after the queued points, from the sender's thread (a dead server must not
+        hold the end). An error in training ends the process next: the queue is closed now."""
+        if self.sender is None:
+            return
+        self.sender.put(Call(lambda: MLFlowLogger.finalize(self, status), None))
+        if status == "failed":
+            self.close()
+
+    def close(self) -> None:
+        """Wait a bounded time for the queue; what the server never got stays on disk and is named."""
+        if self.sender is None or self._closed:
+            return
+        self._closed = True
+        left = self.sender.close()
+        points = [call.point for call in left if call.point is not None]
+        if len(points) < len(left):
+            log.warning("mlflow: the run's end status never reached the server (it shows the run as running)")
+        if self.sender.lost.count:
+            log.warning(
+                "mlflow: %s gave way in the queue during the outage and never reached the server; metrics/metrics.csv keeps them",
+                self.sender.lost,
+            )
+        if points and self.journal.failed:  # not all of them on disk: named as lost instead
+            log.warning("mlflow: %s never reached the server before the run ended; metrics/metrics.csv keeps them", tally(points))
+            for point in points:
+                self.ledger.give_up(point)
+            points = []
+        elif points:
+            log.warning(
+                "mlflow: %s not on the server when the run ended: kept in %s; the next attempt (a resume) sends them",
+                tally(points),
+                self.journal.folder,
+            )
+        self.ledger.record_kept(tally(points))  # also writes what the overflow gave up
+        if not points:
+            self.journal.clear()
 
 
-class RunMLflowLogger(RunStepNumbering, _SendEachStepOnce, MLFlowLogger):
+class RunMLflowLogger(RunStepNumbering, MLflowThroughSender):
     def __init__(self, config: Config, run_dir: Path) -> None:
+        for name, value in MLFLOW_HTTP.items():
+            os.environ.setdefault(name, value)  # before the first call; a user's own setting wins
         uri = str(config.logging.mlflow_tracking_uri)
         self.ledger = TrackerLedger(run_dir, "mlflow", f"{uri} experiment {config.logging.mlflow_experiment}")
+        self.journal = PointJournal(run_dir / QUEUE_DIR / "mlflow")
         super().__init__(
             experiment_name=config.logging.mlflow_experiment,
             run_name=run_dir.name,
             tracking_uri=uri,
             run_id=self.ledger.run_id,
-            synchronous=True,  # a point is on the server when log_metrics returns: the ledger stays true
+            synchronous=True,  # a point is on the server when log_batch returns: the ledger stays true
         )
         self._params = flat_params(config.model_dump(mode="json"))
 
@@ -223,67 +230,22 @@ class RunMLflowLogger(RunStepNumbering, _SendEachStepOnce, MLFlowLogger):
         """Create or reopen the tracker run now, at start, so a wrong URI fails before any step trains."""
         continuing = self.ledger.run_id is not None
         try:
-            with _fail_fast_http():
-                run_id = str(self.run_id)
-                if continuing:
-                    self.experiment.update_run(run_id, status="RUNNING")  # the last attempt may have marked it ended
+            run_id = str(self.run_id)
+            if continuing:
+                self.experiment.update_run(run_id, status="RUNNING")  # the last attempt may have marked it ended
+            else:
+                self.ledger.remember_run(run_id)
+                MLFlowLogger.log_hyperparams(self, self._params)
+            left = self._left_by_last_attempt()
         except Exception as error:
             raise ConfigError(
                 [f"logging.mlflow_tracking_uri: cannot use {self._tracking_uri}: {type(error).__name__}: {error}"]
             ) from None
-        if not continuing:
-            self.ledger.remember_run(run_id)
-            self.log_hyperparams(self._params)
-        elif self.ledger.in_flight:
-            self._settle_in_flight(run_id)
-        for name, value in SENDER_HTTP.items():
-            os.environ.setdefault(name, value)  # a user's own setting wins: it only affects the sender's thread
-        self.sender = BackgroundSender("mlflow", send_points=self._send_points)
+        self.sender = BackgroundSender("mlflow", send_points=self._send_points, on_dropped=self._dropped)
+        for point in left:
+            self.sender.put(self._call(point))
         state = "continued" if continuing else "new"
         return f"MLflow run {run_id} ({state}) in experiment {self._experiment_name} at {self._tracking_uri}"
-
-    def _point(self, metrics: Mapping[str, float], step: int | None) -> Any:
-        """The point as MLflow entities, stamped when it was logged (not when the queue reaches it)."""
-        from mlflow.entities import Metric
-
-        stamp = int(time.time() * 1000)
-        return [Metric(key=key, value=float(value), timestamp=stamp, step=step or 0) for key, value in metrics.items()]
-
-    def _send_points(self, points: list[Any]) -> None:
-        metrics = [metric for point in points for metric in point]
-        if metrics:
-            self.ledger.sending(min(m.step for m in metrics), max(m.step for m in metrics))
-        self.experiment.log_batch(run_id=self.run_id, metrics=metrics, synchronous=True)
-
-    def _settle_in_flight(self, run_id: str) -> None:
-        """The last attempt ended while points were in flight: whether the server took them is asked of
-        the server (their metrics' histories), so none is sent twice and none is skipped."""
-        first, last = self.ledger.in_flight or [0, -1]
-        on_server: dict[int, set[str]] = {}
-        try:
-            with _fail_fast_http():
-                for key in self.experiment.get_run(run_id).data.metrics:
-                    for point in self.experiment.get_metric_history(run_id, key):
-                        if first <= point.step <= last:
-                            on_server.setdefault(point.step, set()).add(key)
-        except Exception as error:  # unknown: sending again risks a duplicate, not a loss
-            log.warning("mlflow: could not ask the server about steps %d-%d (%s): they are sent again", first, last, error)
-            on_server = {}
-        self.ledger.settle(on_server)
-        log.info(
-            "mlflow: steps %d-%d were in flight when the last attempt ended; the server holds %s",
-            first,
-            last,
-            ", ".join(str(step) for step in sorted(on_server)) or "none of them",
-        )
-
-    @rank_zero_only
-    def finalize(self, status: str = "success") -> None:
-        """Mark the run ended after the queued points, from the sender's thread (a dead server must not hold the end)."""
-        if self.sender is None:
-            super().finalize(status)
-        else:
-            self.sender.put(Call(lambda: MLFlowLogger.finalize(self, status), None))
 
 
 def wandb_settings() -> Any:
@@ -293,7 +255,90 @@ def wandb_settings() -> Any:
     return wandb.Settings(x_transaction_log_flush_interval=1.0)
 
 
-class RunWandbLogger(RunStepNumbering, _SendEachStepOnce, WandbLogger):
+def stop_wandb_service() -> None:
+    """End a W&B service process that does not answer: W&B's own exit hook would wait for it forever.
+
+    Its files keep what it wrote (``wandb sync`` uploads them); W&B's hook is then told it is gone.
+    """
+    import psutil
+    import wandb
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.name().startswith("wandb-core"):
+                child.kill()
+    # W&B's teardown unhooks its exit handler first; then its farewell to the ended service fails, or
+    # it raises SystemExit with the service's exit code (-9): neither may end this process.
+    with contextlib.suppress(Exception, SystemExit):
+        within(5.0, wandb.teardown, "wandb-teardown")
+
+
+class WandbBounded(WandbLogger):
+    """W&B's calls: a failure while training is a warning; its start and end bounded, off the training thread."""
+
+    _failures = 0
+    _closed = False
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        try:
+            if step is None:
+                self.experiment.log(dict(metrics))
+            else:
+                # W&B's own step is the training step, so an offline attempt synced after an earlier one
+                # continues its history instead of being dropped as "steps going back".
+                self.experiment.log(dict(metrics, **{"trainer/global_step": step}), step=step)
+        except Exception as error:  # an unavailable tracker must not end a week-long run
+            if self._failures % WARN_EVERY_N_FAILURES == 0:
+                log.warning(
+                    "wandb: could not log step %s (%s: %s); training goes on, metrics/metrics.csv keeps it",
+                    step,
+                    type(error).__name__,
+                    error,
+                )
+            self._failures += 1
+
+    def start(self) -> None:
+        try:
+            within(WANDB_START_TIMEOUT_S, lambda: self.experiment, "wandb-init")
+        except TimeoutError:
+            stop_wandb_service()
+            raise ConfigError(
+                [
+                    f"logging.wandb_project: W&B did not start within {WANDB_START_TIMEOUT_S:g} s (its service process "
+                    "does not answer); check W&B on this node, or unset logging.wandb_project"
+                ]
+            ) from None
+        except Exception as error:
+            raise ConfigError([f"logging.wandb_project: W&B did not start: {type(error).__name__}: {error}"]) from None
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        super().finalize(status)
+        if status == "failed":  # an error ends the process next: W&B's file is closed now, bounded
+            self.close()
+
+    def close(self) -> None:
+        """Finish the W&B run: its last points reach the file now, not at an interpreter exit that a
+        Ray worker never gets (Ray ends its workers without running their exit handlers)."""
+        if self._experiment is None or self._closed:
+            return
+        self._closed = True
+        try:
+            within(CLOSE_TIMEOUT_S, self._experiment.finish, "wandb-finish")
+        except TimeoutError:
+            log.warning(
+                "wandb: the run's finish did not return within %g s (its service process does not answer): "
+                "ended; %s/wandb keeps what it wrote (the last second may be missing)",
+                CLOSE_TIMEOUT_S,
+                self.save_dir,
+            )
+            stop_wandb_service()
+        except Exception as error:
+            log.warning("wandb: the run's finish failed (%s: %s)", type(error).__name__, error)
+
+
+class RunWandbLogger(RunStepNumbering, WandbBounded):
     def __init__(self, config: Config, run_dir: Path) -> None:
         project = str(config.logging.wandb_project)
         self.ledger = TrackerLedger(run_dir, "wandb", f"project {project}")
@@ -311,38 +356,19 @@ class RunWandbLogger(RunStepNumbering, _SendEachStepOnce, WandbLogger):
             settings=wandb_settings(),
         )
 
-    def _unsent(self, metrics: Mapping[str, float], step: int) -> dict[str, float]:
-        return dict(metrics)  # W&B drops the steps it has (see the module's docstring)
-
-    def _send(self, metrics: Mapping[str, float], step: int | None) -> None:
-        if step is None:
-            self.experiment.log(dict(metrics))
-        else:
-            # W&B's own step is the training step, so an offline attempt synced after an earlier one
-            # continues its history instead of being dropped as "steps going back".
-            self.experiment.log(dict(metrics, **{"trainer/global_step": step}), step=step)
-
     def attach(self) -> str:
         if not self._continuing:
             self.ledger.remember_run(self._run_id)  # before wandb.init: a kill during it keeps the id
-        _ = self.experiment
+        self.start()
         where = f"offline files in {self.save_dir}/wandb (upload: wandb sync)" if self._offline else "online"
         return f"W&B run {self._run_id} ({'continued' if self._continuing else 'new'}) in project {self._project}, {where}"
-
-    def close(self) -> None:
-        """Finish the W&B run: its last points reach the file now, not at an interpreter exit that a
-        Ray worker never gets (Ray ends its workers without running their exit handlers)."""
-        if self._experiment is not None:
-            self._experiment.finish()
 
 
 def close_trackers(loggers: list[Logger]) -> None:
     """At the end of a run (finished or stopped by a signal), on rank 0: flush and close the tracker runs."""
     for logger in loggers:
-        if isinstance(logger, RunWandbLogger):
+        if isinstance(logger, MLflowThroughSender | WandbBounded):
             logger.close()
-        if isinstance(logger, _SendEachStepOnce):
-            logger.close_sender()
 
 
 def require(package: str, setting: str, extra: str) -> None:

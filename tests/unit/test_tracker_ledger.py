@@ -1,14 +1,19 @@
-"""The tracker ledger (purrsight/observability/trackers.py): what a restart sends again, and what it skips."""
+"""The tracker ledger and journal (purrsight/observability/tracker_journal.py): what a restart sends
+again, what it skips, and the queue a dead process leaves on disk."""
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 
 from purrsight.config import ConfigError
-from purrsight.observability.trackers import TrackerLedger, flat_params, require
+from purrsight.observability import tracker_journal
+from purrsight.observability.tracker_journal import PointJournal, QueuedPoint, TrackerLedger
+from purrsight.observability.tracker_sender import Tally
+from purrsight.observability.trackers import flat_params, require
 
 
 def test_a_restart_skips_the_points_the_server_acknowledged_and_sends_the_rest(tmp_path: Path) -> None:
@@ -57,16 +62,83 @@ def test_a_tracker_package_that_is_absent_is_named_with_the_fix() -> None:
     ]
 
 
-def test_points_in_flight_at_a_kill_are_settled_by_what_the_server_holds(tmp_path: Path) -> None:
-    """Sent, then the process killed before the server's answer was recorded: the next attempt asks
-    the server (MLflow's metric history) and sends again only what it lacks, so no point twice."""
+def test_a_late_write_of_the_sender_keeps_what_the_training_thread_recorded_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender's thread records an acknowledgement while the training thread records the run's end.
+    A slow disk (the sender's write held until the other thread is done) must not let the sender's
+    entry, built before, land over the other's: a fresh-clone CI run lost ``lost`` that way."""
+    ledger = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")
+    ledger.remember_run("run-1")
+    writing, done = threading.Event(), threading.Event()
+    write = tracker_journal.write_json_atomically
+
+    def slow_for_the_sender(path: Path, value: object) -> None:
+        if threading.current_thread().name == "mlflow-sender":
+            writing.set()
+            done.wait(timeout=5)
+        write(path, value)
+
+    monkeypatch.setattr(tracker_journal, "write_json_atomically", slow_for_the_sender)
+    sender = threading.Thread(target=lambda: ledger.acknowledge({"train/loss": 1.0}, 5), name="mlflow-sender")
+    sender.start()
+    assert writing.wait(timeout=5)
+    end = threading.Thread(target=lambda: ledger.record_kept(Tally(3, 6, 8)))
+    end.start()
+    end.join(timeout=1)  # done at once without a lock; with one it waits for the sender's write
+    done.set()
+    sender.join(timeout=5)
+    end.join(timeout=5)
+    entry = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    assert entry["kept"] == {"count": 3, "first_step": 6, "last_step": 8} and entry["through_step"] == 5
+
+
+def point(step: int, **metrics: float) -> QueuedPoint:
+    return QueuedPoint(step, 1_700_000_000_000 + step, metrics)
+
+
+def test_the_journal_keeps_every_queued_point_in_order_and_drops_the_segments_resolved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tracker_journal, "SEGMENT_POINTS", 3)
+    journal = PointJournal(tmp_path / "queue")
+    for step in range(1, 9):
+        assert journal.append(point(step, loss=float(step)))
+    assert len(list((tmp_path / "queue").glob("*.jsonl"))) == 3  # 3 + 3 + 2 lines
+    journal.forget_before(5)  # steps 1-3 all resolved; the segment of 4-6 holds unresolved ones
+    again = PointJournal(tmp_path / "queue")  # the next attempt
+    assert again.read() == [point(step, loss=float(step)) for step in range(4, 9)]
+    assert again.append(point(9, loss=9.0))
+    assert sorted(p.name for p in (tmp_path / "queue").glob("*.jsonl")) == ["00000002.jsonl", "00000003.jsonl", "00000004.jsonl"]
+    again.clear()
+    assert not list((tmp_path / "queue").glob("*.jsonl"))
+
+
+def test_a_line_torn_by_a_kill_is_skipped(tmp_path: Path) -> None:
+    journal = PointJournal(tmp_path / "queue")
+    journal.append(point(1, loss=1.0))
+    with (tmp_path / "queue" / "00000001.jsonl").open("a") as segment:
+        segment.write('{"step": 2, "time": 17')  # the process died in this write: the point was never queued
+    assert PointJournal(tmp_path / "queue").read() == [point(1, loss=1.0)]
+
+
+def test_points_the_last_attempt_left_are_claimed_so_the_redone_steps_are_not_queued_again(tmp_path: Path) -> None:
     first = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")
     first.remember_run("run-1")
     first.acknowledge({"train/loss": 1.0}, 25)
-    first.sending(26, 27)  # killed here: 26 reached the server, 27 did not
-    again = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")
-    assert again.in_flight == [26, 27]
-    again.settle({26: {"train/loss"}})
-    assert again.in_flight is None and again.unsent({"train/loss": 9.0}, 26) == {}
-    assert again.unsent({"train/loss": 9.0}, 27) == {"train/loss": 9.0}
-    assert "in_flight" not in json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    again = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")  # resumed at step 20
+    assert not again.resolved(26, "train/loss") and again.resolved(25, "train/loss")
+    again.claim([point(26, **{"train/loss": 2.0}), point(27, **{"train/loss": 3.0})])  # left by the first attempt
+    assert again.unsent({"train/loss": 9.0}, 26) == {} and again.unsent({"train/loss": 9.0}, 27) == {}
+    assert again.unsent({"train/loss": 9.0}, 28) == {"train/loss": 9.0}
+
+
+def test_a_point_the_overflow_gave_up_is_resolved_and_counted_lost(tmp_path: Path) -> None:
+    ledger = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")
+    ledger.remember_run("run-1")
+    ledger.give_up(point(3, loss=1.0))  # on the training thread: no write of its own
+    assert "lost" not in json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    ledger.acknowledge({"loss": 1.0}, 4)
+    entry = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    assert entry["lost"] == {"count": 1, "first_step": 3, "last_step": 3} and entry["through_step"] == 4
+    assert str(Tally(2, 5, 7)) == "2 points (steps 5-7)"

@@ -49,30 +49,33 @@ def test_points_queued_during_an_outage_are_sent_in_order_once_the_server_is_bac
     server.up.set()
     assert wait_until(lambda: len(server.received) == 100)
     assert server.received == acknowledged == list(range(1, 101))
-    assert sender.close().count == 0
+    assert sender.close() == []
 
 
 def test_a_full_queue_drops_the_oldest_and_counts_them_lost() -> None:
     server = Server()
-    sender = BackgroundSender("test", capacity=10, retry_first_s=0.05)
+    dropped: list[int | None] = []
+    sender = BackgroundSender("test", capacity=10, retry_first_s=0.05, on_dropped=lambda call: dropped.append(call.step))
     for step in range(1, 31):
         sender.put(server.call(step))
     assert sender.lost.count == 20 and (sender.lost.first_step, sender.lost.last_step) == (1, 20)
+    assert dropped == list(range(1, 21))  # handed back to be recorded as given up
     server.up.set()
     assert wait_until(lambda: len(server.received) == 10)
     assert server.received == list(range(21, 31))
 
 
-def test_close_during_an_outage_gives_up_after_one_more_try_and_names_what_is_lost() -> None:
+def test_close_during_an_outage_gives_up_after_one_more_try_and_hands_back_what_is_left() -> None:
     server = Server()
     sender = BackgroundSender("test", retry_first_s=60)  # would wait a minute before its next try
     for step in (5, 6, 7):
         sender.put(server.call(step))
     assert wait_until(lambda: sender.failures >= 1)
     started = time.monotonic()
-    lost = sender.close(timeout_s=30)
+    left = sender.close(timeout_s=30)
     assert time.monotonic() - started < 5  # one more try, not the 30 s nor the minute's backoff
-    assert (lost.count, lost.first_step, lost.last_step) == (3, 5, 7) and str(lost) == "3 calls (steps 5-7)"
+    assert [call.step for call in left] == [5, 6, 7] and sender.lost.count == 0
+    assert not sender.put(server.call(8))  # closed: the caller keeps it (on disk, for the next attempt)
 
 
 def test_close_waits_a_bounded_time_for_a_server_that_hangs() -> None:
@@ -82,8 +85,8 @@ def test_close_waits_a_bounded_time_for_a_server_that_hangs() -> None:
     sender.put(Call(hang.wait, 1))
     sender.put(Call(lambda: None, 2))
     started = time.monotonic()
-    lost = sender.close(timeout_s=0.5)
-    assert 0.4 < time.monotonic() - started < 3 and lost.count == 2
+    left = sender.close(timeout_s=0.5)
+    assert 0.4 < time.monotonic() - started < 3 and [call.step for call in left] == [1, 2]
     hang.set()
 
 
@@ -92,7 +95,7 @@ def test_queued_points_travel_together_and_other_calls_alone_in_order() -> None:
     requests: list[list[object]] = []
     up = threading.Event()
 
-    def send_points(points: list[object]) -> None:
+    def send_points(points: list[object], after_failure: bool) -> None:
         if not up.is_set():
             raise ConnectionError("connection refused")
         requests.append(points)
@@ -108,3 +111,23 @@ def test_queued_points_travel_together_and_other_calls_alone_in_order() -> None:
     assert wait_until(lambda: ended == ["run ended"])
     assert [len(points) for points in requests] == [100, 100, 50]
     assert [point for points in requests for point in points] == acknowledged == list(range(1, 251))
+
+
+def test_points_sent_again_after_a_failure_are_marked_so_the_server_is_asked_first() -> None:
+    """A request that failed may have reached the server anyway (it stored the points and the answer
+    was lost): its retry says so, and the sender's client asks the server before sending again.
+    The real server answering after the client gave up is tests/faults/test_tracker_outage.py."""
+    tries: list[tuple[list[object], bool]] = []
+
+    def send_points(points: list[object], after_failure: bool) -> None:
+        tries.append((points, after_failure))
+        if len(tries) == 1:
+            raise TimeoutError("read timed out")
+
+    sender = BackgroundSender("test", retry_first_s=0.05, send_points=send_points)
+    sender.put(Call(lambda: None, 1, point=1))
+    assert wait_until(lambda: len(tries) == 2)
+    sender.put(Call(lambda: None, 2, point=2))
+    assert wait_until(lambda: len(tries) == 3)
+    assert tries == [([1], False), ([1], True), ([2], False)]  # only the retry asks
+    assert sender.close() == []
