@@ -188,7 +188,8 @@ def column(rows: list[dict[str, str]], name: str) -> list[float]:
 
 # Rank 0's step line (logging.progress=lines) wherever it stands in a line: a node's log, a batch
 # script's output (srun's "[node0 rank0] " prefix) or Ray's ("(RayTrainWorker pid=…) " prefix).
-RANK0_STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \[rank 0\] INFO purrsight\.progress: step (\d+)/")
+# Rank 0's lines, or a one-process run's (which name no rank).
+RANK0_STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3})(?: \[rank 0\])? INFO purrsight\.progress: step (\d+)/")
 
 
 def log_time(stamp: str) -> float:

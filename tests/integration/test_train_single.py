@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -24,8 +25,10 @@ from tests.helpers import (
     REPO,
     column,
     fault_env,
+    log_time,
     noise_in,
     python_env,
+    rank0_steps,
     read_metrics,
     run_python,
     tiny_overrides,
@@ -110,13 +113,35 @@ def test_resume_mid_epoch_matches_an_uninterrupted_run(
     assert not torch.equal(a[next(iter(a))], trainable_state(stopped_at)[next(iter(a))])  # it did train on
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_nonzero(
+def long_validation_set(synthetic_dir: Path, folder: Path, copies: int) -> Path:
+    """The synthetic validation set ``copies`` times over (media paths made absolute, ids unique)."""
+    lines = (synthetic_dir / "val.jsonl").read_text().splitlines()
+    out = folder / "long_val.jsonl"
+    with out.open("w") as stream:
+        for copy in range(copies):
+            for line in lines:
+                record = json.loads(line)
+                record["id"] = f"{record['id']}-{copy}"
+                for media in ("image", "audio"):
+                    if media in record:
+                        record[media] = str(synthetic_dir / record[media])
+                stream.write(json.dumps(record) + "\n")
+    return out
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_within_a_step_not_a_validation_pass(
     synthetic_dir: Path, tmp_path: Path, preloaded_trainer: PreloadedTrainer
 ) -> None:
     """SIGTERM to the trainer's whole process group, as a scheduler's preemption or a terminal's
     Ctrl-C sends it, in the shipped real config's shape: 2 loader workers, 2 micro-batches per
     step. The workers must outlive it until the stop checkpoint is written (they once died of it,
-    and the trainer failed with "DataLoader worker exited unexpectedly" instead of saving)."""
+    and the trainer failed with "DataLoader worker exited unexpectedly" instead of saving).
+
+    With a validation set whose pass takes at least ten steps' time (measured in the same run, at
+    step 10), the stop must not run one: it once did, after the checkpoint, and at real size that
+    outlived a preemption's grace period. The stop's last line (checkpoint and report written)
+    comes within a fraction of that pass; the interpreter's teardown after it (freeing torch's and
+    Lightning's modules: 1-2 s on a busy 2-core machine) is bounded apart."""
     real_shape = {"data__num_workers": 2, "data__batch_size": 4, "trainer__accumulate_grad_batches": 2}
     args = [
         sys.executable,
@@ -124,21 +149,38 @@ def test_sigterm_saves_a_checkpoint_and_exits_nonzero(
         "--config",
         str(DEFAULT_CONFIG),
         *tiny_overrides(synthetic_dir, tmp_path, trainer__max_steps=100000, logging__every_n_steps=1, **real_shape),
+        f"data.val_index={long_validation_set(synthetic_dir, tmp_path, copies=24)}",
+        "trainer.val_every_n_steps=10",
     ]
     proc = subprocess.Popen(args, cwd=REPO, env=python_env(), stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stderr is not None
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
+    seen = []
     for line in proc.stderr:
-        if "step 12/" in line or time.monotonic() > deadline:
+        seen.append(line)
+        if "step 14/" in line or time.monotonic() > deadline:
             break
     os.killpg(proc.pid, signal.SIGTERM)
+    signalled = time.time()
     rest = proc.stderr.read()
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM, rest[-3000:]
+    exited = time.time()
+    stopped = next(log_time(line) for line in rest.splitlines() if "stopped by SIGTERM at step" in line)
+    before = "".join(seen)
+    steps = dict((step, when) for when, step in rank0_steps(before))
+    validation = next(log_time(line) for line in seen if "validation at step 10" in line)
+    step_s = (steps[9] - steps[3]) / 6
+    validation_s = validation - steps[10]
+    assert validation_s >= 10 * step_s, f"the validation pass ({validation_s:.2f} s) is not ten steps ({step_s:.3f} s)"
+    stop_s = stopped - signalled
+    assert stop_s < validation_s / 2, f"stopped {stop_s:.2f} s after the signal; validation takes {validation_s:.2f} s"
+    assert exited - stopped < 10, f"the process ended {exited - stopped:.1f} s after its last line"
+    assert "validation at step" not in rest, rest[-2000:]
     assert "stopped by SIGTERM at step" in rest, rest[-2000:]
     folder = tmp_path / "phase2-tiny" / "checkpoints"
     saved = sorted(folder.glob("step-*.ckpt"))[-1]
     step = int(saved.stem.split("-")[1])
-    assert step >= 12 and f"checkpoint: {saved}" in rest
+    assert step >= 14 and f"checkpoint: {saved}" in rest
     # Saved at a step's end, never between its 2 micro-batches (whose first would count as
     # trained while its gradient is in no file): the position is whole steps of 4 x 2 samples.
     assert torch.load(saved, weights_only=True)["purrsight"]["position"]["consumed"] % (4 * 2) == 0
