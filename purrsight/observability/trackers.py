@@ -231,12 +231,14 @@ class RunMLflowLogger(RunStepNumbering, MLflowThroughSender):
         continuing = self.ledger.run_id is not None
         try:
             run_id = str(self.run_id)
+            left = []
             if continuing:
                 self.experiment.update_run(run_id, status="RUNNING")  # the last attempt may have marked it ended
+                left = self._left_by_last_attempt()
             else:
+                self.journal.clear()  # points of another tracker run (the target changed): not this one's
                 self.ledger.remember_run(run_id)
                 MLFlowLogger.log_hyperparams(self, self._params)
-            left = self._left_by_last_attempt()
         except Exception as error:
             raise ConfigError(
                 [f"logging.mlflow_tracking_uri: cannot use {self._tracking_uri}: {type(error).__name__}: {error}"]

@@ -142,3 +142,28 @@ def test_a_point_the_overflow_gave_up_is_resolved_and_counted_lost(tmp_path: Pat
     entry = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
     assert entry["lost"] == {"count": 1, "first_step": 3, "last_step": 3} and entry["through_step"] == 4
     assert str(Tally(2, 5, 7)) == "2 points (steps 5-7)"
+
+
+def test_points_left_for_one_tracker_run_never_go_to_another(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run folder moved to another MLflow experiment starts a new tracker run: the queue the old
+    one left on disk is not sent to it. MLflow's own SQL store, in this process (no server)."""
+    from mlflow.tracking import MlflowClient
+
+    from purrsight.config import load_config
+    from purrsight.observability.trackers import RunMLflowLogger
+    from tests.helpers import DEFAULT_CONFIG
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # as the logger sets them, undone after the test
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    TrackerLedger(run_dir, "mlflow", f"{uri} experiment old").remember_run("an-old-run")
+    PointJournal(run_dir / "tracker_queue" / "mlflow").append(point(7, **{"train/loss": 1.0}))  # left by the old run
+    config = load_config(DEFAULT_CONFIG, [f"logging.mlflow_tracking_uri={uri}", "logging.mlflow_experiment=new"], check_paths=False)
+    logger = RunMLflowLogger(config, run_dir)
+    logger.attach()
+    logger.log_metrics({"train/loss": 2.0}, 8)
+    logger.close()
+    history = MlflowClient(uri).get_metric_history(str(logger.run_id), "train/loss")
+    assert [(metric.step, metric.value) for metric in history] == [(8, 2.0)]
