@@ -1,36 +1,50 @@
-"""A tracker server that dies mid-run, and one that comes back: training never waits for it (real parts).
+"""A tracker server that dies mid-run, comes back, or answers too late: training never waits for it,
+and every point reaches it once (real parts).
 
-A real ``mlflow server`` (sqlite store) in its own process group, SIGKILLed as a whole (the
-server and its workers, as when its machine dies), then in the first case started again on
-the same store and port. The trainer is the tiny default in one process, every step logged.
+A real ``mlflow server`` in its own process group, SIGKILLed as a whole (the server and its
+workers, as when its machine dies), then started again on the same store and port. The trainer
+is the tiny default in one process, every step logged. Two tests drive the MLflow logger in
+this process instead of a trainer, where the case is one call of it: Lightning's call on an
+error in training, and a request whose answer a loopback relay holds back.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, tiny_overrides
+from purrsight.observability.tracker_journal import QUEUE_DIR
+from purrsight.observability.trackers import RunMLflowLogger
+from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, tiny_config, tiny_overrides
 from tests.launcher.conftest import wait_for
 from tests.mlflow_server import kill_server, start_mlflow
 
+EVERY = 10  # checkpoints in the test of three attempts: a kill redoes at most 10 steps
 
-def start_training(synthetic_dir: Path, out: Path, uri: str, steps: int) -> tuple[subprocess.Popen[str], Path]:
-    log = out / "trainer.log"
+
+def start_training(
+    synthetic_dir: Path, out: Path, uri: str, steps: int, log_name: str = "trainer.log", resume: bool = False, **extra: object
+) -> tuple[subprocess.Popen[str], Path]:
+    log = out / log_name
     out.mkdir(parents=True, exist_ok=True)
+    settings: dict[str, object] = {"checkpoint__every_n_steps": 50, **extra}
     overrides = tiny_overrides(
-        synthetic_dir, out, trainer__max_steps=steps, logging__every_n_steps=1, checkpoint__every_n_steps=50,
-        trainer__val_every_n_steps=1000, logging__mlflow_tracking_uri=uri, logging__mlflow_experiment="outage",
+        synthetic_dir, out, trainer__max_steps=steps, logging__every_n_steps=1, trainer__val_every_n_steps=1000,
+        logging__mlflow_tracking_uri=uri, logging__mlflow_experiment="outage", **settings,
     )  # fmt: skip
+    command = [sys.executable, str(REPO / "train_phase2.py"), "--config", str(DEFAULT_CONFIG), *overrides]
     with log.open("w") as sink:
         trainer = subprocess.Popen(
-            [sys.executable, str(REPO / "train_phase2.py"), "--config", str(DEFAULT_CONFIG), *overrides],
+            command + (["--resume"] if resume else []),
             cwd=REPO, env={**python_env(), "OMP_NUM_THREADS": "1"}, stdout=sink, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
     return trainer, log
@@ -40,11 +54,23 @@ def at_step(log: Path, step: int) -> bool:
     return f"step {step}/" in log.read_text(errors="replace")
 
 
+def steps_on_server(uri: str, experiment: str = "outage") -> tuple[list[int], str]:
+    """The steps of ``train/loss`` the server holds (repeats included), and the run's status."""
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, f"no experiment {experiment} on the server"
+    (run,) = client.search_runs([found.experiment_id])
+    return [point.step for point in client.get_metric_history(run.info.run_id, "train/loss")], run.info.status
+
+
+def missing_or_repeated(steps: list[int], last: int) -> str:
+    return f"missing {sorted(set(range(1, last + 1)) - set(steps))}, repeated {sorted({s for s in steps if steps.count(s) > 1})}"
+
+
 def test_a_server_killed_then_restarted_on_its_store_gets_every_step_once(synthetic_dir: Path, tmp_path: Path) -> None:
-    """Killed at step 40 of 600, started again at step 100 (it takes some 15 s to come up): the run
-    ends 0 without waiting for it, and the points queued meanwhile are sent once it is back. The
-    server then holds every step at most once, and any step it lacks is named as lost (the run's
-    end waits a bounded time for the queue: on a loaded machine it may not drain in time)."""
+    """Killed at step 40 of 600, started again at step 100 (it takes some 15 s to come up): training
+    goes on at full speed meanwhile, the points queued in the outage are sent once it is back, and
+    the server ends with every step exactly once and the run marked finished."""
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
     server = start_mlflow(tmp_path / "mlflow", port)
@@ -59,37 +85,39 @@ def test_a_server_killed_then_restarted_on_its_store_gets_every_step_once(synthe
         assert time.monotonic() - killed_at < 60
         server = start_mlflow(tmp_path / "mlflow", port)
         assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
+        steps, status = steps_on_server(uri)
     finally:
         trainer.kill()
         kill_server(server)
     text = log.read_text()
     assert "mlflow: could not send step" in text and "mlflow: reachable again" in text, text[-3000:]
-    run_dir = tmp_path / "run" / "phase2-tiny"
-    lost = json.loads((run_dir / "trackers.json").read_text())["mlflow"].get("lost")
-    server = start_mlflow(tmp_path / "mlflow", port)
-    try:
-        client = MlflowClient(uri)
-        (run,) = client.search_runs([client.get_experiment_by_name("outage").experiment_id])
-        steps = [point.step for point in client.get_metric_history(run.info.run_id, "train/loss")]
-    finally:
-        kill_server(server)
-    assert len(steps) == len(set(steps)), "a step sent twice"
-    missing = set(range(1, 601)) - set(steps)
-    assert len(missing) < 600 - 100, "nothing queued during the outage was sent after it"
-    if missing:  # named: in trackers.json, the log and the report
-        assert lost and missing <= set(range(lost["first_step"], lost["last_step"] + 1)), (sorted(missing), lost)
-        assert "never reached the server before the run ended" in text
-        assert "## Tracker points never delivered" in (run_dir / "report.md").read_text()
-    else:
-        assert lost is None and run.info.status == "FINISHED"  # the run's end went through the queue too
+    assert sorted(steps) == list(range(1, 601)), missing_or_repeated(steps, 600)
+    assert status == "FINISHED"  # the run's end went through the queue too
+    entry = json.loads((tmp_path / "run" / "phase2-tiny" / "trackers.json").read_text())["mlflow"]
+    assert "lost" not in entry and "kept" not in entry, entry
+    assert not list((tmp_path / "run" / "phase2-tiny" / QUEUE_DIR / "mlflow").glob("*.jsonl"))  # nothing left waiting
 
 
-def test_a_stop_during_an_outage_checkpoints_promptly_and_names_the_lost_points(synthetic_dir: Path, tmp_path: Path) -> None:
-    """The server dies at step 20 for good; a SIGTERM at step 60 checkpoints and exits 143 within
-    seconds, and the log, trackers.json and the run report name the points that never arrived."""
+def test_a_stop_and_a_kill_during_outages_leave_the_queue_on_disk_and_the_next_attempts_send_it(
+    synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """Three attempts of one run, checkpoints every 10 steps:
+
+    1. The server dies at step 20; a SIGTERM at step 60 checkpoints and exits 143 within seconds,
+       and the log, trackers.json and the run report name the points kept on disk.
+    2. The server is back on its store; a resume sends them and trains on. The server dies again
+       at step 80 and the trainer is SIGKILLed at step 100: nothing of ours runs, as on the
+       watchdog's exit (``os._exit``) or a node's death.
+    3. The server is back; a resume to step 110 sends what the killed attempt left.
+
+    The server then holds steps 1-110, each once: none lost, none sent twice (steps 91-100 or so
+    were trained twice, and the tracker keeps the first values).
+    """
     port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    run_dir = tmp_path / "run" / "phase2-tiny"
     server = start_mlflow(tmp_path / "mlflow", port)
-    trainer, log = start_training(synthetic_dir, tmp_path / "run", f"http://127.0.0.1:{port}", steps=100_000)
+    trainer, log = start_training(synthetic_dir, tmp_path / "run", uri, steps=100_000, checkpoint__every_n_steps=EVERY)
     try:
         assert wait_for(lambda: at_step(log, 20), timeout=240, interval=0.05), log.read_text()[-3000:]
         kill_server(server)
@@ -98,14 +126,176 @@ def test_a_stop_during_an_outage_checkpoints_promptly_and_names_the_lost_points(
         trainer.send_signal(signal.SIGTERM)
         assert trainer.wait(timeout=60) == 143, log.read_text()[-3000:]
         assert time.monotonic() - stopped < 20  # the close waits for one more try, not for MLflow's backoff
+        check_kept(log, run_dir)
+
+        server = start_mlflow(tmp_path / "mlflow", port)
+        trainer, log = start_training(
+            synthetic_dir, tmp_path / "run", uri, 100_000, "resumed.log", True, checkpoint__every_n_steps=EVERY
+        )
+        assert wait_for(lambda: at_step(log, 80), timeout=240, interval=0.05), log.read_text()[-3000:]
+        assert "mlflow: the last attempt left" in log.read_text()
+        kill_server(server)
+        assert wait_for(lambda: at_step(log, 100), timeout=120, interval=0.05), log.read_text()[-3000:]
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        assert list((run_dir / QUEUE_DIR / "mlflow").glob("*.jsonl"))  # what it queued is on disk
+
+        server = start_mlflow(tmp_path / "mlflow", port)
+        trainer, log = start_training(synthetic_dir, tmp_path / "run", uri, 110, "last.log", True, checkpoint__every_n_steps=EVERY)
+        assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
+        assert "mlflow: the last attempt left" in log.read_text()
+        steps, status = steps_on_server(uri)
     finally:
         trainer.kill()
+        kill_server(server)
+    assert sorted(steps) == list(range(1, 111)), missing_or_repeated(steps, 110)
+    assert status == "FINISHED"
+    entry = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert "kept" not in entry and "lost" not in entry, entry
+    assert "## Tracker points" not in (run_dir / "report.md").read_text()
+
+
+def check_kept(log: Path, run_dir: Path) -> None:
+    """The stopped attempt names what the server never got, in the log, trackers.json and the report."""
     text = log.read_text()
-    run_dir = tmp_path / "run" / "phase2-tiny"
     assert "checkpoint saved" in text.split("mlflow: could not send step")[-1]  # a checkpoint after the outage began
-    lost = json.loads((run_dir / "trackers.json").read_text())["mlflow"]["lost"]
+    kept = json.loads((run_dir / "trackers.json").read_text())["mlflow"]["kept"]
     # From where the sender was when the server died (at step 20, or earlier when a loaded machine
     # kept it a few points behind training) through the stop's step.
-    assert lost["count"] > 0 and lost["first_step"] <= 22 and lost["last_step"] >= 60, lost
-    assert f"mlflow: {lost['count']} calls (steps {lost['first_step']}-{lost['last_step']}) never reached the server" in text
-    assert f"{lost['count']} calls (steps {lost['first_step']}-{lost['last_step']})" in (run_dir / "report.md").read_text()
+    assert kept["count"] > 0 and kept["first_step"] <= 22 and kept["last_step"] >= 60, kept
+    named = f"{kept['count']} points (steps {kept['first_step']}-{kept['last_step']})"
+    assert f"mlflow: {named} not on the server when the run ended: kept in {run_dir / QUEUE_DIR / 'mlflow'}" in text, text[-3000:]
+    report = (run_dir / "report.md").read_text()
+    assert "## Tracker points waiting to be sent" in report and named in report, report
+
+
+def test_an_error_in_training_names_the_queue_it_leaves_and_the_next_attempt_sends_it(
+    synthetic_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning calls ``finalize("failed")`` on its loggers when training raises
+    (pytorch_lightning/trainer/call.py), then the process ends. With the server down that call
+    returns within seconds and names the points it leaves on disk; the next attempt sends them."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # as the logger sets them, undone after the test
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow(tmp_path / "mlflow", port)
+    config = tiny_config(synthetic_dir, tmp_path, logging__mlflow_tracking_uri=uri, logging__mlflow_experiment="outage")
+    run_dir = tmp_path / "phase2-tiny"
+    run_dir.mkdir()
+    try:
+        failed = RunMLflowLogger(config, run_dir)
+        failed.attach()
+        log_losses(failed, range(1, 6))
+        assert wait_for(lambda: failed.ledger.through_step == 5, timeout=30, interval=0.05)
+        kill_server(server)
+        log_losses(failed, range(6, 11))
+        started = time.monotonic()
+        failed.finalize("failed")
+        assert time.monotonic() - started < 10  # one more try of a refused connection, not the 10 s wait
+        kept = json.loads((run_dir / "trackers.json").read_text())["mlflow"]["kept"]
+        assert kept == {"count": 5, "first_step": 6, "last_step": 10}
+
+        server = start_mlflow(tmp_path / "mlflow", port)
+        resumed = RunMLflowLogger(config, run_dir)  # the next attempt, resumed from step 8's checkpoint
+        resumed.attach()
+        log_losses(resumed, range(9, 13))  # steps 9 and 10 again: the first attempt's values are kept
+        resumed.close()
+        steps, _ = steps_on_server(uri)
+    finally:
+        kill_server(server)
+    assert sorted(steps) == list(range(1, 13)), steps
+    assert "kept" not in json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+
+
+def log_losses(logger: RunMLflowLogger, steps: range) -> None:
+    for step in steps:
+        logger.log_metrics({"train/loss": 1.0 / step}, step)
+
+
+class LateAnswers:
+    """A loopback relay in front of the server that can hold one answer back: a real TCP hop, the
+    fault planted in the network between client and server, not in either. Armed, the next
+    request whose first line names ``path`` reaches the server, which stores it and answers; the
+    answer is held past the client's timeout, then the connection is closed unanswered."""
+
+    def __init__(self, upstream: int, hold_s: float) -> None:
+        self.upstream, self.hold_s = upstream, hold_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.armed: bytes | None = None
+        self.held = threading.Event()  # the server answered the armed request: it stored it
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold_next(self, path: str) -> None:
+        self.armed = path.encode()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(client,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        server = socket.create_connection(("127.0.0.1", self.upstream))
+        holding = threading.Event()
+
+        def requests() -> None:
+            while data := receive(client):
+                if self.armed is not None and self.armed in data.split(b"\r\n", 1)[0]:
+                    self.armed = None
+                    holding.set()
+                server.sendall(data)
+
+        threading.Thread(target=requests, daemon=True).start()
+        while data := receive(server):
+            if holding.is_set():
+                self.held.set()
+                time.sleep(self.hold_s)
+                break
+            client.sendall(data)
+        client.close()
+        server.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def receive(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(65536)
+    except OSError:
+        return b""
+
+
+def test_a_batch_the_server_stored_but_answered_too_late_is_not_sent_again(
+    synthetic_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``log_batch`` the server stored, its answer held past the client's timeout (2 s here): the
+    retry asks the server what it holds and sends only the rest. The server keeps MLflow's file
+    store, which keeps every point it is sent (its SQL stores drop an exact repeat)."""
+    port = free_port()
+    server = start_mlflow(tmp_path / "mlflow", port, store="file")
+    relay = LateAnswers(port, hold_s=4)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # as the logger sets it, undone after the test
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    config = tiny_config(synthetic_dir, tmp_path, logging__mlflow_tracking_uri=relay.url, logging__mlflow_experiment="late")
+    run_dir = tmp_path / "phase2-tiny"
+    run_dir.mkdir()
+    try:
+        logger = RunMLflowLogger(config, run_dir)
+        logger.attach()
+        log_losses(logger, range(1, 6))
+        assert wait_for(lambda: logger.ledger.through_step == 5, timeout=30, interval=0.05)
+        relay.hold_next("/runs/log-batch")
+        log_losses(logger, range(6, 11))
+        assert wait_for(lambda: logger.ledger.through_step == 10, timeout=60, interval=0.05)
+        assert relay.held.is_set() and logger.sender is not None and logger.sender.failures == 1
+        logger.close()
+        steps, _ = steps_on_server(f"http://127.0.0.1:{port}", "late")
+    finally:
+        relay.close()
+        kill_server(server)
+    assert sorted(steps) == list(range(1, 11)), steps

@@ -1,4 +1,5 @@
-"""A kill -9 of a worker, torchrun's restart and a resume: the weights, the history, one tracker run (real parts).
+"""A kill -9 of a worker, torchrun's restart and a resume: the weights, the history, one tracker run;
+a W&B service that stops answering at a run's start or end (real parts).
 
 The job is two launchers on loopback, one rank each. The killed worker is node 0's (rank 0,
 which also keeps the attempt record): torchrun's restart must span both nodes, as it must
@@ -11,19 +12,23 @@ The weights are compared with the same job run without a kill (CPU, deterministi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
 from purrsight.runs.attempts import read_attempts, summarize
-from tests.helpers import free_port, read_metrics, train_tiny, trainable_state
+from tests.helpers import REPO, free_port, python_env, read_metrics, tiny_config, train_tiny, trainable_state
 from tests.launcher.conftest import Cluster, wait_for
 from tests.launcher.test_launcher import workers
 from tests.mlflow_server import kill_server, start_mlflow
@@ -142,3 +147,82 @@ def test_an_unreachable_tracker_is_one_line_before_training(
     assert len(errors) == 1 and f"logging.mlflow_tracking_uri: cannot use {nobody}" in errors[0], done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "step 1/" not in done.stderr
     assert not (tmp_path / "phase2-tiny" / "trackers.json").exists()
+
+
+def frozen_wandb(when: str, out: str, synthetic_dir: str) -> None:
+    """A child process's run: W&B's service process (wandb-core) frozen with SIGSTOP before the
+    tracker's start, or before its end, as a hung service. Prints what the parent checks."""
+    from purrsight.config import ConfigError
+    from purrsight.observability import trackers
+
+    def freeze_service() -> None:
+        (service,) = [c for c in psutil.Process().children(recursive=True) if c.name().startswith("wandb-core")]
+        service.suspend()
+        print(f"frozen service {service.pid}", flush=True)
+
+    config = tiny_config(Path(synthetic_dir), Path(out), logging__wandb_project="purrsight-tests")
+    run_dir = Path(out) / "phase2-tiny"
+    run_dir.mkdir(parents=True)
+    if when == "start":
+        import wandb
+
+        trackers.WANDB_START_TIMEOUT_S = 3.0  # the test's patience, not the minute a real start gets
+
+        wandb.setup(wandb.Settings(mode="offline"))  # W&B's service process, started as its init would start it
+        freeze_service()
+    started = time.monotonic()
+    try:
+        (logger,) = trackers.build_trackers(config, run_dir)
+    except ConfigError as error:
+        print(f"error: {error.problems[0]} after {time.monotonic() - started:.1f} s", flush=True)
+        raise SystemExit(2) from None
+    logger.log_metrics({"train/loss": 1.0}, 1)
+    freeze_service()
+    started = time.monotonic()
+    trackers.close_trackers([logger])
+    print(f"closed after {time.monotonic() - started:.1f} s", flush=True)
+
+
+def test_a_frozen_wandb_service_holds_neither_the_start_nor_the_end(synthetic_dir: Path, tmp_path: Path) -> None:
+    """W&B's init and finish wait for its service process without a limit (W&B 0.31: a SIGSTOPped
+    wandb-core held either past 30 s, and its exit hook then held the process's exit for good).
+    Both now run off the training thread with a bound: a start that does not answer stops the
+    run with one line (exit 2), an end that does not answer is a warning; the frozen service is
+    ended either way, so the process exits and leaves no process behind."""
+    script = "from tests.faults.test_trackers import frozen_wandb; frozen_wandb(*{!r})"
+    children, logs = {}, {when: tmp_path / f"{when}.log" for when in ("start", "end")}
+    for when, log in logs.items():
+        command = [sys.executable, "-c", script.format((when, str(tmp_path / when), str(synthetic_dir)))]
+        with log.open("w") as sink:  # a file, not a pipe: a frozen service holding a pipe open would hold the reader
+            children[when] = subprocess.Popen(command, cwd=REPO, env=python_env(), stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        for child in children.values():
+            child.wait(timeout=120)
+        outputs = {when: log.read_text() for when, log in logs.items()}
+        survivors = [pid for pid in frozen_services(outputs.values()) if alive(pid)]
+    finally:
+        for child in children.values():
+            child.kill()
+        for pid in frozen_services(log.read_text() for log in logs.values()):
+            with contextlib.suppress(psutil.Error):  # on the old code a frozen service outlived its parent
+                psutil.Process(pid).kill()
+    assert children["start"].returncode == 2, outputs["start"][-3000:]
+    took = re.search(r"error: logging.wandb_project: W&B did not start within 3 s .* after ([0-9.]+) s", outputs["start"])
+    assert took and float(took.group(1)) < 3 + 5, outputs["start"][-3000:]
+    assert children["end"].returncode == 0, outputs["end"][-3000:]
+    took = re.search(r"closed after ([0-9.]+) s", outputs["end"])
+    assert took and float(took.group(1)) < 10 + 5, outputs["end"][-3000:]
+    assert "wandb: the run's finish did not return within 10 s" in outputs["end"], outputs["end"][-3000:]
+    assert "Traceback" not in outputs["start"] + outputs["end"]
+    assert len(frozen_services(outputs.values())) == 2 and survivors == []  # no process left behind
+
+
+def frozen_services(outputs: Iterable[str]) -> list[int]:
+    return [int(pid) for text in outputs for pid in re.findall(r"frozen service (\d+)", text)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
