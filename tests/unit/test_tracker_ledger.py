@@ -167,3 +167,16 @@ def test_points_left_for_one_tracker_run_never_go_to_another(tmp_path: Path, mon
     logger.close()
     history = MlflowClient(uri).get_metric_history(str(logger.run_id), "train/loss")
     assert [(metric.step, metric.value) for metric in history] == [(8, 2.0)]
+
+
+def test_the_report_names_what_a_tracker_server_lacks(tmp_path: Path) -> None:
+    from purrsight.observability.report import write_report
+
+    ledger = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")
+    ledger.remember_run("run-1")
+    ledger.give_up(point(3, loss=1.0))
+    ledger.record_kept(Tally(40, 21, 60))
+    report = write_report(tmp_path).read_text()
+    assert "## Tracker points never delivered\n\n- mlflow: 1 point (steps 3-3) never reached the server" in report
+    waiting = "- mlflow: 40 points (steps 21-60) not on the server when the run ended, kept in tracker_queue/mlflow/"
+    assert "## Tracker points waiting to be sent\n\n" + waiting in report
