@@ -136,7 +136,7 @@ class MLflowThroughSender(MLFlowLogger):
 
     def _left_by_last_attempt(self) -> list[QueuedPoint]:
         """The points an earlier attempt queued and never saw resolved, less what the server holds."""
-        left = []
+        left: list[QueuedPoint] = []
         for point in self.journal.read():
             unresolved = {key: value for key, value in point.metrics.items() if not self.ledger.resolved(point.step, key)}
             if unresolved:
@@ -231,7 +231,7 @@ class RunMLflowLogger(RunStepNumbering, MLflowThroughSender):
         continuing = self.ledger.run_id is not None
         try:
             run_id = str(self.run_id)
-            left = []
+            left: list[QueuedPoint] = []
             if continuing:
                 self.experiment.update_run(run_id, status="RUNNING")  # the last attempt may have marked it ended
                 left = self._left_by_last_attempt()
