@@ -74,8 +74,9 @@ def test_a_server_killed_then_restarted_on_its_store_gets_every_step_once(synthe
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
     server = start_mlflow(tmp_path / "mlflow", port)
-    trainer, log = start_training(synthetic_dir, tmp_path / "run", uri, steps=600)
+    trainer: subprocess.Popen[str] | None = None
     try:
+        trainer, log = start_training(synthetic_dir, tmp_path / "run", uri, steps=600)
         assert wait_for(lambda: at_step(log, 40), timeout=240, interval=0.05), log.read_text()[-3000:]
         kill_server(server)
         killed_at = time.monotonic()
@@ -87,7 +88,8 @@ def test_a_server_killed_then_restarted_on_its_store_gets_every_step_once(synthe
         assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
         steps, status = steps_on_server(uri)
     finally:
-        trainer.kill()
+        if trainer is not None:
+            trainer.kill()
         kill_server(server)
     text = log.read_text()
     assert "mlflow: could not send step" in text and "mlflow: reachable again" in text, text[-3000:]
@@ -117,8 +119,9 @@ def test_a_stop_and_a_kill_during_outages_leave_the_queue_on_disk_and_the_next_a
     uri = f"http://127.0.0.1:{port}"
     run_dir = tmp_path / "run" / "phase2-tiny"
     server = start_mlflow(tmp_path / "mlflow", port)
-    trainer, log = start_training(synthetic_dir, tmp_path / "run", uri, steps=100_000, checkpoint__every_n_steps=EVERY)
+    trainer: subprocess.Popen[str] | None = None
     try:
+        trainer, log = start_training(synthetic_dir, tmp_path / "run", uri, steps=100_000, checkpoint__every_n_steps=EVERY)
         assert wait_for(lambda: at_step(log, 20), timeout=240, interval=0.05), log.read_text()[-3000:]
         kill_server(server)
         assert wait_for(lambda: at_step(log, 60), timeout=120, interval=0.05), log.read_text()[-3000:]
@@ -146,7 +149,8 @@ def test_a_stop_and_a_kill_during_outages_leave_the_queue_on_disk_and_the_next_a
         assert "mlflow: the last attempt left" in log.read_text()
         steps, status = steps_on_server(uri)
     finally:
-        trainer.kill()
+        if trainer is not None:
+            trainer.kill()
         kill_server(server)
     assert sorted(steps) == list(range(1, 111)), missing_or_repeated(steps, 110)
     assert status == "FINISHED"
