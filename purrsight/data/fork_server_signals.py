@@ -8,6 +8,11 @@ this module makes the server ignore both signals, and the workers it forks inher
 for the SIGTERM handler torch's worker loop installs (ignore_stop_signals undoes it, as the
 worker's init function); the trainer finishes its step, saves, and its exit ends them.
 
+The fork server also holds (blocks) both signals, and its workers are born with them held:
+between a worker's start and its init function torch's worker loop installs a SIGTERM handler
+that ends the worker, and a preemption's SIGTERM in that window killed a worker that was still
+starting. The init function ignores them first, then releases them, which discards a held one.
+
 Nothing happens when any other process imports it: a trainer that ignored SIGTERM would never
 checkpoint on a preemption.
 """
@@ -17,10 +22,21 @@ from __future__ import annotations
 import signal
 import traceback
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
 
 def ignore_stop_signals() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, signal.SIG_IGN)
+
+
+def hold_stop_signals() -> None:
+    """Block both: a held signal waits (a blocked mask survives fork) until released."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def release_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _imported_by_the_fork_server() -> bool:
@@ -29,3 +45,4 @@ def _imported_by_the_fork_server() -> bool:
 
 if _imported_by_the_fork_server():
     ignore_stop_signals()
+    hold_stop_signals()

@@ -2,7 +2,8 @@
 fork server (not from the trainer) does not inherit.
 
 - stop signals left to the trainer (fork_server_signals.py), after torch's worker loop
-  installed its SIGTERM handler;
+  installed its SIGTERM handler: ignored, then released from the hold the worker was born with
+  (one that arrived while the worker started is dropped, not fatal);
 - our log format and the warnings we silence (cli.setup_logging): a worker's lines read like
   the trainer's;
 - the seeds Lightning's own init function sets (it adds it only to loaders that have none).
@@ -21,11 +22,12 @@ from __future__ import annotations
 from lightning_fabric.utilities.seed import pl_worker_init_function
 
 from purrsight.cli import setup_logging
-from purrsight.data.fork_server_signals import ignore_stop_signals
+from purrsight.data.fork_server_signals import ignore_stop_signals, release_stop_signals
 
 
 def init_loader_worker(worker_id: int, rank: int, seed_workers: bool) -> None:
     ignore_stop_signals()
+    release_stop_signals()
     setup_logging()
     if seed_workers:
         pl_worker_init_function(worker_id, rank)

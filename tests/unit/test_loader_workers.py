@@ -22,6 +22,14 @@ from tests.sample_ids import WorkerSettings, first_item
 PILLOW_DEFAULT = Image.MAX_IMAGE_PIXELS  # before any decoder of ours set it in this process
 
 
+def held_signals(pid: int) -> set[int]:
+    """The signals a process blocks, from /proc (SigBlk: a mask, bit n-1 for signal n)."""
+    mask = int(
+        next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigBlk:")).split()[1], 16
+    )
+    return {number for number in range(1, 65) if mask >> (number - 1) & 1}
+
+
 def test_sigterm_to_the_workers_and_their_fork_server_leaves_the_loader_running() -> None:
     """What a preemption's SIGTERM to the whole process group does to them: nothing; the trainer
     saves its checkpoint first, and its exit ends them."""
@@ -33,6 +41,10 @@ def test_sigterm_to_the_workers_and_their_fork_server_leaves_the_loader_running(
     workers = [psutil.Process(worker.pid) for worker in batches._workers]  # type: ignore[attr-defined]
     fork_server = workers[0].parent()
     assert fork_server is not None and fork_server.pid != os.getpid()  # forked by the server, not by this process
+    # Workers are born with both signals held (a SIGTERM while one starts, before its init function,
+    # killed it), and released once their init function ignores them.
+    assert held_signals(fork_server.pid) >= {signal.SIGTERM, signal.SIGINT}
+    assert not held_signals(workers[0].pid) & {signal.SIGTERM, signal.SIGINT}
     for process in (*workers, fork_server):
         process.send_signal(signal.SIGTERM)
     rest = list(batches)
