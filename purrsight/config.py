@@ -331,6 +331,15 @@ class Config(_Section):
             raise ValueError("trainer.compile is not supported with distributed.strategy=fsdp; set trainer.compile=false")
         return self
 
+    @model_validator(mode="after")
+    def _sharding_takes_no_fp16_mixed(self) -> Config:
+        # Lightning's ModelParallelStrategy (our fsdp) refuses it at the trainer's build, after the job started.
+        if self.distributed.strategy == "fsdp" and self.trainer.precision == "16-mixed":
+            raise ValueError(
+                "trainer.precision=16-mixed is not supported with distributed.strategy=fsdp; use bf16-mixed (or 32-true)"
+            )
+        return self
+
     def tokenizer_dir(self) -> Path:
         """model.llm.tokenizer, else the LLM directory, else the synthetic set's tokenizer."""
         llm = self.model.llm

@@ -152,6 +152,12 @@ CASES = [
         "trainer.compile is not supported with distributed.strategy=fsdp",
         args=["distributed.strategy=fsdp", "trainer.compile=true"],
     ),
+    Case(
+        "fsdp-fp16-mixed",
+        "check",
+        "trainer.precision=16-mixed is not supported with distributed.strategy=fsdp",
+        args=["distributed.strategy=fsdp", "trainer.precision=16-mixed"],
+    ),
     Case("config-missing", "train", "config file not found", prepare=lambda tmp, syn: ["--config", str(tmp / "nope.yaml")]),
     Case("check-command", "check", "unknown key data.batchsize", args=["data.batchsize=4"]),
     # --- data
