@@ -134,6 +134,11 @@ class ModelConfig(_Section):
     aligner_dim: int = Field(256, gt=0, description="Width of the aligner's shared space.")
     prefix_tokens: int = Field(4, gt=0, description="Prefix embeddings per modality fed to the LLM.")
     projector_hidden: int = Field(256, gt=0, description="Hidden width of each projector MLP.")
+    projector: Literal["tokens", "pooled"] = Field(
+        "tokens",
+        description="tokens: the encoder's tokens pooled to prefix_tokens, one MLP per token; pooled: one mean vector "
+        "to all prefix tokens (runs made before 2026-11-26).",
+    )
 
 
 class SyntheticConfig(_Section):

@@ -59,7 +59,8 @@ def _width(config: PretrainedConfig) -> int:
 
 
 class FrozenEncoder(nn.Module):
-    """An encoder whose weights never train: no grads, always eval mode, mean-pooled output."""
+    """An encoder whose weights never train: no grads, always eval mode; its output is its token
+    sequence (the projector decides how to reduce it, model/projector.py)."""
 
     def __init__(self, tower: nn.Module, input_name: str, width: int) -> None:
         super().__init__()
@@ -78,8 +79,7 @@ class FrozenEncoder(nn.Module):
 
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        hidden = self.tower(**{self.input_name: inputs}).last_hidden_state
-        return hidden.mean(dim=1)
+        return cast(torch.Tensor, self.tower(**{self.input_name: inputs}).last_hidden_state)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from torch import nn
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.aligner import Phase1Aligner
 from purrsight.model.encoders import FrozenEncoder
-from purrsight.model.projector import Projector
+from purrsight.model.projector import Projector, ProjectorKind, TokenProjector, build_projector
 
 MODALITIES = ("image", "audio")
 
@@ -41,10 +41,11 @@ class PurrSightModel(nn.Module):
         projector_hidden: int,
         pixel_scaling: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention: str = "sdpa",
+        projector: ProjectorKind = "tokens",
     ) -> None:
         """``pixel_scaling``: per-channel (scale, offset) that turn uint8 pictures into the image
         tower's input (the image processor's rescale and normalisation). ``attention``: the LLM's
-        attention implementation (the form of mask it takes)."""
+        attention implementation (the form of mask it takes). ``projector``: model/projector.py."""
         super().__init__()
         self.attention = attention
         scale, offset = pixel_scaling if pixel_scaling is not None else (torch.ones(3, 1, 1), torch.zeros(3, 1, 1))
@@ -58,9 +59,17 @@ class PurrSightModel(nn.Module):
         self.encoders = nn.ModuleDict(encoders)
         self.aligner = aligner
         hidden = llm.get_input_embeddings().embedding_dim
+        self.projector_kind = projector
         self.projectors = nn.ModuleDict(
             {
-                name: Projector(aligner.dim if aligner else enc.width, projector_hidden, hidden, prefix_tokens)
+                name: build_projector(
+                    projector,
+                    aligner.dim if aligner else enc.width,
+                    projector_hidden,
+                    hidden,
+                    prefix_tokens,
+                    "grid" if name == "image" else "sequence",
+                )
                 for name, enc in encoders.items()
             }
         )
@@ -72,15 +81,18 @@ class PurrSightModel(nn.Module):
         selected by index: its size is known on the host, so no step waits for the device.
         """
         encoder = cast(FrozenEncoder, self.encoders[modality])
-        features = torch.zeros(inputs.shape[0], encoder.width, device=inputs.device)
+        projector = cast(TokenProjector | Projector, self.projectors[modality])
+        features = torch.zeros(inputs.shape[0], projector.reduced_tokens, encoder.width, device=inputs.device)
         if rows.numel():  # shape metadata, not a device value
-            encoded = encoder(inputs.index_select(0, rows)).to(features.dtype)
+            # Reduced before the aligner: both are linear per token (an average, an affine map),
+            # so the order does not change the result, and the aligner then reads a few tokens.
+            encoded = projector.reduce(encoder(inputs.index_select(0, rows))).to(features.dtype)
             features = features.index_copy(0, rows, encoded)
         elif self.encode_every_step:
             encoder(inputs[:1])  # a sharded tower's all-gather must run on every rank; the result is not used
         if self.aligner is not None:
             features = self.aligner(modality, features)
-        prefix = self.projectors[modality](features)
+        prefix = projector(features)
         return prefix * present.to(prefix.dtype)[:, None, None]
 
     def tower_input(self, batch: dict[str, Any], modality: str) -> torch.Tensor:

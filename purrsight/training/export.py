@@ -43,12 +43,16 @@ def load_trained(checkpoint: Path) -> tuple[Config, torch.nn.Module, object]:
     if not isinstance(meta, dict) or "config" not in meta:
         raise CheckpointMismatchError(f"{checkpoint}: not a PurrSight Phase 2 checkpoint")
     try:
-        config = Config.model_validate(safe_yaml_load(meta["config"]))
+        stored = safe_yaml_load(meta["config"])
+        if isinstance(stored, dict) and isinstance(stored.get("model"), dict):
+            # A config stored before model.projector existed built the pooled projector.
+            stored["model"].setdefault("projector", meta.get("projector", "pooled"))
+        config = Config.model_validate(stored)
     except ValueError as err:
         raise ConfigError([f"{checkpoint}: stored config is invalid: {err}"]) from None
     built = build_model(config)
     shapes = {MODEL_PREFIX + n: list(p.shape) for n, p in built.model.named_parameters() if p.requires_grad}
-    verify_checkpoint(state, built.fingerprint, shapes)
+    verify_checkpoint(state, built.fingerprint, shapes, config.model.projector)
     trainable = {k[len(MODEL_PREFIX) :]: v for k, v in state["state_dict"].items()}
     unexpected = built.model.load_state_dict(trainable, strict=False).unexpected_keys
     if unexpected:

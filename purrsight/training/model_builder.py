@@ -137,6 +137,7 @@ def build_model(config: Config, frozen: torch.dtype = torch.float32, llm_on_meta
             config.model.projector_hidden,
             pixel_scaling,
             attention=llm_cfg.attn_implementation,
+            projector=config.model.projector,
         )
     # Before the cast: a bf16 run and a float32 run of the same weights may resume each other.
     files = WeightFiles(llm_cfg.path) if llm_on_meta and llm_cfg.path is not None else None

@@ -138,6 +138,7 @@ class Phase2Module(pl.LightningModule):
         checkpoint[CHECKPOINT_META_KEY] = {
             "fingerprint": self.fingerprint,
             "fingerprint_version": FINGERPRINT_VERSION,
+            "projector": self.config.model.projector,
             "trainable_shapes": keep,
             "config": dump_config(self.config),
         }
@@ -156,7 +157,7 @@ class Phase2Module(pl.LightningModule):
                     log.info("resumed with another schedule: %s", line)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        verify_checkpoint(checkpoint, self.fingerprint, self.trainable_shapes())
+        verify_checkpoint(checkpoint, self.fingerprint, self.trainable_shapes(), self.config.model.projector)
         datamodule = self._datamodule()
         if datamodule is not None:
             datamodule.resume_from(checkpoint)
@@ -167,11 +168,23 @@ class Phase2Module(pl.LightningModule):
         return datamodule if isinstance(datamodule, Phase2DataModule) else None
 
 
-def verify_checkpoint(checkpoint: dict[str, Any], fingerprint: str, shapes: dict[str, list[int]]) -> None:
-    """Refuse a checkpoint whose frozen sources or trainable shapes differ from this model."""
+PROJECTOR_NAMES = {
+    "tokens": "tokens projector (encoder tokens pooled to model.prefix_tokens)",
+    "pooled": "pooled projector (one mean vector to every prefix token)",
+}
+
+
+def verify_checkpoint(checkpoint: dict[str, Any], fingerprint: str, shapes: dict[str, list[int]], projector: str) -> None:
+    """Refuse a checkpoint whose projector, frozen sources or trainable shapes differ from this model."""
     meta = checkpoint.get(CHECKPOINT_META_KEY)
     if not isinstance(meta, dict):
         raise CheckpointMismatchError("not a PurrSight Phase 2 checkpoint (no 'purrsight' section)")
+    saved_projector = meta.get("projector", "pooled")  # checkpoints before the key all hold the pooled one
+    if saved_projector != projector:
+        raise CheckpointMismatchError(
+            f"the checkpoint holds the {PROJECTOR_NAMES.get(saved_projector, saved_projector)}; this config builds the "
+            f"{PROJECTOR_NAMES.get(projector, projector)}: set model.projector={saved_projector} to resume it"
+        )
     if meta.get("fingerprint") != fingerprint and "fingerprint_version" not in meta:
         # Saved before version 2, whose fingerprint included the model folders' absolute
         # paths: it cannot be recomputed here, and refusing would strand every such run.

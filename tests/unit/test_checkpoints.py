@@ -217,22 +217,28 @@ def test_resuming_another_runs_checkpoint_into_a_folder_holding_a_run_is_refused
 def test_verify_checkpoint_names_the_difference() -> None:
     shapes = {"model.a": [2, 3]}
     good = {"purrsight": {"fingerprint": "f", "fingerprint_version": 2}, "state_dict": {"model.a": torch.zeros(2, 3)}}
-    verify_checkpoint(good, "f", shapes)
+    verify_checkpoint(good, "f", shapes, "pooled")  # no projector key: saved before there was a choice
     with pytest.raises(CheckpointMismatchError, match="fingerprint differs"):
-        verify_checkpoint(good, "g", shapes)
+        verify_checkpoint(good, "g", shapes, "pooled")
     with pytest.raises(CheckpointMismatchError, match=r"model\.b is missing"):
-        verify_checkpoint(good, "f", {**shapes, "model.b": [1]})
+        verify_checkpoint(good, "f", {**shapes, "model.b": [1]}, "pooled")
     with pytest.raises(CheckpointMismatchError, match="not a PurrSight"):
-        verify_checkpoint({"state_dict": {}}, "f", shapes)
+        verify_checkpoint({"state_dict": {}}, "f", shapes, "pooled")
+    with pytest.raises(CheckpointMismatchError, match=r"holds the pooled projector .* set model\.projector=pooled to resume it"):
+        verify_checkpoint(good, "f", shapes, "tokens")
+    tokens = {**good, "purrsight": {**good["purrsight"], "projector": "tokens"}}
+    verify_checkpoint(tokens, "f", shapes, "tokens")
+    with pytest.raises(CheckpointMismatchError, match=r"holds the tokens projector .* set model\.projector=tokens"):
+        verify_checkpoint(tokens, "f", shapes, "pooled")
 
 
 def test_checkpoints_from_before_path_free_fingerprints_still_resume(caplog: pytest.LogCaptureFixture) -> None:
     """Their fingerprint hashed absolute model paths: it cannot be recomputed, so it is not held against them."""
     old = {"purrsight": {"fingerprint": "path-bound"}, "state_dict": {"model.a": torch.zeros(2, 3)}}
-    verify_checkpoint(old, "f", {"model.a": [2, 3]})
+    verify_checkpoint(old, "f", {"model.a": [2, 3]}, "pooled")
     assert "earlier PurrSight" in caplog.text
     with pytest.raises(CheckpointMismatchError, match=r"model\.a: checkpoint shape \[2, 3\]"):
-        verify_checkpoint(old, "f", {"model.a": [3, 2]})  # the shapes are still checked
+        verify_checkpoint(old, "f", {"model.a": [3, 2]}, "pooled")  # the shapes are still checked
 
 
 def test_warmup_then_cosine_to_the_floor() -> None:
