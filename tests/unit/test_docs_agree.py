@@ -159,3 +159,17 @@ def test_scaling_settings_exist_and_name_tests_that_exist() -> None:
         for path, function in named:
             assert (REPO / path).is_file(), path
             assert not function or f"def {function}(" in (REPO / path).read_text(), f"{path}::{function}"
+
+
+def test_every_test_a_document_names_exists() -> None:
+    """Docs name the test behind each promise (`tests/...py::test_name`): each must exist, or the
+    promise points at nothing (a renamed test once left RELIABILITY.md naming a test that was gone)."""
+    missing = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "tests" / "README.md"]:
+        for path, function in re.findall(r"(tests/[\w/]+\.py)(?:::(\w+))?", doc.read_text()):
+            file = REPO / path
+            if not file.is_file():
+                missing.append(f"{doc.name}: {path}")
+            elif function and not re.search(rf"def {function}\b", file.read_text()):
+                missing.append(f"{doc.name}: {path}::{function}")
+    assert missing == []
