@@ -93,6 +93,77 @@ def test_a_late_write_of_the_sender_keeps_what_the_training_thread_recorded_mean
     assert entry["kept"] == {"count": 3, "first_step": 6, "last_step": 8} and entry["through_step"] == 5
 
 
+def held_for_the_sender(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """trackers.json's writes on the sender's thread held until released (a slow shared filesystem):
+    returns (a write is held, release it)."""
+    writing, release = threading.Event(), threading.Event()
+    write = tracker_journal.write_json_atomically
+
+    def slow_for_the_sender(path: Path, value: object) -> None:
+        if threading.current_thread().name == "mlflow-sender":
+            writing.set()
+            release.wait(timeout=10)
+        write(path, value)
+
+    monkeypatch.setattr(tracker_journal, "write_json_atomically", slow_for_the_sender)
+    return writing, release
+
+
+def test_the_training_thread_never_waits_for_the_senders_disk_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """log_metrics asks the ledger at every logged step, and an overflow gives a point up there: both
+    return while the sender's write of trackers.json is held. They waited for it (the write held the
+    ledger's one lock: a 0.2 s fsync made log_metrics wait 0.2 s, and every rank with it)."""
+    ledger = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")
+    ledger.remember_run("run-1")
+    writing, release = held_for_the_sender(monkeypatch)
+    sender = threading.Thread(target=lambda: ledger.acknowledge({"train/loss": 1.0}, 5), name="mlflow-sender")
+    sender.start()
+    assert writing.wait(timeout=5)
+    fresh: list[dict[str, object]] = []
+
+    def log_two_steps() -> None:
+        fresh.append(ledger.unsent({"train/loss": 2.0}, 6))
+        ledger.give_up(point(6, **{"train/loss": 2.0}))
+
+    training = threading.Thread(target=log_two_steps, name="training")
+    training.start()
+    training.join(timeout=2)
+    returned = not training.is_alive()
+    release.set()
+    sender.join(timeout=10)
+    training.join(timeout=10)
+    assert returned, "the training thread waited for the sender's write of trackers.json"
+    assert fresh == [{"train/loss": 2.0}]
+    ledger.record_kept(Tally())  # the next write carries the give-up
+    entry = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    assert entry["through_step"] == 6 and entry["lost"] == {"count": 1, "first_step": 6, "last_step": 6}
+
+
+def test_two_trackers_ledgers_share_one_state_so_neither_write_drops_the_others_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow's sender settles the last attempt's points while W&B's start records its run id, each
+    through its own TrackerLedger of one trackers.json. A sender's write built before W&B's record
+    landed after it: W&B's entry vanished, and the next attempt started a second W&B run."""
+    mlflow = TrackerLedger(tmp_path, "mlflow", "http://a experiment x")
+    mlflow.remember_run("mlflow-run")
+    wandb = TrackerLedger(tmp_path, "wandb", "project p")
+    writing, release = held_for_the_sender(monkeypatch)
+    sender = threading.Thread(target=lambda: mlflow.acknowledge({"train/loss": 1.0}, 5), name="mlflow-sender")
+    sender.start()
+    assert writing.wait(timeout=5)
+    start = threading.Thread(target=lambda: wandb.remember_run("wandb-run"), name="training")
+    start.start()
+    start.join(timeout=1)  # waits for the sender's write (its own comes after it), or not
+    release.set()
+    sender.join(timeout=10)
+    start.join(timeout=10)
+    ledger = json.loads((tmp_path / "trackers.json").read_text())  # what the next attempt reads
+    assert ledger["wandb"]["run_id"] == "wandb-run", ledger
+    assert ledger["mlflow"]["run_id"] == "mlflow-run" and ledger["mlflow"]["through_step"] == 5, ledger
+    assert TrackerLedger(tmp_path, "wandb", "project p").run_id == "wandb-run"  # one state in this process too
+
+
 def point(step: int, **metrics: float) -> QueuedPoint:
     return QueuedPoint(step, 1_700_000_000_000 + step, metrics)
 
