@@ -9,11 +9,13 @@ that ``stale_temp_files`` finds. What is published in order (a prepared set's sh
 manifest) reaches the disk in that order.
 
 A folder (an export) is published the same way: written whole into a temporary folder beside it,
-every file and folder in it fsynced, then renamed into place (``publishing_folder``).
+every file and folder in it fsynced, then renamed into place (``publishing_folder``); a marker
+inside the temporary folder names the folder it is for, so a sweep never takes another's.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import secrets
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 TEMP_SUFFIX = ".tmp"
+PUBLISHING_MARKER = ".publishing"  # inside a folder being published: the name of the folder it becomes
 
 
 def temp_name(path: Path) -> Path:
@@ -32,9 +35,21 @@ def temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}{TEMP_SUFFIX}")
 
 
-def stale_temp_files(folder: Path) -> list[Path]:
-    """Temporary files left in ``folder`` by writers that died."""
-    return sorted(folder.glob(f".*{TEMP_SUFFIX}"))
+def stale_temp_files(folder: Path, of: str | None = None) -> list[Path]:
+    """Temporary files left in ``folder`` by writers that died; ``of``: only those of the file named so
+    (its temporary name starts with ``.{of}.``: the folder must publish no other file named ``{of}.…``)."""
+    return sorted(folder.glob(f".{glob.escape(of)}.*{TEMP_SUFFIX}" if of else f".*{TEMP_SUFFIX}"))
+
+
+def remove_stale_temp_files(folder: Path, *names: str) -> list[Path]:
+    """Remove what writers of ``names`` in ``folder`` left when they died; returns what was removed.
+
+    Only where no writer of those files can be alive: the one process that writes them, at its start.
+    """
+    removed = [stale for name in names for stale in stale_temp_files(folder, name)]
+    for stale in removed:
+        stale.unlink(missing_ok=True)
+    return removed
 
 
 def sync_folder(folder: Path) -> None:
@@ -115,19 +130,38 @@ def publishing_folder(path: Path) -> Iterator[Path]:
     ``path`` must not exist, or be an empty folder: one rename cannot replace a folder that holds
     files, and what it holds is not ours to delete (the rename fails with OSError, ENOTEMPTY).
     On an error (or a KeyboardInterrupt) the temporary folder is removed and ``path`` is left as
-    it was; a writer killed outright leaves a hidden ``.*.tmp`` folder that ``stale_temp_files``
-    finds.
+    it was; a writer killed outright leaves a hidden ``.*.tmp`` folder that ``stale_temp_folders``
+    finds by the marker inside it (``PUBLISHING_MARKER``), removed just before the rename.
     """
     tmp = temp_name(path)
     tmp.mkdir()
+    marker = tmp / PUBLISHING_MARKER
     try:
+        marker.write_text(path.name)
         yield tmp
         _sync_tree(tmp)
+        marker.unlink()
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     sync_folder(path.parent)
+
+
+def stale_temp_folders(path: Path) -> list[Path]:
+    """The temporary folders that writers of ``path`` killed half way left beside it.
+
+    Told by the marker inside, not by the name alone: ``.model.*.tmp`` also matches what a writer of
+    ``model.v2`` leaves (``.model.v2.<host>.<pid>.<random>.tmp``), and a host's name may hold dots.
+    """
+    found = []
+    for candidate in path.parent.glob(f".{glob.escape(path.name)}.*{TEMP_SUFFIX}"):
+        try:
+            if (candidate / PUBLISHING_MARKER).read_text() == path.name:
+                found.append(candidate)
+        except OSError:  # not a folder, no marker (a folder of another kind, or of an older version)
+            continue
+    return sorted(found)
 
 
 def write_atomically(path: Path, data: bytes) -> None:

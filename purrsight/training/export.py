@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
-from purrsight.atomic_file import TEMP_SUFFIX, publishing_folder
+from purrsight.atomic_file import publishing_folder, stale_temp_folders
 from purrsight.config import Config, ConfigError, safe_yaml_load, write_resolved
 from purrsight.errors import UserError
 from purrsight.training.model_builder import build_model
@@ -101,8 +101,9 @@ def refuse_occupied(out: Path) -> None:
 
 
 def remove_interrupted_exports(out: Path) -> None:
-    """The hidden temporary folders that exports to ``out`` killed half way left beside it."""
-    for stale in sorted(out.parent.glob(f".{out.name}.*{TEMP_SUFFIX}")):
+    """The hidden temporary folders that exports to ``out`` killed half way left beside it (each one's
+    marker names ``out``: an export to ``model.v2`` is not one to ``model``)."""
+    for stale in stale_temp_folders(out):
         log.warning("removing %s, left by an interrupted export", stale)
         shutil.rmtree(stale, ignore_errors=True)
 
