@@ -26,10 +26,11 @@ from typing import Any, TypeVar
 from pytorch_lightning.loggers import Logger, MLFlowLogger, WandbLogger
 from pytorch_lightning.utilities import rank_zero_only
 
+from purrsight.atomic_file import remove_stale_temp_files
 from purrsight.config import Config, ConfigError
 from purrsight.observability.step_numbering import RunStepNumbering
-from purrsight.observability.tracker_journal import QUEUE_DIR, PointJournal, QueuedPoint, TrackerLedger, tally
-from purrsight.observability.tracker_sender import CLOSE_TIMEOUT_S, WARN_EVERY_N_FAILURES, BackgroundSender, Call
+from purrsight.observability.tracker_journal import LEDGER_NAME, QUEUE_DIR, PointJournal, QueuedPoint, TrackerLedger, tally
+from purrsight.observability.tracker_sender import CLOSE_TIMEOUT_S, WARN_EVERY_N_FAILURES, BackgroundSender, Call, Tally
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIME
 # W&B's own init waits for its service process without a limit; offline it takes a second or
 # two, online its own default allows 90 s. Every other rank waits for this one meanwhile.
 WANDB_START_TIMEOUT_S = 60.0
+# The question "which of these points do you hold": steps per request (a batch of 100 points spans
+# about 100), and the rows MLflow's server answers at most (more are sampled, not listed).
+HELD_WINDOW_STEPS = 1000
+HELD_MAX_ROWS = 2500
 
 
 def within(timeout_s: float, call: Callable[[], T], name: str) -> T:
@@ -67,6 +72,14 @@ def within(timeout_s: float, call: Callable[[], T], name: str) -> T:
     return value  # type: ignore[no-any-return]  # call's own result
 
 
+def tally_steps(points: set[tuple[int, str]]) -> Tally:
+    """(step, metric) pairs counted as the log counts points: one per step."""
+    counted = Tally()
+    for step in sorted({step for step, _ in points}):
+        counted.add(step)
+    return counted
+
+
 def flat_params(value: Any, prefix: str = "") -> dict[str, str]:
     """The resolved config as ``section.key -> text``, the form trackers list as parameters."""
     if isinstance(value, dict):
@@ -84,6 +97,8 @@ class MLflowThroughSender(MLFlowLogger):
     journal: PointJournal
     sender: BackgroundSender | None = None
     _closed = False
+    _ask_through = -1  # the last step of the points a last attempt left: the server is asked about those first
+    _whole_histories = False  # the server has no question for a range of steps (an older MLflow)
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -100,8 +115,10 @@ class MLflowThroughSender(MLFlowLogger):
 
     def _send_points(self, points: list[QueuedPoint], after_failure: bool) -> None:
         """One request for the points (the sender's thread). After a failed try the server may hold
-        some already (it stored them and the answer was lost): those are not sent again."""
-        held = self._held_by_server(points) if after_failure else set()
+        some already (it stored them and the answer was lost), and so may it hold the points a last
+        attempt left: those are not sent again."""
+        asked = after_failure or any(point.step <= self._ask_through for point in points)
+        held = self._held_by_server(points) if asked else set()
         metrics = [
             self._metric(key, value, point)
             for point in points
@@ -110,6 +127,8 @@ class MLflowThroughSender(MLFlowLogger):
         ]
         if metrics:
             self.experiment.log_batch(run_id=self.run_id, metrics=metrics, synchronous=True)
+        if held:
+            log.info("mlflow: the server held %s of these already: not sent again", tally_steps(held))
         self.ledger.acknowledge_all(points)
         self.journal.forget_before(self.ledger.through_step)
 
@@ -120,22 +139,63 @@ class MLflowThroughSender(MLFlowLogger):
         return Metric(key=key, value=value, timestamp=point.stamp_ms, step=point.step)
 
     def _held_by_server(self, points: list[QueuedPoint]) -> set[tuple[int, str]]:
-        """Which (step, metric) of ``points`` the server holds, from the metrics' histories.
-
-        We send each (step, metric) once, so one there is one of ours. A history is read whole
-        (paged by MLflow's client): this runs only after a failure and at a start that found points left.
-        """
+        """Which (step, metric) of ``points`` the server holds. We send each (step, metric) once, so
+        one there is one of ours. Asked per metric for the steps in question only, a window of at
+        most ``HELD_WINDOW_STEPS`` steps a request: the metric's whole history (paged by MLflow's
+        client, megabytes after days) was read after every failed request."""
         wanted = {(point.step, key) for point in points for key in point.metrics}
-        first, last = min(step for step, _ in wanted), max(step for step, _ in wanted)
         held: set[tuple[int, str]] = set()
         for key in sorted({key for _, key in wanted}):
-            for metric in self.experiment.get_metric_history(self.run_id, key):
-                if first <= metric.step <= last and (metric.step, key) in wanted:
-                    held.add((metric.step, key))
+            steps = sorted(step for step, wanted_key in wanted if wanted_key == key)
+            while steps:
+                window = [step for step in steps if step < steps[0] + HELD_WINDOW_STEPS]
+                steps = steps[len(window) :]
+                held |= {(step, key) for step in self._steps_held(key, window[0], window[-1])} & wanted
         return held
 
+    def _steps_held(self, key: str, first: int, last: int) -> set[int]:
+        """The steps from ``first`` to ``last`` at which the server holds ``key``. MLflow's client has no
+        call for a range of steps; its server has one (get-history-bulk-interval),
+        which answers every row of the range unless there are more than it returns (then sampled):
+        the range is then halved, so no row is missed. A server without it: the whole history."""
+        from mlflow.exceptions import MlflowException
+        from mlflow.protos.service_pb2 import GetMetricHistoryBulkInterval
+        from mlflow.store.tracking.rest_store import RestStore
+        from mlflow.utils.proto_json_utils import message_to_json
+
+        run_id = str(self.run_id)
+        store = self.experiment._tracking_client.store  # MLflow's own store of this client: REST, SQL or files
+        if not isinstance(store, RestStore):  # a store in this process (sqlite:///, a folder): its own call
+            rows = [row.step for row in store.get_metric_history_bulk_interval([run_id], key, HELD_MAX_ROWS, first, last)]
+        elif self._whole_histories:
+            return {row.step for row in self.experiment.get_metric_history(run_id, key) if first <= row.step <= last}
+        else:
+            question = GetMetricHistoryBulkInterval(
+                run_ids=[run_id], metric_key=key, start_step=first, end_step=last, max_results=HELD_MAX_ROWS
+            )
+            try:
+                answer = store._call_endpoint(GetMetricHistoryBulkInterval, message_to_json(question))
+            except MlflowException as error:
+                if error.error_code != "ENDPOINT_NOT_FOUND":
+                    raise
+                log.warning(
+                    "mlflow: the server at %s cannot answer for a range of steps (an older MLflow): after a failed "
+                    "request it is asked for whole metric histories instead, longer as the run grows; upgrade the server",
+                    self._tracking_uri,
+                )
+                self._whole_histories = True
+                return self._steps_held(key, first, last)
+            rows = [row.step for row in answer.metrics]
+        if len(rows) < HELD_MAX_ROWS or first == last:
+            return set(rows)
+        middle = (first + last) // 2
+        return self._steps_held(key, first, middle) | self._steps_held(key, middle + 1, last)
+
     def _left_by_last_attempt(self) -> list[QueuedPoint]:
-        """The points an earlier attempt queued and never saw resolved, less what the server holds."""
+        """The points an earlier attempt queued and never saw resolved. They are queued first and the
+        sender asks the server which it holds before it sends them (``_ask_through``): the start
+        waits for no question (every rank waits for rank 0's start), and a slow server holds only
+        the sender's thread."""
         left: list[QueuedPoint] = []
         for point in self.journal.read():
             unresolved = {key: value for key, value in point.metrics.items() if not self.ledger.resolved(point.step, key)}
@@ -144,27 +204,13 @@ class MLflowThroughSender(MLFlowLogger):
         if not left:
             self.journal.clear()
             return []
-        held = self._held_by_server(left)
-        # Recorded as taken only up to the first point still to send: the ledger's record is "all up to here".
-        taken = []
-        for point in left:
-            if any((point.step, key) not in held for key in point.metrics):
-                break
-            taken.append(point)
-        if taken:
-            self.ledger.acknowledge_all(taken)
         self.ledger.claim(left)  # the steps a restart trains again are not queued again
-        to_send = [
-            QueuedPoint(point.step, point.stamp_ms, {k: v for k, v in point.metrics.items() if (point.step, k) not in held})
-            for point in left
-        ]
-        to_send = [point for point in to_send if point.metrics]
+        self._ask_through = max(point.step for point in left)
         log.info(
-            "mlflow: the last attempt left %s queued; the server holds %d of them, the rest are sent now",
+            "mlflow: the last attempt left %s queued: sent before this attempt's points, less what the server holds already",
             tally(left),
-            len(left) - len(to_send),
         )
-        return to_send
+        return left
 
     def _dropped(self, call: Call) -> None:
         if call.point is not None:
@@ -391,7 +437,9 @@ def build_trackers(config: Config, run_dir: Path) -> list[Logger]:
     if config.logging.wandb_project:
         require("wandb", "logging.wandb_project", "wandb")
         trackers.append(RunWandbLogger(config, run_dir))
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:  # the one writer of trackers.json: what a killed write left is its to remove
+        for stale in remove_stale_temp_files(run_dir, LEDGER_NAME):
+            log.warning("removed %s, left by a process killed while it wrote %s", stale, LEDGER_NAME)
         for tracker in trackers:
             log.info("tracker: %s", tracker.attach())
     return trackers

@@ -3,9 +3,10 @@ and every point reaches it once (real parts).
 
 A real ``mlflow server`` in its own process group, SIGKILLed as a whole (the server and its
 workers, as when its machine dies), then started again on the same store and port. The trainer
-is the tiny default in one process, every step logged. Two tests drive the MLflow logger in
+is the tiny default in one process, every step logged. Three tests drive the MLflow logger in
 this process instead of a trainer, where the case is one call of it: Lightning's call on an
-error in training, and a request whose answer a loopback relay holds back.
+error in training, a request whose answer a loopback relay holds back, and a start with points
+left while the relay slows every answer.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from purrsight.observability.tracker_journal import QUEUE_DIR
+from purrsight.observability.tracker_journal import QUEUE_DIR, QueuedPoint
 from purrsight.observability.trackers import RunMLflowLogger
 from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, tiny_config, tiny_overrides
 from tests.launcher.conftest import wait_for
@@ -218,17 +220,23 @@ def log_losses(logger: RunMLflowLogger, steps: range) -> None:
 
 
 class LateAnswers:
-    """A loopback relay in front of the server that can hold one answer back: a real TCP hop, the
-    fault planted in the network between client and server, not in either. Armed, the next
-    request whose first line names ``path`` reaches the server, which stores it and answers; the
-    answer is held past the client's timeout, then the connection is closed unanswered."""
+    """A loopback relay in front of the server that can hold one answer back, slow every answer, or
+    answer for the server: a real TCP hop, the fault planted in the network between client and
+    server, not in either. Armed, the next request whose first line names ``path`` reaches the
+    server, which stores it and answers; the answer is held past the client's timeout, then the
+    connection is closed unanswered. ``delay_s``: every answer waits that long (a slow server or
+    link). ``refuse``: requests whose first line names it get a 404 from the relay (a server of
+    an MLflow that lacks the endpoint). ``answered``: bytes of answer per request path."""
 
-    def __init__(self, upstream: int, hold_s: float) -> None:
-        self.upstream, self.hold_s = upstream, hold_s
+    def __init__(self, upstream: int, hold_s: float, delay_s: float = 0.0, refuse: str | None = None) -> None:
+        self.upstream, self.hold_s, self.delay_s = upstream, hold_s, delay_s
+        self.refuse = refuse.encode() if refuse else None
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.armed: bytes | None = None
         self.held = threading.Event()  # the server answered the armed request: it stored it
+        self.requests: list[str] = []  # every request's first line, in order
+        self.answered: dict[str, int] = {}
         threading.Thread(target=self._accept, daemon=True).start()
 
     def hold_next(self, path: str) -> None:
@@ -243,25 +251,50 @@ class LateAnswers:
             threading.Thread(target=self._relay, args=(client,), daemon=True).start()
 
     def _relay(self, client: socket.socket) -> None:
-        server = socket.create_connection(("127.0.0.1", self.upstream))
+        """One client connection, kept open until the client closes it (or an answer is withheld); each
+        request on it goes up on a connection of its own, so the server closing an idle one never
+        closes the client's under a request it is sending (its retries are off)."""
         holding = threading.Event()
+        path = [""]  # the path of the request under way
+        server: socket.socket | None = None
 
-        def requests() -> None:
-            while data := receive(client):
-                if self.armed is not None and self.armed in data.split(b"\r\n", 1)[0]:
+        def answers(server: socket.socket) -> None:
+            first = True
+            while data := receive(server):
+                if holding.is_set():
+                    self.held.set()
+                    time.sleep(self.hold_s)
+                    client.close()
+                    break
+                if first:
+                    time.sleep(self.delay_s)
+                    first = False
+                self.answered[path[0]] = self.answered.get(path[0], 0) + len(data)
+                try:
+                    client.sendall(data)
+                except OSError:
+                    break
+            server.close()
+
+        while data := receive(client):
+            line = data.split(b"\r\n", 1)[0]
+            if line.split(b" ", 1)[0] in (b"GET", b"POST", b"PATCH", b"PUT", b"DELETE"):  # not a body's next part
+                self.requests.append(line.decode(errors="replace"))
+                path[0] = line.split(b" ")[1].split(b"?")[0].decode(errors="replace")
+                if self.refuse is not None and self.refuse in line:
+                    client.sendall(b"HTTP/1.1 404 NOT FOUND\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnot found")
+                    break
+                if self.armed is not None and self.armed in line:
                     self.armed = None
                     holding.set()
-                server.sendall(data)
-
-        threading.Thread(target=requests, daemon=True).start()
-        while data := receive(server):
-            if holding.is_set():
-                self.held.set()
-                time.sleep(self.hold_s)
+                server = socket.create_connection(("127.0.0.1", self.upstream))
+                threading.Thread(target=answers, args=(server,), daemon=True).start()
+            try:
+                if server is not None:
+                    server.sendall(data)
+            except OSError:  # the server is gone: the client sees its connection closed
                 break
-            client.sendall(data)
         client.close()
-        server.close()
 
     def close(self) -> None:
         self.listener.close()
@@ -274,15 +307,18 @@ def receive(sock: socket.socket) -> bytes:
         return b""
 
 
+@pytest.mark.parametrize("server", ["current", "without-range-question"])
 def test_a_batch_the_server_stored_but_answered_too_late_is_not_sent_again(
-    synthetic_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    synthetic_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, server: str
 ) -> None:
     """A ``log_batch`` the server stored, its answer held past the client's timeout (2 s here): the
     retry asks the server what it holds and sends only the rest. The server keeps MLflow's file
-    store, which keeps every point it is sent (its SQL stores drop an exact repeat)."""
+    store, which keeps every point it is sent (its SQL stores drop an exact repeat).
+    ``without-range-question``: the relay answers 404 for get-history-bulk-interval, as a server of
+    an MLflow without it would: the retry asks for the whole histories instead, and says so once."""
     port = free_port()
-    server = start_mlflow(tmp_path / "mlflow", port, store="file")
-    relay = LateAnswers(port, hold_s=4)
+    mlflow_server = start_mlflow(tmp_path / "mlflow", port, store="file")
+    relay = LateAnswers(port, hold_s=4, refuse="get-history-bulk-interval" if server == "without-range-question" else None)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # as the logger sets it, undone after the test
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     config = tiny_config(synthetic_dir, tmp_path, logging__mlflow_tracking_uri=relay.url, logging__mlflow_experiment="late")
@@ -301,5 +337,71 @@ def test_a_batch_the_server_stored_but_answered_too_late_is_not_sent_again(
         steps, _ = steps_on_server(f"http://127.0.0.1:{port}", "late")
     finally:
         relay.close()
-        kill_server(server)
+        kill_server(mlflow_server)
     assert sorted(steps) == list(range(1, 11)), steps
+    asked = [line for line in relay.requests if "/metrics/get-history" in line]
+    if server == "current":
+        assert asked and all("get-history-bulk-interval" in line for line in asked), asked
+    else:
+        assert any("/metrics/get-history?" in line for line in asked), asked
+        assert caplog.text.count("cannot answer for a range of steps") == 1, caplog.text
+
+
+def test_a_start_with_points_left_asks_a_slow_server_nothing_and_the_sender_asks_only_their_steps(
+    synthetic_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last attempt left 200 points (steps 3001-3200, three metrics each) of which the server
+    took the first 100 before the kill (between its answers and the ledger's record); the server
+    holds 3,000 steps of history before them. Every answer comes 2 s late (a relay in front of a
+    real server on MLflow's file store, which keeps a point sent twice).
+
+    The start (rank 0's: every rank waits for it) asks the server nothing about the points: it
+    asked for each metric's whole history first, 2 s and a full history each. The sender asks,
+    for the steps in question only (a few KB where the histories are ~1 MB), and sends the rest:
+    each point is on the server once."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # as the logger sets them, undone after the test
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    port = free_port()
+    server = start_mlflow(tmp_path / "mlflow", port, store="file")
+    relay = LateAnswers(port, hold_s=0)
+    config = tiny_config(synthetic_dir, tmp_path, logging__mlflow_tracking_uri=relay.url, logging__mlflow_experiment="slow")
+    run_dir = tmp_path / "phase2-tiny"
+    run_dir.mkdir()
+    keys = ("train/loss", "train/lr", "epoch")
+    direct = MlflowClient(f"http://127.0.0.1:{port}")
+    try:
+        last = RunMLflowLogger(config, run_dir)  # the last attempt: its run, its history, what it left
+        last.attach()
+        assert last.sender is not None
+        last.sender.close()
+        run_id = str(last.run_id)
+        history = [metric(key, step) for step in range(1, 3001) for key in keys]
+        for first in range(0, len(history), 1000):
+            direct.log_batch(run_id, metrics=history[first : first + 1000], synchronous=True)
+        last.ledger.acknowledge(dict.fromkeys(keys, 0.0), 3000)
+        for step in range(3001, 3201):
+            last.journal.append(QueuedPoint(step, 1_700_000_000_000 + step, {key: float(step) for key in keys}))
+        direct.log_batch(run_id, metrics=[metric(key, step) for step in range(3001, 3101) for key in keys], synchronous=True)
+
+        relay.delay_s = 2.0
+        asked_before = len(relay.requests)
+        resumed = RunMLflowLogger(config, run_dir)
+        started = time.monotonic()
+        resumed.attach()
+        start_s = time.monotonic() - started
+        at_start = relay.requests[asked_before:]
+        assert wait_for(lambda: resumed.ledger.through_step == 3200, timeout=120, interval=0.1)
+        resumed.close()
+        points = direct.get_metric_history(run_id, "train/loss")
+    finally:
+        relay.close()
+        kill_server(server)
+    assert not [line for line in at_start if "/metrics/get-history" in line], at_start
+    assert start_s < 3 * relay.delay_s + 2, f"the start took {start_s:.1f} s: {at_start}"
+    read = sum(size for path, size in relay.answered.items() if "/metrics/get-history" in path)
+    assert 0 < read < 100_000, relay.answered  # a whole history of 3,200 points is some 300 KB a metric
+    assert sorted(point.step for point in points) == list(range(1, 3201)), missing_or_repeated([p.step for p in points], 3200)
+
+
+def metric(key: str, step: int) -> Metric:
+    return Metric(key=key, value=float(step), timestamp=1_700_000_000_000 + step, step=step)
