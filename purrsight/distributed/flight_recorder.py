@@ -19,6 +19,7 @@ import os
 from collections.abc import MutableMapping
 from pathlib import Path
 
+from purrsight.atomic_file import write_atomically
 from purrsight.internals.torch_c10d import flight_recorder_trace
 
 log = logging.getLogger(__name__)
@@ -43,5 +44,7 @@ def dump(run_dir: Path, rank: int) -> Path | None:
     folder = run_dir / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank_{rank}.pkl"
-    path.write_bytes(trace)
+    # Whole or absent: torchrun ends the other ranks once one exits, perhaps mid-dump, and PyTorch's
+    # analyser reads every rank_* file (a temp's hidden name is not one).
+    write_atomically(path, trace)
     return path

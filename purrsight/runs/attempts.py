@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import pytorch_lightning as pl
 
-from purrsight.atomic_file import write_json_atomically
+from purrsight.atomic_file import publish, write_json_atomically
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def plot_timeline(summary: Summary, path: Path) -> Path | None:
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars, never on them
     axes.set_title(f"Attempts: {summary.effective * 100:.1f}% effective training time")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    publish(path, lambda stream: figure.savefig(stream, format="png", dpi=100))  # a kill mid-write keeps the last one
     plt.close(figure)
     return path
 

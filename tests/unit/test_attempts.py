@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from purrsight.atomic_file import stale_temp_files
 from purrsight.runs.attempts import Attempt, plot_timeline, summarize, summary_lines
+from tests.helpers import REPO, python_env
 
 
 def test_a_killed_attempt_a_requeue_and_a_finish_add_up_to_the_wall_time(tmp_path: Path) -> None:
@@ -37,3 +42,33 @@ def test_a_killed_attempt_a_requeue_and_a_finish_add_up_to_the_wall_time(tmp_pat
     assert row in lines
     assert "| wind-down (trackers closing, report, exit) | 6.0 s | 0.2% |" in lines
     assert plot_timeline(summary, tmp_path / "attempts.png") == tmp_path / "attempts.png"
+
+
+# The timeline drawn anew over the last one, the process killed by the kernel half way through the
+# PNG (SIGXFSZ at a file-size limit; Python ignores the signal, so its default is set back first).
+PLOT_KILLED_MID_WRITE = """
+import resource, signal, sys
+from pathlib import Path
+import matplotlib.pyplot  # before the limit: its font cache is written at the first import
+from purrsight.runs.attempts import Attempt, plot_timeline, summarize
+
+attempt = Attempt(
+    number=1, how="first start", launched_at=0.0, resumed_step=0, world_size=1,
+    first_step_at=5.0, last_step=10, last_step_at=60.0, checkpoint_s=1.0, updated_at=60.0,
+)
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+plot_timeline(summarize([attempt]), Path(sys.argv[1]))
+"""
+
+
+def test_a_timeline_killed_mid_write_leaves_the_last_whole_one(tmp_path: Path) -> None:
+    """attempts.png was written in place (savefig to its path): a kill cut it to what was written."""
+    last = tmp_path / "attempts.png"
+    last.write_bytes(b"the last whole picture")
+    args = [sys.executable, "-c", PLOT_KILLED_MID_WRITE, str(last)]
+    killed = subprocess.run(args, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGXFSZ, killed.stderr[-2000:]
+    assert last.read_bytes() == b"the last whole picture"
+    (torn,) = stale_temp_files(tmp_path, "attempts.png")  # what the report's next start removes
+    assert torn.stat().st_size == 2000
