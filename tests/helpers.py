@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -57,6 +58,30 @@ def python_env() -> dict[str, str]:
     env.pop("RANK", None)
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
     return env
+
+
+# A publish of ``path`` (purrsight/atomic_file.py) that the kernel kills half way: SIGXFSZ at a
+# file-size limit (Python ignores the signal, so its default is set back first).
+KILLED_MID_PUBLISH = """
+import resource, signal, sys
+from pathlib import Path
+from purrsight.atomic_file import write_atomically
+
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+write_atomically(Path(sys.argv[1]), b"x" * 8192)
+"""
+
+
+def killed_mid_publish(path: Path) -> Path:
+    """The temp file that a writer of ``path`` killed half way leaves beside it."""
+    from purrsight.atomic_file import stale_temp_files
+
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_PUBLISH, str(path)], cwd=REPO, env=python_env(), timeout=120)
+    assert killed.returncode == -signal.SIGXFSZ
+    (torn,) = stale_temp_files(path.parent, path.name)
+    assert torn.stat().st_size == 4096
+    return torn
 
 
 FAULT_INJECTION = REPO / "tests" / "fault_injection"

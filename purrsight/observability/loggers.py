@@ -25,7 +25,7 @@ from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import rank_zero_experiment
 
-from purrsight.atomic_file import write_atomically, write_text_atomically
+from purrsight.atomic_file import remove_stale_temp_files, write_atomically, write_text_atomically
 from purrsight.config import Config, ConfigError
 from purrsight.observability.step_numbering import RunStepNumbering
 from purrsight.observability.trackers import build_trackers
@@ -55,6 +55,9 @@ class _ContinuingWriter(ExperimentWriter):
 
     def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv here
         path = Path(self.metrics_file_path)
+        # Rank 0 alone writes it; a temp a kill left is a whole copy of the history, never read again.
+        for stale in remove_stale_temp_files(path.parent, path.name):
+            log.warning("removed %s, left by a run killed while it rewrote %s", stale, path)
         _cut_torn_last_line(path)
         self.metrics_keys = truncate_history(path, self._through_step)  # the kept rows' columns
 

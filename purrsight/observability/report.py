@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from pathlib import Path
 
 import matplotlib
@@ -16,11 +17,13 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on cluster nodes
 import matplotlib.pyplot as plt  # imported after the backend is chosen
 
-from purrsight.atomic_file import publish, write_text_atomically
+from purrsight.atomic_file import publish, remove_stale_temp_files, write_text_atomically
 from purrsight.observability.tracker_journal import LEDGER_NAME, QUEUE_DIR
 from purrsight.observability.tracker_sender import Tally
 from purrsight.run_folder import HANGS_LOG
 from purrsight.runs.attempts import plot_timeline, read_attempts, summarize, summary_lines
+
+log = logging.getLogger(__name__)
 
 
 def _read(path: Path) -> list[dict[str, str]]:
@@ -74,7 +77,13 @@ def _undelivered_tracker_points(run_dir: Path) -> list[str]:
     return lines
 
 
+PUBLISHED = ("report.md", "loss.png", "throughput.png", "power.png", "attempts.png")
+
+
 def write_report(run_dir: Path, preflight_table: str | None = None) -> Path:
+    # Rank 0 alone writes these: the temp files of a report killed half way are its to remove.
+    for stale in remove_stale_temp_files(run_dir, *PUBLISHED):
+        log.warning("removed %s, left by a run killed while it wrote its report", stale)
     metrics = _read(run_dir / "metrics" / "metrics.csv")
     nodes = {p.stem: _read(p) for p in sorted((run_dir / "telemetry").glob("node*.csv"))}
     plots = [

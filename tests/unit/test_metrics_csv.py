@@ -44,8 +44,12 @@ writer.save()
 """
 
 
-def test_a_kill_while_a_new_key_widens_the_header_keeps_the_whole_history(tmp_path: Path) -> None:
-    """Lightning rewrote metrics.csv in place for a new key: killed then, the run lost its history."""
+def test_a_kill_while_a_new_key_widens_the_header_keeps_the_whole_history_and_the_next_start_removes_the_copy(
+    tmp_path: Path,
+) -> None:
+    """Lightning rewrote metrics.csv in place for a new key: killed then, the run lost its history.
+    What the kill leaves is a temp file with a copy of the history (as large as the history), which
+    the next start removed never: a kill at each rewrite added one."""
     path = write_history(tmp_path, 20)
     before = read_metrics(tmp_path)
     args = [sys.executable, "-c", NEW_KEY_KILLED_MID_WRITE, str(tmp_path), str(path.stat().st_size // 2)]
@@ -54,6 +58,9 @@ def test_a_kill_while_a_new_key_widens_the_header_keeps_the_whole_history(tmp_pa
     assert read_metrics(tmp_path) == before  # before the fix: cut to the rows written before the kill
     (torn,) = stale_temp_files(path.parent)
     assert torn.name.startswith(".metrics.csv.")
+    assert RunCSVLogger(tmp_path, resumed_step=20).experiment is not None  # the next attempt's writer, at its start
+    assert not torn.exists() and stale_temp_files(path.parent) == []
+    assert read_metrics(tmp_path) == before
 
 
 def test_rows_are_appended_and_a_new_key_publishes_one_table_with_every_row(tmp_path: Path) -> None:

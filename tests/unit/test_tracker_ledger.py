@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from purrsight.atomic_file import stale_temp_files
 from purrsight.config import ConfigError
 from purrsight.observability import tracker_journal
 from purrsight.observability.tracker_journal import PointJournal, QueuedPoint, TrackerLedger
 from purrsight.observability.tracker_sender import Tally
-from purrsight.observability.trackers import flat_params, require
+from purrsight.observability.trackers import close_trackers, flat_params, require
 
 
 def test_a_restart_skips_the_points_the_server_acknowledged_and_sends_the_rest(tmp_path: Path) -> None:
@@ -238,6 +239,30 @@ def test_points_left_for_one_tracker_run_never_go_to_another(tmp_path: Path, mon
     logger.close()
     history = MlflowClient(uri).get_metric_history(str(logger.run_id), "train/loss")
     assert [(metric.step, metric.value) for metric in history] == [(8, 2.0)]
+
+
+def test_the_temp_file_of_a_ledger_write_killed_half_way_is_removed_by_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's start removes what a process killed while it wrote trackers.json left (it stayed for
+    good). MLflow's SQL store in this process (no server)."""
+    from purrsight.config import load_config
+    from purrsight.observability.trackers import RunMLflowLogger, build_trackers
+    from tests.helpers import DEFAULT_CONFIG, killed_mid_publish
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # as the logger sets them, undone after the test
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    monkeypatch.delenv("RANK", raising=False)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    torn = killed_mid_publish(run_dir / "trackers.json")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = load_config(DEFAULT_CONFIG, [f"logging.mlflow_tracking_uri={uri}"], check_paths=False)
+    (logger,) = build_trackers(config, run_dir)
+    close_trackers([logger])
+    assert not torn.exists() and stale_temp_files(run_dir) == []
+    assert isinstance(logger, RunMLflowLogger)
+    assert json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"] == logger.run_id
 
 
 def test_the_report_names_what_a_tracker_server_lacks(tmp_path: Path) -> None:
