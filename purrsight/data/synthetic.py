@@ -13,15 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import soundfile
 from PIL import Image, ImageDraw
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from purrsight.atomic_file import publishing_folder
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 PITCHES = {"low": 220.0, "middle": 440.0, "high": 880.0}
@@ -129,26 +128,22 @@ def train_tokenizer(texts: list[str], folder: Path) -> None:
 def generate(out: str | Path, num_train: int, num_val: int, seed: int, image_size: int = 32) -> Path:
     """Write the set into ``out``; a no-op when ``out`` already holds one.
 
-    The set is built in a temporary sibling and renamed into place, so a reader never
-    sees half a set, and nodes racing on a shared filesystem all end with the same one.
+    The set is built in a temporary sibling and renamed into place (purrsight/atomic_file.py), so
+    a reader never sees half a set, and nodes racing on a shared filesystem all end with the same one.
     """
     out = Path(out)
     if (out / "train.jsonl").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        rng = np.random.default_rng(seed)
-        texts = write_split(staging, "train", num_train, rng, image_size)
-        texts += write_split(staging, "val", num_val, rng, image_size)
-        train_tokenizer(texts, staging)
-        try:
-            os.rename(staging, out)
-        except OSError:
-            if not (out / "train.jsonl").is_file():  # lost a race to a complete set: fine
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with publishing_folder(out) as staging:
+            rng = np.random.default_rng(seed)
+            texts = write_split(staging, "train", num_train, rng, image_size)
+            texts += write_split(staging, "val", num_val, rng, image_size)
+            train_tokenizer(texts, staging)
+    except OSError:
+        if not (out / "train.jsonl").is_file():  # lost a race to a complete set: fine
+            raise
     return out
 
 

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
+
+from purrsight import atomic_file
 from purrsight.data.synthetic import COLOURS, PITCHES, generate
 from purrsight.model.llm import load_tokenizer
 
@@ -44,3 +48,27 @@ def test_existing_set_is_kept(tmp_path: Path) -> None:
     marker.write_text(marker.read_text() + "\n")
     generate(folder, 4, 2, seed=1)
     assert marker.read_text().endswith("\n\n")  # untouched: generation is skipped
+
+
+def test_a_set_is_on_disk_before_it_is_renamed_into_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file and folder of the set fsynced, then the set renamed (it was renamed unsynced: a
+    power cut could leave a set that looks whole, train.jsonl there, with empty pictures)."""
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recording_replace(src: str | Path, dst: str | Path) -> None:
+        replace(src, dst)
+        events.append(("rename", str(dst)))
+
+    monkeypatch.setattr(atomic_file.os, "fsync", recording_fsync)
+    monkeypatch.setattr(atomic_file.os, "replace", recording_replace)
+    out = generate(tmp_path / "s", 4, 2, seed=0)
+    assert ("rename", str(out)) in events, events
+    before_rename = events[: events.index(("rename", str(out)))]
+    synced = {Path(path).name for kind, path in before_rename if kind == "fsync"}
+    assert {path.name for path in out.rglob("*")} <= synced
+    assert [path.name for path in tmp_path.iterdir()] == ["s"]  # no temp folder left
