@@ -15,6 +15,7 @@ request arrives, as a SIGTERM would be handled.
 
 from __future__ import annotations
 
+import copy
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,7 @@ class Record:
     gradient_errors: list[float] = field(default_factory=list)  # |applied gradient - mean over the window|
     positions_disagree: list[str] = field(default_factory=list)
     final_step: int = 0
+    stopped: bool = False  # ended by its stop request (not by max_steps)
     resumed_in_epoch: int | None = None  # the epoch the resumed position named
 
 
@@ -143,8 +145,13 @@ class OneWeight(pl.LightningModule):
         for view in self.job.views:
             view.count_trained_batch(self.current_epoch)
         self.micro_batches_here += 1
-        if self.stop_at is not None and self.micro_batches_here == self.stop_at:
+        if self.stop_at is not None and self.micro_batches_here == self.stop_at and self.legacy != "mid-window":
             saver(self.trainer).stop.request(signal.SIGTERM)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.legacy == "mid-window" and self.micro_batches_here == self.stop_at:  # the stop did not wait then
+            saver(self.trainer).save(self.trainer)
+            self.trainer.should_stop = True
 
     def training_step(self, batch: dict[int, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.record.micro_batches.append((self.current_epoch, batch_idx, {r: ids.tolist() for r, ids in batch.items()}))
@@ -176,18 +183,22 @@ class OneWeight(pl.LightningModule):
         if any(p != positions[0] for p in positions):
             self.record.positions_disagree.append(repr(positions))
         config = dump_config(self.job.views[0].config)
-        if self.legacy is None:
+        if self.legacy in (None, "mid-window"):
             checkpoint["purrsight"] = {"position": positions[0].as_dict(), "config": config}
         else:
             checkpoint["purrsight"] = {"config": config}
             write_legacy_position(checkpoint, self.legacy, self.job.views[0])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Each rank reads its own copy of the file; the first view's copy is the one Lightning restores.
+        as_saved = copy.deepcopy(checkpoint)
         for view in self.job.views:
-            view.resume_from(checkpoint)
+            view.resume_from(checkpoint if view is self.job.views[0] else copy.deepcopy(as_saved))
 
 
 LEGACY_LAYOUTS = ("torchdata", "no-loader-state", "sampler-state", "sampler-snapshot")
+WORLDLESS_LAYOUTS = ("torchdata", "no-loader-state")  # kept no world size
+# "mid-window": today's entry, but saved between a step's micro-batches, as a stop was before 2026-11-25.
 
 
 def write_legacy_position(checkpoint: dict[str, Any], layout: str, view: RankView) -> None:
@@ -257,6 +268,7 @@ def fit(
     found = newest_checkpoint(checkpoints) if resume else None
     trainer.fit(module, datamodule=job, ckpt_path=str(found[0]) if found else None)
     record.final_step = trainer.global_step
+    record.stopped = saver(trainer).stopped_by_signal is not None
     resumed = views[0]._resume_at
     record.resumed_in_epoch = resumed.epoch if resumed is not None else None
     return record

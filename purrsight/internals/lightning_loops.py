@@ -77,6 +77,17 @@ def validate_at_optimizer_steps(trainer: pl.Trainer, every_n_steps: int) -> None
     loop._should_check_val_fx = should_validate  # type: ignore[method-assign]
 
 
+def end_validation_now() -> None:
+    """End the validation pass in progress after the current batch (called from a batch-end hook).
+
+    Lightning's evaluation loop ends its pass on StopIteration from anywhere in a batch's step,
+    hooks included (``_EvaluationLoop.run``: ``except StopIteration: break``), then runs its
+    epoch-end and end hooks as after the last batch. tests/unit/test_internals.py checks it on the
+    installed version.
+    """
+    raise StopIteration
+
+
 def set_logged_step(trainer: pl.Trainer) -> None:
     """Make the loggers' step the optimizer step count (Lightning's restore can leave it one behind)."""
     trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
@@ -88,7 +99,7 @@ def saved_epoch_ended(checkpoint: dict[str, Any]) -> bool:
     return bool(progress.get("is_last_batch", False))
 
 
-def saved_epoch_batches(checkpoint: dict[str, Any]) -> int:
+def epoch_batches_of(checkpoint: dict[str, Any]) -> int:
     """The saved epoch's batches Lightning counts as taken, in the saving run's micro-batches."""
     return int(epoch_batches(checkpoint)["ready"])
 

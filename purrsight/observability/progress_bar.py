@@ -19,6 +19,8 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks.progress.progress_bar import ProgressBar
 from tqdm import tqdm
 
+from purrsight.runs.checkpoint_saver import validation_cut_by_stop
+
 log = logging.getLogger("purrsight.progress")
 
 # metric -> its name in the bar (the log lines keep the full names)
@@ -43,7 +45,7 @@ def _log_start(trainer: pl.Trainer) -> None:
 
 
 def _log_validation(trainer: pl.Trainer) -> None:
-    if trainer.is_global_zero and not trainer.sanity_checking:
+    if trainer.is_global_zero and not trainer.sanity_checking and not validation_cut_by_stop(trainer):
         log.info("validation at step %d  %s", trainer.global_step, _format(trainer.callback_metrics, "val/"))
 
 

@@ -25,6 +25,7 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from purrsight.atomic_file import publish, stale_temp_files
 from purrsight.distributed.stop_vote import StopRequest, StopVote
 from purrsight.errors import UserError
+from purrsight.internals.lightning_loops import end_validation_now
 from purrsight.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         # Checkpoints hold tensors, numbers, strings and the loops' plain dicts: no pickled
         # objects, so the safe unpickler is enough, and a malicious file is refused.
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
+def validation_cut_by_stop(trainer: pl.Trainer) -> bool:
+    """Whether the validation pass in progress (or just ended) was cut short by an agreed stop.
+
+    During a fit only our stop sets ``should_stop`` (no callback of Lightning's that sets it is
+    used), so it names the cut pass, whose metrics cover part of the set.
+    """
+    return bool(trainer.should_stop) and trainer.state.fn == "fit"
 
 
 class CheckpointWriteError(UserError):
@@ -134,3 +144,26 @@ class CheckpointSaver(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.stop.restore()
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """A stop during a validation pass ends the pass: it could take minutes at real size, past a
+        preemption's grace period. Validation runs right after an optimizer step, so the position
+        is at a step's end and the stop checkpoint is written when the pass ends (on_validation_end).
+        Every rank validates as many batches (the sampler pads), so the vote stays in step."""
+        if trainer.state.fn != "fit":
+            return
+        self._stop_agreed |= self.vote.exchange(self.stop.signum is not None)
+        if self._stop_agreed and not trainer.should_stop:
+            trainer.should_stop = True  # also tells the module and the progress lines that this pass was cut
+            if trainer.is_global_zero:
+                log.warning(
+                    "stop while validating step %d: the pass ends here, its metrics are not logged", trainer.global_step
+                )
+            end_validation_now()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not (validation_cut_by_stop(trainer) and self._stop_agreed):
+            return
+        if trainer.global_step != self.last_saved_step:
+            self.save(trainer)
+        self.stopped_by_signal = self.stop.signum or signal.SIGTERM
+

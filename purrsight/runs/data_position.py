@@ -14,6 +14,7 @@ one count that means the same thing in every configuration.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,19 +57,23 @@ class DataPosition:
         return position
 
 
-def saved_position(checkpoint: dict[str, Any], world_now: int) -> DataPosition | None:
+SAVED_WORLD_VARIABLE = "PURRSIGHT_SAVED_WORLD_SIZE"
+
+
+def saved_position(checkpoint: dict[str, Any], world_now: int, size: int | None = None) -> DataPosition | None:
     """The data position a loaded checkpoint holds; None when it holds none (not a fit's checkpoint).
 
-    ``world_now``: the processes of the run that resumes, taken as the saving run's for the one
-    earlier layout that kept no world size (it is said in a warning).
+    ``world_now`` and ``size`` (the training set's samples) serve the earliest layouts, which kept
+    no world size: it is derived from their step count (saving_world). Without ``size`` such a
+    checkpoint gives None (the caller only wanted to compare batch shapes).
     """
     meta = checkpoint.get("purrsight")
     if isinstance(meta, dict) and POSITION_KEY in meta:
         return DataPosition.from_dict(meta[POSITION_KEY])
-    return _position_before_this_entry(checkpoint, world_now)
+    return _position_before_this_entry(checkpoint, world_now, size)
 
 
-def _position_before_this_entry(checkpoint: dict[str, Any], world_now: int) -> DataPosition | None:
+def _position_before_this_entry(checkpoint: dict[str, Any], world_now: int, size: int | None) -> DataPosition | None:
     """The position in a checkpoint of a PurrSight that kept it in the loader's state, or nowhere.
 
     The layouts, newest first (each PurrSight version's DataModule wrote one):
@@ -81,8 +86,7 @@ def _position_before_this_entry(checkpoint: dict[str, Any], world_now: int) -> D
     - torchdata's StatefulDistributedSampler, ``{"yielded": N}`` (rank 0's count in its own
       shard), or no loader state at all (torch's DistributedSampler): both drew the order our
       sampler draws from position 0, and kept no world size. The fit loop's batch count gives the
-      position in the world that saved it, taken to be this one, and a warning says so: on the
-      same number of processes the resume is exact.
+      position in the world that saved it, which saving_world derives (or refuses to guess).
 
     The batch shape comes from the run config saved beside it.
     """
@@ -107,16 +111,49 @@ def _position_before_this_entry(checkpoint: dict[str, Any], world_now: int) -> D
     if snapshot is not None:
         world = int(snapshot["world_size"])
         log.warning("checkpoint from an earlier PurrSight with loader workers: data position taken from its batch count")
+    elif size is None:
+        return None
     else:
-        world = world_now
-        log.warning(
-            "checkpoint from a PurrSight before 2026-11-23 (torchdata's sampler state, or none): it keeps no world size; "
-            "taking it as saved on %d process(es), as this run has: resume it on the number of processes that saved it, "
-            "or its epoch %d continues at another sample",
-            world,
-            epoch,
-        )
+        steps = int(checkpoint.get("global_step", 0))
+        world = saving_world(size, batch_size, accumulation, epoch, int(ready), steps, world_now)
     return DataPosition(epoch, int(ready) * batch_size * world, world, batch_size, accumulation)
+
+
+def saving_world(size: int, batch: int, accumulation: int, epoch: int, ready: int, steps: int, world_now: int) -> int:
+    """The number of processes that saved a checkpoint which did not record it.
+
+    Its optimizer step count is ``epoch`` whole epochs plus the steps of ``ready`` micro-batches,
+    and an epoch's steps depend on the world size: the sizes that fit are the candidates. This run's
+    is taken when it is one; another single candidate is named; with nothing to go on (epoch 0
+    fits every size) the resume is refused: PURRSIGHT_SAVED_WORLD_SIZE names it.
+    """
+    given = os.environ.get(SAVED_WORLD_VARIABLE)
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise PositionError(f"{SAVED_WORLD_VARIABLE}={given!r} is not a number of processes")
+        return int(given)
+    what = "this checkpoint, from a PurrSight before 2026-11-23, did not record how many processes saved it"
+    if epoch == 0:
+        raise PositionError(
+            f"{what}, and its step count in epoch 0 cannot tell; set {SAVED_WORLD_VARIABLE} to the number of "
+            "processes (nodes x GPUs) of the job that saved it and resume again"
+        )
+    in_epoch = -(-ready // accumulation)
+    candidates = [
+        world
+        for world in range(1, min(size // batch, 1 << 16) + 1)
+        if epoch * -(-((size // world) // batch) // accumulation) + in_epoch == steps
+    ]
+    if world_now in candidates:
+        if len(candidates) > 1:
+            log.warning("%s: its step count fits %s processes; taking this run's %d", what, candidates, world_now)
+        return world_now
+    if len(candidates) == 1:
+        raise PositionError(
+            f"{what}; its step count says {candidates[0]} and this run has {world_now}: resume it once on "
+            f"{candidates[0]} processes (its next checkpoint records the number), or set {SAVED_WORLD_VARIABLE}"
+        )
+    raise PositionError(f"{what}, and its step count fits {candidates or 'no number'}; set {SAVED_WORLD_VARIABLE}")
 
 
 def _find_sampler_state(value: Any) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@ and the training position (how far the job is in the epoch) that checkpoints kee
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.context
 import os
@@ -20,8 +21,10 @@ from purrsight.data.loader_worker import init_loader_worker
 from purrsight.data.sampler import GlobalPositionSampler, batches_done
 from purrsight.datasets.builder import build_datasets
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
-from purrsight.internals.lightning_loops import drop_loader_states, saved_epoch_ended, set_batches_done
+from purrsight.internals.lightning_loops import drop_loader_states, epoch_batches_of, saved_epoch_ended, set_batches_done
 from purrsight.runs.data_position import DataPosition, saved_position
+
+log = logging.getLogger(__name__)
 
 
 def _worker_start() -> multiprocessing.context.BaseContext:
@@ -38,6 +41,25 @@ def _worker_start() -> multiprocessing.context.BaseContext:
     ]
     context.set_forkserver_preload(preload)
     return context
+
+
+def _whole_steps(position: DataPosition, saved_ready: int) -> DataPosition:
+    """The position at the last optimizer step's end when a checkpoint was saved inside a window.
+
+    Lightning closes windows at multiples of the accumulation from the epoch's start (and at the
+    epoch's end), so a saved count that is no multiple was taken between a step's micro-batches:
+    versions before 2026-11-25 saved a stop there. Those micro-batches' gradients are in no file,
+    so they are trained again, as the uninterrupted run trained them into their step.
+    """
+    partial = saved_ready % position.accumulation
+    if partial == 0:
+        return position
+    log.warning(
+        "checkpoint saved between the micro-batches of a step (an earlier PurrSight): its %d micro-batch(es) "
+        "since the last step are trained again (their gradients were in no file)",
+        partial,
+    )
+    return replace(position, consumed=position.consumed - partial * position.batch_size * position.world_size)
 
 
 class Phase2DataModule(pl.LightningDataModule):
@@ -142,16 +164,20 @@ class Phase2DataModule(pl.LightningDataModule):
         Called from the LightningModule's on_load_checkpoint, before Lightning restores its loops.
         """
         world, _ = self._world()
-        position = saved_position(checkpoint, world)
-        drop_loader_states(checkpoint)
-        if position is None or self.train_set is None:
+        if self.train_set is None:
             return
         size, batch = len(self.train_set), self.config.data.batch_size  # type: ignore[arg-type]
+        position = saved_position(checkpoint, world, size)
+        drop_loader_states(checkpoint)
+        if position is None:
+            return
         epoch_batches = (size // world) // batch
         if position.epoch == int(checkpoint.get("epoch", 0)) and saved_epoch_ended(checkpoint):
             # Saved at its epoch's last batch by a version that kept the epoch's end as (epoch, its
             # last sample): Lightning's restore moves on to the next epoch, and so does the position.
             position = replace(position, epoch=position.epoch + 1, consumed=0)
+        elif position.epoch == int(checkpoint.get("epoch", 0)):
+            position = _whole_steps(position, epoch_batches_of(checkpoint))
         self._resume_at = position
         if position.epoch > int(checkpoint.get("epoch", 0)):
             done = epoch_batches  # saved as its epoch ended: Lightning's restore moves on to the next

@@ -15,6 +15,7 @@ from purrsight.data.media import SampleError
 from purrsight.errors import UserError
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
+from purrsight.runs.checkpoint_saver import validation_cut_by_stop
 from purrsight.runs.data_position import POSITION_KEY
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.fsdp import build_sharded, local_frozen_bytes, peak_rss_bytes
@@ -46,6 +47,7 @@ class Phase2Module(pl.LightningModule):
         self.model: PurrSightModel | None = None  # built in configure_model, after the data is prepared
         self.fingerprint = ""
         self.skipped_samples = 0
+        self._validation_sums = torch.zeros(3, dtype=torch.float64)
         # Checkpoints hold trainable weights only; frozen ones are rebuilt from their source.
         self.strict_loading = False
 
@@ -112,12 +114,24 @@ class Phase2Module(pl.LightningModule):
             self.log("train/skipped_samples", float(self.skipped_samples), on_step=True, batch_size=size)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        self._validation_sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss x samples, correct, samples
+
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         assert self.model is not None
         loss, logits, labels = self.model(batch)
         size = batch["input_ids"].shape[0]
-        self.log("val/loss", loss, sync_dist=True, batch_size=size)
-        self.log("val/accuracy", response_accuracy(logits, labels).mean(), sync_dist=True, batch_size=size)
+        # Summed here and reduced once at the pass's end (on the device: no step waits for a value),
+        # so a pass cut short by a stop can be left unlogged (Lightning logs what self.log collected).
+        correct = response_accuracy(logits, labels).sum()
+        self._validation_sums += torch.stack([loss.detach().double() * size, correct.double(), loss.new_tensor(size).double()])
+
+    def on_validation_epoch_end(self) -> None:
+        if validation_cut_by_stop(self.trainer):
+            return  # every rank cut the pass at the same batch: none reduces, none logs
+        sums = self.trainer.strategy.reduce(self._validation_sums, reduce_op="sum")
+        self.log("val/loss", (sums[0] / sums[2]).float(), sync_dist=False)
+        self.log("val/accuracy", (sums[1] / sums[2]).float(), sync_dist=False)
 
     # ------------------------------------------------------------------ optimiser
 

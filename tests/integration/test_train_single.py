@@ -138,8 +138,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_within_a_step_not_a_validation_pas
     and the trainer failed with "DataLoader worker exited unexpectedly" instead of saving).
 
     With a validation set whose pass takes at least ten steps' time (measured in the same run, at
-    step 10), the stop must not run one: it once did, after the checkpoint, and at real size that
-    outlived a preemption's grace period. The stop's last line (checkpoint and report written)
+    step 10), the stop must not wait for one: the signal lands as step 20's validation starts, and
+    that pass ends at its next batch, unlogged (a stop once ran a whole pass after its checkpoint,
+    and at real size that outlived a preemption's grace period). The stop's last line (checkpoint and report written)
     comes within a fraction of that pass; the interpreter's teardown after it (freeing torch's and
     Lightning's modules: 1-2 s on a busy 2-core machine) is bounded apart."""
     real_shape = {"data__num_workers": 2, "data__batch_size": 4, "trainer__accumulate_grad_batches": 2}
@@ -158,7 +159,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_within_a_step_not_a_validation_pas
     seen = []
     for line in proc.stderr:
         seen.append(line)
-        if "step 14/" in line or time.monotonic() > deadline:
+        if "step 20/" in line or time.monotonic() > deadline:
             break
     os.killpg(proc.pid, signal.SIGTERM)
     signalled = time.time()
@@ -174,13 +175,13 @@ def test_sigterm_saves_a_checkpoint_and_exits_within_a_step_not_a_validation_pas
     assert validation_s >= 10 * step_s, f"the validation pass ({validation_s:.2f} s) is not ten steps ({step_s:.3f} s)"
     stop_s = stopped - signalled
     assert stop_s < validation_s / 2, f"stopped {stop_s:.2f} s after the signal; validation takes {validation_s:.2f} s"
-    assert exited - stopped < 10, f"the process ended {exited - stopped:.1f} s after its last line"
+    assert exited - stopped < 20, f"the process ended {exited - stopped:.1f} s after its last line"  # teardown, on a busy machine
     assert "validation at step" not in rest, rest[-2000:]
-    assert "stopped by SIGTERM at step" in rest, rest[-2000:]
+    assert "stop while validating step 20: the pass ends here" in rest and "stopped by SIGTERM at step 20" in rest, rest[-2000:]
     folder = tmp_path / "phase2-tiny" / "checkpoints"
     saved = sorted(folder.glob("step-*.ckpt"))[-1]
     step = int(saved.stem.split("-")[1])
-    assert step >= 14 and f"checkpoint: {saved}" in rest
+    assert step == 20 and f"checkpoint: {saved}" in rest
     # Saved at a step's end, never between its 2 micro-batches (whose first would count as
     # trained while its gradient is in no file): the position is whole steps of 4 x 2 samples.
     assert torch.load(saved, weights_only=True)["purrsight"]["position"]["consumed"] % (4 * 2) == 0

@@ -27,7 +27,7 @@ def test_positions_round_trip_and_refuse_nonsense() -> None:
             DataPosition.from_dict(bad)
 
 
-def test_checkpoints_of_the_landed_main_give_their_position() -> None:
+def test_checkpoints_of_the_landed_main_give_their_position(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before this entry the position lay in torchdata's loader state: in the training sampler's own
     state without loader workers (exact), inside a worker snapshot with them (then the fit loop's
     batch count, in the saving world's units, is the position)."""
@@ -42,11 +42,26 @@ def test_checkpoints_of_the_landed_main_give_their_position() -> None:
     with_workers["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [snapshot]
     assert saved_position(with_workers, 1) == DataPosition(1, 6 * 2 * 2, 2, 2, 2)
     # Before torchdata's loader state, or with torchdata's own sampler ({"yielded": N}): no world
-    # size kept; the fit loop's count in the resuming world's units (a warning says so).
+    # size kept. Without the set's size no position (the caller only compares batch shapes); in
+    # epoch 0 the step count cannot tell the world: refused until PURRSIGHT_SAVED_WORLD_SIZE says.
     no_loader_state = checkpoint_with(3, **saved_shape)
-    assert saved_position(no_loader_state, 2) == DataPosition(0, 3 * 4 * 2, 2, 4, 1)
-    no_loader_state["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"_sampler_iter_state": {"yielded": 12}}]
-    assert saved_position(no_loader_state, 3) == DataPosition(0, 3 * 4 * 3, 3, 4, 1)
+    assert saved_position(no_loader_state, 2) is None
+    with pytest.raises(PositionError, match="set PURRSIGHT_SAVED_WORLD_SIZE"):
+        saved_position(no_loader_state, 2, size=64)
+    monkeypatch.setenv("PURRSIGHT_SAVED_WORLD_SIZE", "2")
+    assert saved_position(no_loader_state, 3, size=64) == DataPosition(0, 3 * 4 * 2, 2, 4, 1)
+    monkeypatch.setenv("PURRSIGHT_SAVED_WORLD_SIZE", "two")
+    with pytest.raises(PositionError, match="PURRSIGHT_SAVED_WORLD_SIZE='two' is not a number of processes"):
+        saved_position(no_loader_state, 3, size=64)
+    monkeypatch.delenv("PURRSIGHT_SAVED_WORLD_SIZE")
+    # Epoch 1, 3 micro-batches into it, step 11: 64 samples in batches of 4 make 8 steps an epoch on 2
+    # processes (16 on 1, 5 on 3): only 2 fits.
+    later = checkpoint_with(3, epoch=1, **saved_shape)
+    later["global_step"] = 11
+    later["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"_sampler_iter_state": {"yielded": 12}}]
+    assert saved_position(later, 2, size=64) == DataPosition(1, 3 * 4 * 2, 2, 4, 1)
+    with pytest.raises(PositionError, match="its step count says 2 and this run has 3"):
+        saved_position(later, 3, size=64)
     assert saved_position({"epoch": 0, "purrsight": {}}, 1) is None  # not a fit's checkpoint
 
 
@@ -63,7 +78,8 @@ def test_a_resume_counts_done_batches_in_this_runs_units(saved: DataPosition, ep
     config = load_config(DEFAULT_CONFIG, ["data.batch_size=2", "trainer.accumulate_grad_batches=2"], check_paths=False)
     data = Phase2DataModule(config)
     data.train_set = list(range(120))  # type: ignore[assignment]  # only its length is read
-    checkpoint = checkpoint_with(7, epoch, position=saved.as_dict(), config=dump_config(config))
+    saved_ready = saved.consumed // (saved.batch_size * saved.world_size) or 7  # the saving run's count, at a step end
+    checkpoint = checkpoint_with(saved_ready, epoch, position=saved.as_dict(), config=dump_config(config))
     checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"an earlier version's": "loader state"}]
     data.resume_from(checkpoint)
     assert checkpoint["loops"]["fit_loop"][BATCH_PROGRESS]["current"]["ready"] == done

@@ -28,7 +28,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.simulated_ranks import LEGACY_LAYOUTS, Record, Shape, fit
+from purrsight.runs.data_position import PositionError
+from tests.simulated_ranks import LEGACY_LAYOUTS, WORLDLESS_LAYOUTS, Record, Shape, fit
 
 
 @pytest.fixture(autouse=True)
@@ -86,14 +87,24 @@ def samples_by_epoch(*records: Record) -> dict[int, list[int]]:
     return epochs
 
 
-def check_windows(record: Record, accumulation: int) -> None:
+def check_windows(record: Record, accumulation: int, first_may_be_partial: bool, validated: list[int]) -> None:
+    """Windows whole but an epoch's last (and the first after a change); each step the mean of its
+    window; the logged step the optimizer step; validation right after exactly the steps named."""
     for epoch, taken, epoch_last, first_of_fit in record.windows:
         assert 1 <= taken <= accumulation, (epoch, taken)
-        assert taken == accumulation or epoch_last or first_of_fit, f"a window of {taken} in epoch {epoch}"
+        partial_allowed = epoch_last or (first_of_fit and first_may_be_partial)
+        assert taken == accumulation or partial_allowed, f"a window of {taken} in epoch {epoch}"
     assert max(record.gradient_errors, default=0.0) < 1e-9  # each step's gradient: the mean over its window
     assert all(step == belongs for step, belongs in record.logged), record.logged
-    assert all(not inside and step % 3 == 0 for step, inside in record.validated_at), record.validated_at
+    assert [step for step, _ in record.validated_at] == validated
+    assert not any(inside for _, inside in record.validated_at)
     assert not record.positions_disagree
+
+
+def every_third(after: int, upto: int, stopped: bool) -> list[int]:
+    """The steps validated in a fit from step ``after`` to ``upto`` (val_every_n_steps=3): a stop's
+    own step is not validated, nor is the step a resume starts from (documented: docs/DATA.md)."""
+    return [step for step in range(after + 1, upto + 1) if step % 3 == 0 and not (stopped and step == upto)]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -113,26 +124,56 @@ def test_a_stop_anywhere_and_a_resume_on_any_world_keep_every_promise(scenario: 
         if epoch + 1 in epochs:  # finished: what the last world left out is less than one micro-batch of all ranks
             ended_by = second if after.resumed_in_epoch is not None and epoch >= after.resumed_in_epoch else first
             assert size - len(ids) < ended_by.world * ended_by.batch, f"epoch {epoch}: {size - len(ids)} left out"
-    for record, shape in ((before, first), (after, second), (reference, first)):
-        check_windows(record, shape.accumulation)
     same_world = (first.world, first.batch, first.accumulation) == (second.world, second.batch, second.accumulation)
+    check_windows(reference, first.accumulation, False, every_third(0, max_steps, False))
+    check_windows(before, first.accumulation, False, every_third(0, before.final_step, before.stopped))
+    check_windows(after, second.accumulation, not same_world, every_third(before.final_step, max_steps, False))
     if same_world:
         assert before.micro_batches + after.micro_batches == reference.micro_batches
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("layout", LEGACY_LAYOUTS)
-def test_checkpoints_of_earlier_layouts_resume_into_the_uninterrupted_order(layout: str, workers: int, tmp_path: Path) -> None:
+def test_checkpoints_of_earlier_layouts_resume_into_the_uninterrupted_order(
+    layout: str, workers: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On the world that saved them, each layout an earlier PurrSight wrote (simulated_ranks.LEGACY_LAYOUTS),
     saved at an epoch's last step and in the middle of one: 23 samples on 2 ranks x 3 x 2 (3
-    micro-batches an epoch, windows of 2 and 1)."""
+    micro-batches an epoch, windows of 2 and 1). The two that kept no world size derive it from
+    their step count from epoch 1 on; in epoch 0 they are refused until PURRSIGHT_SAVED_WORLD_SIZE
+    names it."""
     shape = Shape(world=2, batch=3, accumulation=2, workers=workers)
     reference = fit(shape, 23, 6, tmp_path / "reference")
     for stop_at in (3, 5):  # the first epoch's last micro-batch; the second epoch's second
         folder = tmp_path / f"stop-{stop_at}"
         before = fit(shape, 23, 6, folder, stop_at=stop_at, legacy=layout)
+        if layout in WORLDLESS_LAYOUTS and stop_at == 3:
+            with pytest.raises(PositionError, match="set PURRSIGHT_SAVED_WORLD_SIZE to the number of processes"):
+                fit(shape, 23, 6, folder, resume=True)
+            monkeypatch.setenv("PURRSIGHT_SAVED_WORLD_SIZE", "2")
         after = fit(shape, 23, 6, folder, resume=True)
+        monkeypatch.delenv("PURRSIGHT_SAVED_WORLD_SIZE", raising=False)
         assert before.micro_batches + after.micro_batches == reference.micro_batches, f"stop at micro-batch {stop_at}"
+
+
+@pytest.mark.parametrize("layout", WORLDLESS_LAYOUTS)
+def test_a_checkpoint_that_kept_no_world_size_is_refused_on_another_world(layout: str, tmp_path: Path) -> None:
+    """Its step count says which world saved it (2 ranks: 3 steps an epoch; 3 ranks: 2): a resume on
+    another is one line naming the number, never a silently other sample order."""
+    fit(Shape(2, 3, 2, 0), 23, 6, tmp_path, stop_at=5, legacy=layout)
+    with pytest.raises(PositionError, match="its step count says 2 and this run has 3: resume it once on 2 processes"):
+        fit(Shape(3, 3, 2, 0), 23, 6, tmp_path, resume=True)
+
+
+def test_a_checkpoint_saved_between_a_steps_micro_batches_trains_them_again(tmp_path: Path) -> None:
+    """Versions before 2026-11-25 saved a stop inside a window: the micro-batches since the last step
+    (whose gradients are in no file) are trained again, into the uninterrupted order."""
+    shape = Shape(world=2, batch=2, accumulation=3, workers=0)
+    reference = fit(shape, 40, 6, tmp_path / "reference")  # 10 micro-batches an epoch: windows 3, 3, 3, 1
+    before = fit(shape, 40, 6, tmp_path / "run", stop_at=5, legacy="mid-window")  # step 1, then 2 of step 2's 3
+    after = fit(shape, 40, 6, tmp_path / "run", resume=True)
+    assert len(before.micro_batches) == 5
+    assert before.micro_batches[:3] + after.micro_batches == reference.micro_batches
 
 
 def test_a_resume_from_an_epochs_last_step_with_loader_workers_trains_the_uninterrupted_order(tmp_path: Path) -> None:
