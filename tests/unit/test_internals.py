@@ -82,3 +82,34 @@ def test_rays_moved_internals_leave_the_lines_and_training_alone(monkeypatch: py
     quiet_checkpoint_reports()  # no exception: the worker goes on training
     assert storage.filters == filters  # and filters nothing
     assert ray_logging.train_report_loggers() is None and not filter_forwarded_output()
+
+
+def test_a_stop_iteration_from_a_validation_batch_hook_ends_the_pass_and_runs_its_end_hooks() -> None:
+    """end_validation_now relies on Lightning's evaluation loop ending its pass on StopIteration
+    from a batch's hooks and then calling its epoch-end and end hooks as after the last batch."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from purrsight.internals.lightning_loops import end_validation_now
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.validated: list[int] = []
+            self.ended = False
+
+        def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            self.validated.append(batch_idx)
+
+        def on_validation_batch_end(self, outputs: object, batch: object, batch_idx: int, dataloader_idx: int = 0) -> None:
+            if batch_idx == 2:
+                end_validation_now()
+
+        def on_validation_end(self) -> None:
+            self.ended = True
+
+    module = Tiny()
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    trainer.validate(module, DataLoader(torch.arange(10.0)), verbose=False)
+    assert module.validated == [0, 1, 2] and module.ended
