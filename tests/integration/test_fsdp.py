@@ -142,9 +142,10 @@ def test_fsdp_trains_as_ddp_holds_half_the_frozen_weights_and_resumes_across_str
     # export reads an FSDP checkpoint as a DDP one
     exported = {}
     for name, source in (("fsdp", checkpoint(fsdp, 10)), ("ddp", checkpoint(ddp, 10))):
-        done = run_python([str(REPO / "train_phase2.py"), "export", "--checkpoint", str(source), "--out", str(tmp_path / name)])
+        out = tmp_path / f"export-{name}"  # beside the run folders: an export never writes into a folder with files
+        done = run_python([str(REPO / "train_phase2.py"), "export", "--checkpoint", str(source), "--out", str(out)])
         assert done.returncode == 0, done.stderr[-2000:]
-        exported[name] = tmp_path / name
+        exported[name] = out
     ours = sorted(p.relative_to(exported["fsdp"]) for p in exported["fsdp"].rglob("*.safetensors"))
     assert ours and ours == sorted(p.relative_to(exported["ddp"]) for p in exported["ddp"].rglob("*.safetensors"))
     from safetensors.torch import load_file
