@@ -195,7 +195,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_within_a_step_not_a_validation_pas
     ("override", "message"),
     [
         ({"run__seed": 99}, "frozen-source fingerprint differs"),
-        ({"model__prefix_tokens": 2}, "model.projectors.audio.net.3.bias: checkpoint shape [256], model shape [128]"),
+        ({"model__projector_hidden": 64}, "model.projectors.audio.net.1.bias: checkpoint shape [128], model shape [64]"),
     ],
 )
 def test_mismatched_checkpoint_is_refused(
