@@ -4,6 +4,9 @@
 #
 #   node_address NODE        the node's address as SLURM reaches it (NodeAddr), else DNS
 #   gpus_per_node            the GPUs SLURM gave each node ("a100:8" -> 8; 0 when none or unreadable)
+#   step_cpus INDEX|all      --cpus-per-task for a one-task step on node INDEX of the allocation (or
+#                            one on every node): srun no longer inherits it (SLURM 22.05), and under CPU
+#                            binding a step without it gets one CPU
 #   requeue_setup            before the run: the run's counters, RESUME=auto after a requeue
 #   on_stop_signal SIG       the traps' part: record the first stop signal, call stop_run
 #   finish_run RC STARTED    after the run: end, or requeue (excluding bad nodes), as docs/SCHEDULERS.md says
@@ -27,6 +30,26 @@ gpus_per_node() {
   gpus="${gpus##*:}"
   [[ "${gpus}" =~ ^[0-9]+$ ]] || gpus=0
   printf '%s\n' "${gpus}"
+}
+
+step_cpus() {
+  local index="$1" entry count times expanded=()
+  if [[ "${SLURM_CPUS_PER_TASK:-}" =~ ^[1-9][0-9]*$ ]]; then
+    printf '%s\n' "${SLURM_CPUS_PER_TASK}"
+    return 0
+  fi
+  # SLURM_JOB_CPUS_PER_NODE: "32(x2),16" is 32, 32, 16 in node order.
+  local IFS=,
+  for entry in ${SLURM_JOB_CPUS_PER_NODE:-1}; do
+    count="${entry%%(*}" times=1
+    [[ "${entry}" == *"(x"* ]] && times="${entry##*(x}" times="${times%)}"
+    while ((times-- > 0)); do expanded+=("${count}"); done
+  done
+  if [[ "${index}" != all ]]; then
+    printf '%s\n' "${expanded[index]:-${expanded[0]}}"
+  else
+    printf '%s\n' "$(printf '%s\n' "${expanded[@]}" | sort -n | head -n 1)" # the least: one count for every node's task
+  fi
 }
 
 requeue_setup() {
@@ -61,7 +84,7 @@ quick_failures() {
 }
 
 # The nodes that failed their own checks this run (each names itself in the file:
-# purrsight/launcher/health.py, purrsight/launcher/ray_node.py) join the job's exclude list, into
+# purrsight/launcher/health.py, purrsight/ray_node/wait.py) join the job's exclude list, into
 # EXCLUDE_LIST. Not when every node failed (then the fault is the job's: config, data) or
 # beyond MAX_EXCLUDED_NODES.
 exclude_bad_nodes() {

@@ -9,7 +9,6 @@ hands the launcher.
 from __future__ import annotations
 
 import ipaddress
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -57,24 +56,6 @@ def nccl_settings(preset: str, ports: list[IBPort], route: Route | None, debug: 
     return settings
 
 
-def usable_cpus(environ: Mapping[str, str], affinity: set[int] | None = None) -> tuple[int, str]:
-    """(CPUs this job may use on this node, where that number comes from).
-
-    The affinity mask (taskset, cgroups, a scheduler's binding), not os.cpu_count(): on a shared
-    128-core node a job given 32 cores that sizes its threads by 128 oversubscribes its cores 4x.
-    SLURM_CPUS_PER_TASK caps it where SLURM counts CPUs without binding them (the launcher is
-    one task per node, so its CPUs are the node's share of the job).
-    """
-    if affinity is None and not hasattr(os, "sched_getaffinity"):  # macOS: no affinity masks
-        cpus, source = os.cpu_count() or 1, "cores"
-    else:
-        cpus, source = len(affinity if affinity is not None else os.sched_getaffinity(0)), "CPUs in this process's affinity mask"
-    slurm = environ.get("SLURM_CPUS_PER_TASK", "")
-    if slurm.isdigit() and 0 < int(slurm) < cpus:
-        cpus, source = int(slurm), "SLURM_CPUS_PER_TASK"
-    return max(1, cpus), source
-
-
 def threads_per_process(
     cpu_count: int, nproc: int, num_nodes: int, master_addr: str, source: str = "cores"
 ) -> tuple[str, str, str]:
@@ -89,7 +70,7 @@ def threads_per_process(
     except ValueError:
         local_nodes = 1
     processes = max(1, nproc) * max(1, local_nodes)
-    reason = f"{cpu_count} {source} / {nproc} processes"
+    reason = f"{cpu_count} CPUs ({source}) / {nproc} processes"
     if local_nodes > 1:
         reason += f" x {local_nodes} nodes, all on this machine (loopback master)"
     return ("OMP_NUM_THREADS", str(max(1, cpu_count // processes)), reason)

@@ -38,6 +38,7 @@ from typing import IO
 from purrsight.atomic_file import write_text_atomically
 from purrsight.errors import ExitCode
 from purrsight.launcher import health, launch_env, network, probe
+from purrsight.launcher.cpus import usable_cpus
 
 HELP_HINT = "Try './cluster_train.sh --help'."
 
@@ -102,7 +103,7 @@ def check_run_folder(run_dir: Path, if_exists: str, resume: bool) -> None:
 def plan_environment(plan: Plan, args: argparse.Namespace, nproc: int, backend: str) -> str:
     """Fill ``plan`` with the node's exports; returns this node's address on the route to the master."""
     route = network.route_to(args.master_addr)
-    cpus, cpu_source = launch_env.usable_cpus(os.environ)
+    cpus, cpu_source = usable_cpus(os.environ)
     entries = launch_env.plan(
         os.environ,
         args.master_addr,

@@ -114,9 +114,9 @@ assert_usage_error() {
 @test "threads per process come from the CPUs the launcher may use" {
   NPROC_PER_NODE=1 run taskset -c 0 ./cluster_train.sh --dry-run
   [ "${status}" -eq 0 ]
-  grep -q "^export OMP_NUM_THREADS=1  # 1 CPUs in this process's affinity mask / 1 processes" <<<"${output}"
+  grep -q "^export OMP_NUM_THREADS=1  # 1 CPUs (affinity mask) / 1 processes" <<<"${output}"
   NPROC_PER_NODE=1 SLURM_CPUS_PER_TASK=1 run ./cluster_train.sh --dry-run
-  grep -q "^export OMP_NUM_THREADS=1  # 1 SLURM_CPUS_PER_TASK / 1 processes" <<<"${output}"
+  grep -q "^export OMP_NUM_THREADS=1  # 1 CPUs (SLURM_CPUS_PER_TASK) / 1 processes" <<<"${output}"
 }
 
 # The python that --dry-run would exec (its first word after "exec").

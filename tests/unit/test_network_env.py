@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from purrsight.launcher.launch_env import mask, nccl_settings, plan, threads_per_process, usable_cpus
+from purrsight.launcher.cpus import usable_cpus
+from purrsight.launcher.launch_env import mask, nccl_settings, plan, threads_per_process
 from purrsight.launcher.network import Route, active_ib_ports, parse_route
 
 
@@ -148,10 +149,10 @@ def test_straggler_is_judged_against_the_other_ranks() -> None:
 
 def test_threads_follow_the_cpus_the_job_was_given_not_the_machine() -> None:
     """A rank's threads come from the affinity mask and SLURM's count, whichever is smaller."""
-    assert usable_cpus({}, affinity=set(range(32))) == (32, "CPUs in this process's affinity mask")
+    assert usable_cpus({}, affinity=set(range(32))) == (32, "affinity mask")
     assert usable_cpus({"SLURM_CPUS_PER_TASK": "8"}, affinity=set(range(32))) == (8, "SLURM_CPUS_PER_TASK")
     assert usable_cpus({"SLURM_CPUS_PER_TASK": "64"}, affinity=set(range(32)))[0] == 32  # the mask binds
     assert usable_cpus({"SLURM_CPUS_PER_TASK": "junk"}, affinity={0})[0] == 1
     # --cpus-per-task=32 on a 128-core node, 8 ranks: 4 threads each, not 16
     cpus, source = usable_cpus({"SLURM_CPUS_PER_TASK": "32"}, affinity=set(range(128)))
-    assert threads_per_process(cpus, 8, 1, "10.0.0.1", source)[1:] == ("4", "32 SLURM_CPUS_PER_TASK / 8 processes")
+    assert threads_per_process(cpus, 8, 1, "10.0.0.1", source)[1:] == ("4", "32 CPUs (SLURM_CPUS_PER_TASK) / 8 processes")
