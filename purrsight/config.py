@@ -148,9 +148,40 @@ class SyntheticConfig(_Section):
     image_size: int = Field(32, gt=7, description="Side of the generated PNGs in pixels.")
 
 
+class FieldsConfig(_Section):
+    """Where each part of a sample is in another format's files (docs/DATA.md): the first name found wins."""
+
+    image: list[str] = Field(
+        default_factory=lambda: ["jpg", "jpeg", "png", "webp", "image"], description="Tar extensions / columns of the picture."
+    )
+    audio: list[str] = Field(
+        default_factory=lambda: ["flac", "wav", "mp3", "ogg", "audio"], description="Tar extensions / Parquet columns of the audio."
+    )
+    caption: list[str] = Field(
+        default_factory=lambda: ["txt", "caption", "text"], description="Tar extensions / JSON keys / columns of a caption."
+    )
+    conversations: list[str] = Field(
+        default_factory=lambda: ["conversations", "messages"], description="JSON keys / columns holding a list of turns."
+    )
+    prompt: str = Field("prompt", description="JSON key / column of a single-turn prompt.")
+    response: str = Field("response", description="JSON key / column of a single-turn response.")
+    id: str = Field("id", description="JSON key / column of the sample id (absent: FILE:ROW, or the tar key).")
+
+
 class DataConfig(_Section):
-    train_index: str = Field("data/synthetic/train.jsonl", description="JSONL index; media paths are relative to its folder.")
-    val_index: str | None = Field("data/synthetic/val.jsonl", description="Validation index; none: no validation.")
+    train_index: str = Field(
+        "data/synthetic/train.jsonl",
+        description="Index file, or a glob of shards (brace ranges too: shards/{00000..00999}.tar); formats in docs/DATA.md.",
+    )
+    val_index: str | None = Field("data/synthetic/val.jsonl", description="Validation index or glob; none: no validation.")
+    format: Literal["auto", "purrsight", "llava", "messages", "webdataset", "parquet"] = Field(
+        "auto", description="The indexes' format; auto: told from the files (extension, first record)."
+    )
+    caption_prompt: str = Field(
+        "Describe this.", min_length=1, description="The prompt a caption-only sample (a .txt, a caption column) answers."
+    )
+    media_root: str | None = Field(None, description="Media paths in the indexes are relative to this; none: each index's folder.")
+    fields: FieldsConfig = Field(default_factory=FieldsConfig)
     prepared: str | None = Field(
         None,
         description="A prepared set (python train_phase2.py prepare): train from it; none: decode the indexes' files.",
@@ -481,6 +512,8 @@ def path_problems(config: Config, source: str, overrides: list[str] | None = Non
     generated = {Path(synthetic) / "train.jsonl", Path(synthetic) / "val.jsonl"} if synthetic is not None else set()
     for key, value in {"data.train_index": config.data.train_index, "data.val_index": config.data.val_index}.items():
         if value is None or Path(value).is_file() or Path(value) in generated:
+            continue
+        if any(mark in value for mark in "*?[{"):  # a glob or brace range of shards: its reader names a missing file
             continue
         note = f" (the synthetic set is generated as {synthetic}/train.jsonl and val.jsonl)" if synthetic is not None else ""
         problems.append(f"{origin(key)}: {key}: index file {value} does not exist{note}")

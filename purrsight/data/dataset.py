@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,7 +63,10 @@ class MultiModalDataset(Dataset[Sample]):
     def _decode(self, i: int) -> Sample:
         record = self.index.records[i]
         try:
-            text = self.text(record["prompt"], record["response"])
+            if record.get("problem"):  # another format's record that cannot train (data/formats/records.py)
+                raise SampleError(record["problem"])
+            turns = record.get("turns")
+            text = self.text.encode_turns(json.loads(turns)) if turns else self.text(record["prompt"], record["response"])
             image = self._picture(record["image"])
             audio = self._clip(record["audio"])
         except (SampleError, PromptTooLongError) as err:
@@ -144,11 +148,18 @@ class Collator:
 
 
 def check_prompt_lengths(
-    index: str | Path, records: list[dict[str, Any]], prompt_length: Callable[[str], int], max_length: int
+    index: str | Path,
+    records: list[dict[str, Any]],
+    prompt_length: Callable[[str], int],
+    max_length: int,
+    turns_length: Callable[[list[tuple[str, str]]], int] | None = None,
 ) -> None:
-    """Fail before training when a prompt leaves no room for its response."""
+    """Fail before training when a prompt (a conversation's turns before its first answer) leaves no room for its response."""
     for record in records:
-        length = prompt_length(record["prompt"])
+        if record.get("problem"):
+            continue  # a bad sample, met as one when read
+        turns = record.get("turns")
+        length = turns_length(json.loads(turns)) if turns and turns_length else prompt_length(record["prompt"])
         if length >= max_length:
             raise SampleError(
                 f"{index}:{record['line']} (id {record['id']!r}): prompt is {length} tokens, "

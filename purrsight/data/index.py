@@ -13,6 +13,7 @@ the run at minute zero, not at hour three, and names the file, line and sample i
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     import pyarrow
+
+    from purrsight.data.formats.records import ReadOptions, Record
 
 REQUIRED_TEXT_FIELDS = ("id", "prompt", "response")
 MEDIA_FIELDS = ("image", "audio")
@@ -46,7 +49,10 @@ class RecordTable:
         import pyarrow as pa
 
         text, number = pa.string(), pa.int32()
-        schema = pa.schema([(f, text) for f in (*REQUIRED_TEXT_FIELDS, *MEDIA_FIELDS)] + [("line", number)])
+        # turns: a conversation's (role, text) pairs as JSON, where prompt/response cannot hold it;
+        # problem: why a record of another format cannot train (a bad sample when read).
+        fields = (*REQUIRED_TEXT_FIELDS, *MEDIA_FIELDS)
+        schema = pa.schema([(f, text) for f in fields] + [("line", number), ("turns", text), ("problem", text)])
         self.table: pyarrow.Table = pa.Table.from_pylist(records, schema=schema)
 
     def __len__(self) -> int:
@@ -75,7 +81,7 @@ class SampleIndex:
         return len(self.records)
 
 
-def _check_record(record: Any, where: str, root: Path, check_media: bool) -> dict[str, Any]:
+def check_record(record: Any, where: str, root: Path, check_media: bool) -> dict[str, Any]:
     if not isinstance(record, dict):
         raise IndexFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
     sample_id = record.get("id")
@@ -102,17 +108,39 @@ def _check_record(record: Any, where: str, root: Path, check_media: bool) -> dic
     return clean
 
 
-def read_index(path: str | Path, check_media: bool = True, max_problems: int = 1) -> list[dict[str, Any]]:
+def read_index(
+    path: str | Path, check_media: bool = True, max_problems: int = 1, fmt: str = "auto", options: ReadOptions | None = None
+) -> list[dict[str, Any]]:
     """Validate every line; raise IndexFileError naming where each problem is.
 
     Stops at the first problem by default; ``max_problems`` > 1 goes on and lists up to that
     many (the dataset job reports a whole index in one round trip). ``check_media=False``
     leaves the media files alone: no metadata call per line (they are opened when decoded).
     Imports nothing heavy: the launcher's health check calls this.
+
+    A LLaVA or messages file (data/formats) gives records of the same shape: a conversation of
+    one user and one assistant turn as prompt and response, a longer one in ``turns`` too, and
+    media paths joined to their root.
     """
+    from purrsight.data.formats.sources import SHARD_FORMATS, detect, is_pattern
+
+    if is_pattern(str(path)):
+        raise IndexFileError(
+            f"{path}: a pattern of files trains from a prepared set: run `python train_phase2.py prepare --config CONFIG`, "
+            "then train with data.prepared=DIR"
+        )
     path = Path(path)
     if not path.is_file():
         raise IndexFileError(f"{path}: index file does not exist")
+    options = options or _default_options()
+    fmt = detect([path], fmt, options.fields)
+    if fmt in SHARD_FORMATS:
+        raise IndexFileError(
+            f"{path}: {fmt} shards train from a prepared set: run `python train_phase2.py prepare --config CONFIG`, "
+            "then train with data.prepared=DIR (docs/DATA.md)"
+        )
+    if fmt != "purrsight":
+        return _conversation_index(path, fmt, check_media, max_problems, options)
     records: list[dict[str, Any]] = []
     problems: list[str] = []
     seen_ids: dict[str, int] = {}
@@ -122,7 +150,7 @@ def read_index(path: str | Path, check_media: bool = True, max_problems: int = 1
                 continue
             where = f"{path}:{number}"
             try:
-                clean = _check_record(_parse(line, where), where, path.parent, check_media)
+                clean = check_record(_parse(line, where), where, path.parent, check_media)
                 if clean["id"] in seen_ids:
                     raise IndexFileError(f"{where}: duplicate id {clean['id']!r} (first on line {seen_ids[clean['id']]})")
             except IndexFileError as err:
@@ -137,6 +165,71 @@ def read_index(path: str | Path, check_media: bool = True, max_problems: int = 1
             raise IndexFileError(problems[0])
         more = f" (the first {max_problems}; the scan stopped there)" if len(problems) >= max_problems else ""
         raise IndexFileError(problems=[*problems, f"{path}: {len(problems)} bad line(s){more}"])
+    if not records:
+        raise IndexFileError(f"{path}: index holds no samples")
+    return records
+
+
+def _default_options() -> ReadOptions:
+    from purrsight.data.formats.records import ReadOptions
+
+    return ReadOptions()
+
+
+def _conversation_index(path: Path, fmt: str, check_media: bool, max_problems: int, options: ReadOptions) -> list[dict[str, Any]]:
+    """read_index() of a LLaVA or messages file: a bad record (records.Record.problem) is kept, flagged."""
+    from purrsight.data.formats.conversations import conversation_from
+    from purrsight.data.formats.json_values import iter_values
+    from purrsight.data.formats.records import RecordError
+
+    def read_records() -> Iterator[Record | RecordError]:
+        for number, _, value in iter_values(path):
+            if isinstance(value, RecordError):
+                yield value
+                continue
+            try:
+                yield conversation_from(value, path, number, options.fields, options.root_of(path))
+            except RecordError as err:
+                yield err
+
+    records: list[dict[str, Any]] = []
+    problems: list[str] = []
+    try:
+        for record in read_records():
+            if isinstance(record, RecordError):
+                problems.append(str(record))
+                if len(problems) >= max_problems:
+                    break
+                continue
+            media = {"image": record.image, "audio": record.audio}
+            missing = [
+                f"{kind} file {where} does not exist"
+                for kind, where in media.items()
+                if where is not None and check_media and not Path(str(where)).is_file()
+            ]
+            if missing:
+                problems.append(f"{record.where}: {missing[0]}")
+                if len(problems) >= max_problems:
+                    break
+                continue
+            single = record.single_turn
+            first_user = next((text for role, text in record.turns if role == "user"), "")
+            first_answer = next((text for role, text in record.turns if role == "assistant"), "")
+            records.append(
+                {
+                    "id": record.id,
+                    "prompt": single[0] if single else first_user,
+                    "response": single[1] if single else first_answer,
+                    **{kind: None if where is None else os.path.abspath(str(where)) for kind, where in media.items()},
+                    "line": record.line,
+                    "turns": None if single or record.problem else json.dumps(record.turns),
+                    "problem": record.problem,
+                }
+            )
+    except RecordError as err:  # an array that cannot be read past a point
+        problems.append(str(err))
+    if problems:
+        raise IndexFileError(problems=problems) if max_problems > 1 else IndexFileError(problems[0])
     if not records:
         raise IndexFileError(f"{path}: index holds no samples")
     return records

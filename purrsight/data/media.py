@@ -19,6 +19,7 @@ every format libsndfile reads: an hour-long recording costs what a clip costs.
 
 from __future__ import annotations
 
+import io
 import math
 import warnings
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ import soundfile
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from purrsight.data.formats.records import Media, MediaBlob
 from purrsight.data.pil_processing import fused_normalisation, normalise, plan_for, scale_and_offset, scale_pixels
 from purrsight.errors import UserError
 
@@ -138,13 +140,13 @@ class ImageDecoder:
     def _to_tensor(self, image: Image.Image) -> torch.Tensor:
         return self.finish(self.stored(image))
 
-    def load(self, path: Path) -> Image.Image:
-        """The picture in ``path`` as displayed, 8-bit RGB; SampleError when it cannot be used."""
+    def load(self, path: Media) -> Image.Image:
+        """The picture in ``path`` (a file, or a shard's bytes) as displayed, 8-bit RGB; SampleError when it cannot be used."""
         try:
             with warnings.catch_warnings():
                 # Above the limit Pillow warns; the SampleError below says it better.
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                opened = Image.open(path)
+                opened = Image.open(io.BytesIO(path.data) if isinstance(path, MediaBlob) else path)
             with opened as image:
                 width, height = image.size
                 if self.max_pixels is not None and width * height > self.max_pixels:
@@ -216,10 +218,11 @@ class AudioDecoder:
         std = float(wave.std())
         return torch.from_numpy((wave - wave.mean()) / (std + 1e-7)).float()
 
-    def read_window(self, path: Path) -> tuple[np.ndarray, int]:
+    def read_window(self, path: Media) -> tuple[np.ndarray, int]:
         """(the first ``seconds`` of ``path``, mono float32, at the file's rate; that rate)."""
         try:
-            with soundfile.SoundFile(str(path)) as sound:
+            source = io.BytesIO(path.data) if isinstance(path, MediaBlob) else str(path)
+            with soundfile.SoundFile(source) as sound:
                 rate = sound.samplerate
                 if rate != self.sample_rate and not self.resample:
                     raise SampleError(
@@ -234,7 +237,7 @@ class AudioDecoder:
             raise SampleError(f"{path}: cannot decode audio, {kind} ({err}); readable formats: {AUDIO_FORMATS}") from None
         return wave.mean(axis=1), rate  # mono: average the channels
 
-    def window(self, path: Path) -> np.ndarray:
+    def window(self, path: Media) -> np.ndarray:
         """The clip the encoder hears: mono, at the encoder's rate, cropped or zero-padded to
         ``num_samples`` (float32). What a prepared set stores; ``features`` finishes it."""
         wave, rate = self.read_window(path)

@@ -27,6 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from purrsight.data.formats.sources import SourceError, expand, file_digest, sources_digest
 from purrsight.errors import UserError
 
 FORMAT_VERSION = 1
@@ -41,15 +42,6 @@ class PreparedSetError(UserError):
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes (an index of a million lines: about a second)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", "spiece")
@@ -110,9 +102,11 @@ def check_sources(manifest: dict[str, Any], folder: Path, indexes: dict[str, str
         source = manifest["sources"].get(split)
         if index is None or source is None:
             continue
-        if not Path(index).is_file():
-            raise PreparedSetError(f"data.{split}_index: {index} does not exist (data.prepared {folder} names its source)")
-        if file_digest(Path(index)) != source["sha256"]:
+        try:
+            expand(index)
+        except SourceError as err:
+            raise PreparedSetError(f"data.{split}_index: {err} (data.prepared {folder} names its source)") from None
+        if sources_digest(index) != source["sha256"]:
             raise PreparedSetError(
                 f"data.prepared: {folder} was made from another content of {index} (prepared from {source['index']}, "
                 f"{source['records']} samples); run prepare again"

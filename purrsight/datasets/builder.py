@@ -21,6 +21,8 @@ from torch.utils.data import Dataset
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_prompt_lengths
+from purrsight.data.formats.records import FieldNames, ReadOptions
+from purrsight.data.formats.sources import sources_digest
 from purrsight.data.index import IndexFileError, RecordTable, SampleIndex, read_index
 from purrsight.data.media import AudioDecoder, ImageDecoder
 from purrsight.data.prepared import PreparedSplit
@@ -29,7 +31,6 @@ from purrsight.data.prepared_manifest import (
     PreparedSetError,
     check_sources,
     differences,
-    file_digest,
     read_manifest,
     tokenizer_digest,
 )
@@ -47,6 +48,22 @@ class Datasets:
     train: Dataset[Sample]
     val: Dataset[Sample] | None
     collator: Collator
+
+
+def read_options(config: Config) -> ReadOptions:
+    """How the formats' readers find a sample's parts (data.fields, data.caption_prompt, data.media_root)."""
+    data = config.data
+    names = data.fields
+    fields = FieldNames(
+        image=tuple(names.image),
+        audio=tuple(names.audio),
+        caption=tuple(names.caption),
+        conversations=tuple(names.conversations),
+        prompt=names.prompt,
+        response=names.response,
+        id=names.id,
+    )
+    return ReadOptions(fields, data.caption_prompt, Path(data.media_root) if data.media_root else None)
 
 
 def build_decoders(config: Config) -> tuple[ImageDecoder | None, AudioDecoder | None]:
@@ -98,6 +115,8 @@ def preparation_settings(config: Config, image: ImageDecoder | None, audio: Audi
         "format": FORMAT_VERSION,
         "tokenizer": tokenizer_digest(config.tokenizer_dir()),
         "max_length": data.max_length,
+        "caption_prompt": data.caption_prompt,
+        "fields": data.fields.model_dump(),
         "image": None,
         "audio": None,
     }
@@ -120,9 +139,9 @@ def preparation_settings(config: Config, image: ImageDecoder | None, audio: Audi
     return settings
 
 
-def source_of(index: Path, records: int) -> dict[str, Any]:
+def source_of(index: str, fmt: str, records: int) -> dict[str, Any]:
     """What a split was prepared from: the index's content (its path may differ on another machine)."""
-    return {"index": str(index), "sha256": file_digest(index), "records": records}
+    return {"index": index, "format": fmt, "sha256": sources_digest(index), "records": records}
 
 
 def verify_prepared(config: Config, folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
@@ -164,10 +183,11 @@ def _shared(check: Callable[[], Any]) -> Any:
     return result
 
 
-def scanned_index(index: str, text: TextEncoder, max_length: int) -> list[dict[str, Any]]:
+def scanned_index(index: str, text: TextEncoder, max_length: int, config: Config | None = None) -> list[dict[str, Any]]:
     """Every line validated, media files present, every prompt fits: on rank 0 only."""
-    records = read_index(index)
-    check_prompt_lengths(index, records, text.prompt_length, max_length)
+    fmt, options = (config.data.format, read_options(config)) if config is not None else ("auto", None)
+    records = read_index(index, fmt=fmt, options=options)
+    check_prompt_lengths(index, records, text.prompt_length, max_length, text.first_prompt_length)
     return records
 
 
@@ -180,7 +200,7 @@ def build_datasets(config: Config, world_size: int) -> Datasets:
     collator = Collator(tokenizer.pad_token_id, image.blank() if image else None, audio.blank() if audio else None)
 
     def raw(index: str) -> MultiModalDataset:
-        records = _shared(lambda: scanned_index(index, text, data.max_length))
+        records = _shared(lambda: scanned_index(index, text, data.max_length, config))
         sample_index = SampleIndex(path=Path(index), records=RecordTable(records))
         return MultiModalDataset(sample_index, text, image, audio, data.on_bad_sample, data.max_consecutive_bad_samples)
 

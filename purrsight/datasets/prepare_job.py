@@ -16,6 +16,7 @@ and other parts', are counted against data.max_bad_samples before a manifest is 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import multiprocessing
@@ -33,7 +34,10 @@ from typing import Any
 from purrsight.atomic_file import TEMP_SUFFIX, stale_temp_files, write_atomically
 from purrsight.atomic_file import write_json_atomically as write_json
 from purrsight.config import Config, load_config
-from purrsight.data.index import read_index
+from purrsight.data.formats.records import ReadOptions, RecordError
+from purrsight.data.formats.sources import SourceError, detect, expand
+from purrsight.data.formats.streams import read_records
+from purrsight.data.index import IndexFileError
 from purrsight.data.media import SampleError
 from purrsight.data.prepared import sample_row, write_shard
 from purrsight.data.prepared_manifest import (
@@ -46,7 +50,7 @@ from purrsight.data.prepared_manifest import (
     shard_name,
 )
 from purrsight.data.text import PromptTooLongError, TextEncoder
-from purrsight.datasets.builder import build_decoders, preparation_settings, source_of
+from purrsight.datasets.builder import build_decoders, preparation_settings, read_options, source_of
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
 from purrsight.errors import SIGNAL_BASE
 
@@ -61,8 +65,21 @@ TEMP_SHARD = re.compile(r"^\.shard-(\d+)\.(?:arrow|json)\..+" + re.escape(TEMP_S
 class ShardTask:
     split: str
     number: int
-    index: str
-    records: list[dict[str, Any]]
+    index: str  # the file its samples come from (a shard holds one file's samples)
+    format: str  # data/formats/sources.py FORMATS
+    offset: int  # where its first sample starts: a byte offset (JSON, tar) or a Parquet row
+    ordinal: int  # samples (JSONL: lines) of the file before it
+    count: int
+
+
+@dataclass(frozen=True)
+class Survey:
+    """One split's sources read once through (text only): their format, samples and shards' starts."""
+
+    spec: str
+    format: str
+    records: int
+    chunks: list[tuple[str, int, int, int]]  # (file, offset, ordinal, count) of each shard
 
 
 @dataclass(frozen=True)
@@ -86,7 +103,11 @@ def _init_worker(config: Config) -> None:
 
     image, audio = build_decoders(config)
     _WORKER.update(
-        config=config, image=image, audio=audio, text=TextEncoder(load_tokenizer(config.tokenizer_dir()), config.data.max_length)
+        config=config,
+        image=image,
+        audio=audio,
+        text=TextEncoder(load_tokenizer(config.tokenizer_dir()), config.data.max_length),
+        options=read_options(config),
     )
 
 
@@ -157,21 +178,24 @@ def _prepare_shard(task: ShardTask, out: Path) -> ShardResult:
     config: Config = _WORKER["config"]
     image, audio, text = _WORKER["image"], _WORKER["audio"], _WORKER["text"]
     refuse_bad = config.data.on_bad_sample == "error"
-    root = Path(task.index).parent
     bad: list[dict[str, str]] = []
 
     def rows() -> Iterator[dict[str, Any]]:
-        for record in task.records:
-            where = f"{task.index}:{record['line']} (id {record['id']!r})"
+        records = read_records(Path(task.index), task.format, task.offset, task.ordinal, _WORKER["options"])
+        for _, record in itertools.islice(records, task.count):
+            if isinstance(record, RecordError):  # the survey read it whole: the file changed since
+                raise PreparedSetError(f"{record} (the file changed during the prepare?)")
             try:
-                encoded = text(record["prompt"], record["response"])
-                pixels = image.stored(image.load(root / record["image"])) if image and record["image"] else None
-                wave = audio.window(root / record["audio"]) if audio and record["audio"] else None
+                if record.problem is not None:  # no assistant turn, a placeholder without its media, a lone tar member
+                    raise SampleError(record.problem)
+                encoded = text.encode_turns(record.turns)
+                pixels = image.stored(image.load(record.image)) if image and record.image else None
+                wave = audio.window(record.audio) if audio and record.audio else None
             except (SampleError, PromptTooLongError) as err:
-                bad.append({"where": where, "error": str(err)})
+                bad.append({"where": record.where, "error": str(err)})
                 continue
             if not (bad and refuse_bad):  # once refused, the rest is decoded only to list its bad samples
-                yield sample_row(record["id"], record["line"], encoded.input_ids, encoded.labels, pixels, wave)
+                yield sample_row(record.id, record.line, encoded.input_ids, encoded.labels, pixels, wave)
         if bad and refuse_bad:
             raise _ShardRefusedError  # leaves the write: its temp file is removed, nothing is published
 
@@ -221,15 +245,60 @@ def parse_prepare_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _plan(config: Config, settings: dict[str, Any], shard_size: int, records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    data = config.data
-    indexes = {"train": data.train_index, "val": data.val_index or ""}
+def survey(spec: str, config: Config, options: ReadOptions, shard_size: int) -> Survey:
+    """Read every record of ``spec``'s files once, text only (no media byte is read or decoded): count
+    them, mark where each shard starts and list what cannot be read (up to MAX_LISTED_PROBLEMS, each
+    FILE:LINE). Memory: one entry per shard (and our JSONL's ids, for duplicates), whatever the set's size."""
+    try:
+        files = expand(spec)
+        fmt = detect(files, config.data.format, options.fields)
+    except SourceError as err:
+        raise IndexFileError(str(err)) from None
+    problems: list[str] = []
+    chunks: list[tuple[str, int, int, int]] = []
+    total = 0
+    for path in files:
+        seen_ids: dict[str, int] | None = {} if fmt == "purrsight" else None
+        current: list[Any] | None = None
+        try:
+            for offset, record in read_records(path, fmt, options=options, load_media=False):
+                if isinstance(record, RecordError):
+                    problems.append(str(record))
+                elif seen_ids is not None and record.id in seen_ids:
+                    problems.append(f"{path}:{record.line}: duplicate id {record.id!r} (first on line {seen_ids[record.id]})")
+                else:
+                    if seen_ids is not None:
+                        seen_ids[record.id] = record.line
+                    total += 1
+                    current = current or [str(path), offset, record.line - 1, 0]
+                    current[3] += 1
+                    if current[3] == shard_size:
+                        chunks.append((current[0], current[1], current[2], current[3]))
+                        current = None
+                    continue
+                if len(problems) >= MAX_LISTED_PROBLEMS:
+                    break
+        except RecordError as err:  # nothing after it can be read (an unclosed JSON array, a broken tar)
+            problems.append(str(err))
+        if current is not None:
+            chunks.append((current[0], current[1], current[2], current[3]))
+        if len(problems) >= MAX_LISTED_PROBLEMS:
+            break
+    if problems:
+        more = f" (the first {MAX_LISTED_PROBLEMS}; the scan stopped there)" if len(problems) >= MAX_LISTED_PROBLEMS else ""
+        raise IndexFileError(problems=[*problems, f"{spec}: {len(problems)} bad line(s){more}"])
+    if total == 0:
+        raise IndexFileError(f"{spec}: index holds no samples")
+    return Survey(spec, fmt, total, chunks)
+
+
+def _plan(settings: dict[str, Any], shard_size: int, surveys: dict[str, Survey], on_bad_sample: str) -> dict[str, Any]:
     return {
         "format": settings["format"],
         "settings": settings,
-        "sources": {split: source_of(Path(indexes[split]), len(found)) for split, found in records.items()},
+        "sources": {split: source_of(found.spec, found.format, found.records) for split, found in surveys.items()},
         "shard_size": shard_size,
-        "on_bad_sample": data.on_bad_sample,
+        "on_bad_sample": on_bad_sample,
     }
 
 
@@ -257,12 +326,11 @@ def _claim_folder(out: Path, plan: dict[str, Any]) -> None:
     write_json(existing, plan)
 
 
-def _tasks(config: Config, records: dict[str, list[dict[str, Any]]], shard_size: int) -> list[ShardTask]:
-    indexes = {"train": config.data.train_index, "val": config.data.val_index}
+def _tasks(surveys: dict[str, Survey]) -> list[ShardTask]:
     return [
-        ShardTask(split, number, str(indexes[split]), found[start : start + shard_size])
-        for split, found in records.items()
-        for number, start in enumerate(range(0, len(found), shard_size))
+        ShardTask(split, number, path, found.format, offset, ordinal, count)
+        for split, found in surveys.items()
+        for number, (path, offset, ordinal, count) in enumerate(found.chunks)
     ]
 
 
@@ -344,21 +412,22 @@ def prepare_set(config: Config, out: Path, processes: int, part: tuple[int, int]
     ensure_synthetic_set(config)
     data = config.data
     indexes = {"train": data.train_index, **({"val": data.val_index} if data.val_index else {})}
-    # Every line validated in this process first (no media file touched: they are opened when
+    # Every record read in this process first (no media file touched: they are opened when
     # decoded), all problems listed at once, before hours of decoding.
-    records = {split: read_index(index, check_media=False, max_problems=MAX_LISTED_PROBLEMS) for split, index in indexes.items()}
+    options = read_options(config)
+    surveys = {split: survey(index, config, options, shard_size) for split, index in indexes.items()}
     image, audio = build_decoders(config)
     settings = preparation_settings(config, image, audio)
-    plan = _plan(config, settings, shard_size, records)
+    plan = _plan(settings, shard_size, surveys, data.on_bad_sample)
     _claim_folder(out, plan)
-    tasks = _tasks(config, records, shard_size)
+    tasks = _tasks(surveys)
     index_of, count = part
     ours = [t for t in tasks if t.number % count == index_of]
     removed = remove_temp_shards(out, ours)
     if removed:
         log.warning("removed %d half-written shard file(s) left by an interrupted prepare (%s, ...)", len(removed), removed[0])
     mine = [t for t in ours if not (out / f"{shard_name(t.split, t.number)}.json").is_file()]
-    total = sum(len(r) for r in records.values())
+    total = sum(found.records for found in surveys.values())
     log.info(
         "prepare %s: %d samples in %d shards (part %d/%d: %d shards to do, %d processes) -> %s",
         ", ".join(str(i) for i in indexes.values()),

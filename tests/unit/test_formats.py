@@ -1,0 +1,307 @@
+"""The input formats (purrsight/data/formats): LLaVA, messages, WebDataset tars and Parquet shards read
+through one interface, prepared into the same rows as our JSONL, multi-turn labels, bad records.
+
+Sets are written in the tests with the formats' own libraries (tests/format_sets.py: json, tarfile,
+pyarrow.parquet); the media are real files from public packages (matplotlib's photograph and
+icon, Debian alsa-utils' speech), as tests/unit/test_real_media.py uses them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib.cbook
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from purrsight.data.formats.json_values import iter_values
+from purrsight.data.formats.records import ReadOptions, Record
+from purrsight.data.formats.sources import expand, expand_braces
+from purrsight.data.formats.streams import read_records
+from purrsight.data.index import IndexFileError, read_index
+from purrsight.data.prepared_manifest import BAD_SAMPLES_NAME, PreparedSetError
+from purrsight.data.text import TextEncoder
+from purrsight.datasets.prepare_job import prepare_set, survey
+from purrsight.labels import IGNORE_INDEX
+from purrsight.model.llm import load_tokenizer
+from tests.format_sets import Item, write_llava, write_messages, write_ours, write_parquet, write_tars
+from tests.helpers import DEFAULT_CONFIG, REPO, python_env, tiny_config, tiny_overrides
+
+PHOTO = Path(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))
+ICON = Path(matplotlib.cbook.get_sample_data("Minduka_Present_Blue_Pack.png", asfileobj=False))
+SPEECH = Path("/usr/share/sounds/alsa/Front_Center.wav")
+CAPTION_PROMPT = "Describe this."  # data.caption_prompt's default
+
+
+def real_items(count: int) -> list[Item]:
+    """Samples over the real media: picture only, audio only, both, caption-only."""
+    if not SPEECH.is_file():
+        pytest.skip("needs /usr/share/sounds/alsa: apt-get install alsa-utils (scripts/test.sh does)")
+    items = []
+    for n in range(count):
+        kind = n % 4
+        image = (PHOTO if n % 2 else ICON) if kind in (0, 2, 3) else None
+        audio = SPEECH if kind in (1, 2) else None
+        if kind == 3:
+            items.append(Item(f"s{n:03d}", CAPTION_PROMPT, f"caption number {n}", image, None, caption_only=True))
+        else:
+            items.append(Item(f"s{n:03d}", f"what is in sample {n}?", f"answer {n} is here", image, audio))
+    return items
+
+
+def write_format(fmt: str, folder: Path, items: list[Item]) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    if fmt == "purrsight":
+        return str(write_ours(folder, items))
+    if fmt == "llava":
+        return str(write_llava(folder, items))
+    if fmt == "messages":
+        return str(write_messages(folder, items))
+    if fmt == "webdataset":
+        return write_tars(folder, items, per_shard=4)
+    return write_parquet(folder, items, per_file=5, row_group=2)
+
+
+def prepared_rows(folder: Path) -> dict[str, dict[str, Any]]:
+    rows = {}
+    for shard in sorted((folder / "train").glob("shard-*.arrow")):
+        with pa.memory_map(str(shard), "r") as source:
+            for row in pa.ipc.open_stream(source).read_all().to_pylist():
+                rows[row.pop("id")] = {k: v for k, v in row.items() if k != "line"}
+    return rows
+
+
+@pytest.fixture(scope="module")
+def ours_prepared(synthetic_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("ours")
+    index = write_format("purrsight", root, real_items(11))
+    config = tiny_config(synthetic_dir, root, data__train_index=index, data__val_index="null")
+    assert prepare_set(config, root / "set", processes=1, part=(0, 1), shard_size=3) is not None
+    return prepared_rows(root / "set")
+
+
+@pytest.mark.parametrize("fmt", ["llava", "messages", "webdataset", "parquet"])
+def test_each_format_prepares_into_the_rows_our_jsonl_gives(
+    fmt: str, synthetic_dir: Path, ours_prepared: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The same 11 samples (pictures, speech, both, captions) in each format: detected from the files,
+    streamed (tars and Parquet never unpacked: no file is written but the shards), and prepared into
+    exactly our JSONL's tokens, labels, pixels and audio."""
+    index = write_format(fmt, tmp_path / "data", real_items(11))
+    before = set(tmp_path.rglob("*"))
+    config = tiny_config(synthetic_dir, tmp_path, data__train_index=index, data__val_index="null")
+    manifest = prepare_set(config, tmp_path / "set", processes=1, part=(0, 1), shard_size=3)
+    assert manifest is not None and manifest["sources"]["train"]["format"] == fmt
+    written = {p for p in set(tmp_path.rglob("*")) - before if not p.is_relative_to(tmp_path / "set")}
+    assert written == set(), f"files unpacked outside the prepared set: {sorted(written)}"
+    assert prepared_rows(tmp_path / "set") == ours_prepared
+
+
+def test_a_multi_turn_conversation_trains_on_its_assistant_turns_only(synthetic_dir: Path) -> None:
+    """Ours (no chat template): <bos> user answer <eos> user answer <eos>; only the answers and their
+    <eos> carry labels; a cut at max_length keeps the head; one user and one assistant turn give
+    exactly the single-turn encoding."""
+    tokenizer = load_tokenizer(synthetic_dir / "tokenizer")
+    text = TextEncoder(tokenizer, 200)
+    turns = [("system", "be brief"), ("user", "what colour is the cat"), ("assistant", "red"),
+             ("user", "and the sound"), ("assistant", "a low tone")]  # fmt: skip
+    encoded = text.encode_turns(turns)
+    trained = [tok for tok, label in zip(encoded.input_ids, encoded.labels, strict=True) if label != IGNORE_INDEX]
+    assert tokenizer.decode(trained, skip_special_tokens=True).split() == ["red", "a", "low", "tone"]
+    assert trained.count(tokenizer.eos_token_id) == 2
+    assert text.encode_turns(turns[1:3]) == text("what colour is the cat", "red")
+    first = next(i for i, label in enumerate(encoded.labels) if label != IGNORE_INDEX)
+    cut = TextEncoder(tokenizer, first + 2).encode_turns(turns)
+    assert cut.input_ids == encoded.input_ids[: first + 2] and cut.labels == encoded.labels[: first + 2]
+    with pytest.raises(ValueError, match="no room for the response"):
+        TextEncoder(tokenizer, first).encode_turns(turns)
+
+
+def test_with_a_chat_template_every_assistant_turn_and_nothing_else_is_labelled(synthetic_dir: Path) -> None:
+    tokenizer = load_tokenizer(synthetic_dir / "tokenizer")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    text = TextEncoder(tokenizer, 400)
+    turns = [("user", "what colour is the cat"), ("assistant", "red"), ("user", "and the tone"), ("assistant", "low")]
+    encoded = text.encode_turns(turns)
+    rendered = tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in turns], tokenize=True, return_dict=False)
+    assert encoded.input_ids == list(rendered)
+    trained = tokenizer.decode([t for t, lab in zip(encoded.input_ids, encoded.labels, strict=True) if lab != IGNORE_INDEX])
+    assert "red" in trained and "low" in trained and "cat" not in trained and "tone" not in trained
+
+
+def bad_set(folder: Path) -> tuple[str, str]:
+    """A tar and a LLaVA file with one of each bad record among good ones; (tar pattern, llava path)."""
+    import tarfile
+
+    from tests.format_sets import _add
+
+    folder.mkdir()
+    with tarfile.open(folder / "00000.tar", "w") as tar:
+        _add(tar, "good1.jpg", PHOTO.read_bytes())
+        _add(tar, "good1.txt", b"a woman in uniform")
+        _add(tar, "lonely.jpg", ICON.read_bytes())  # a picture without its caption
+        _add(tar, "textonly.txt", b"a caption without its picture")
+        _add(tar, "broken.jpg", PHOTO.read_bytes()[:2000])  # undecodable
+        _add(tar, "broken.txt", b"cut short")
+        _add(tar, "good2.png", ICON.read_bytes())
+        _add(tar, "good2.txt", b"a blue present")
+
+    def conversation(*turns: str) -> list[dict[str, str]]:
+        return [{"from": "human" if n % 2 == 0 else "gpt", "value": text} for n, text in enumerate(turns)]
+
+    llava = [
+        {"id": "fine", "image": str(PHOTO), "conversations": conversation("<image>\nwho", "her")},
+        {"id": "noanswer", "image": str(PHOTO), "conversations": conversation("<image>\nwho")},
+        {"id": "nomedia", "conversations": conversation("<image>\nwho", "x")},
+        {"id": "missing", "image": str(folder / "gone.jpg"), "conversations": conversation("q", "a")},
+        {"id": "fine2", "conversations": conversation("hi", "hello")},
+    ]
+    (folder / "llava.json").write_text(json.dumps(llava))
+    return str(folder / "{00000..00000}.tar"), str(folder / "llava.json")
+
+
+def test_bad_records_get_one_line_each_under_the_bad_sample_cap(synthetic_dir: Path, tmp_path: Path) -> None:
+    tars, llava = bad_set(tmp_path / "bad")
+    for index, expected in (
+        (tars, {"lonely": "without its text pair", "textonly": "without its media pair", "broken": "cannot decode image"}),
+        (llava, {"noanswer": "no assistant turn", "nomedia": "<image> placeholder without its image",
+                 "gone.jpg": "cannot decode image"}),
+    ):  # fmt: skip
+        out = tmp_path / Path(index).name.replace("{", "")
+        config = tiny_config(synthetic_dir, tmp_path, data__train_index=index, data__val_index="null", data__on_bad_sample="skip")
+        manifest = prepare_set(config, out, processes=1, part=(0, 1), shard_size=2)
+        assert manifest is not None and manifest["splits"]["train"]["samples"] == 2
+        lines = [json.loads(line) for line in (out / BAD_SAMPLES_NAME).read_text().splitlines()]
+        assert len(lines) == 3
+        for culprit, reason in expected.items():
+            assert any(culprit in f"{b['where']}: {b['error']}" and reason in b["error"] for b in lines), (culprit, lines)
+        capped = tiny_config(synthetic_dir, tmp_path, data__train_index=index, data__val_index="null",
+                             data__on_bad_sample="skip", data__max_bad_samples=2)  # fmt: skip
+        with pytest.raises(PreparedSetError) as refused:
+            prepare_set(capped, tmp_path / f"capped-{out.name}", processes=1, part=(0, 1), shard_size=2)
+        assert "above data.max_bad_samples=2" in refused.value.lines()[-1]
+
+
+def test_a_bad_index_is_one_line_naming_the_culprit_and_exit_2(synthetic_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}\n')
+    for index, message in (
+        (str(tmp_path / "shards/{00000..00003}.tar"), "index file does not exist (from"),
+        (str(tmp_path / "a.jsonl"), "a.jsonl:1: turn 2 has role 'robot'"),
+    ):
+        overrides = tiny_overrides(synthetic_dir, tmp_path, data__train_index=index, data__val_index="null")
+        done = subprocess.run(
+            [sys.executable, str(REPO / "train_phase2.py"), "prepare", "--config", str(DEFAULT_CONFIG),
+             "--out", str(tmp_path / "o"), *overrides],
+            capture_output=True, text=True, env=python_env(), cwd=REPO, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_llava_and_messages_files_train_directly_from_the_raw_index(tmp_path: Path) -> None:
+    """read_index (the raw path's scan) takes LLaVA and messages files: one user and one assistant turn
+    as prompt and response (our JSONL's records), longer conversations kept whole as turns."""
+    items = real_items(4)
+    ours = read_index(write_ours(tmp_path, items))
+    for path in (write_llava(tmp_path, items), write_messages(tmp_path, items)):
+        records = read_index(path)
+        assert [{k: r[k] for k in ("id", "prompt", "response", "image", "audio")} for r in records] == [
+            {k: o[k] for k in ("id", "prompt", "response", "image", "audio")} for o in ours
+        ]
+    turns = [
+        {"from": "human", "value": "a"},
+        {"from": "gpt", "value": "b"},
+        {"from": "human", "value": "c"},
+        {"from": "gpt", "value": "d"},
+    ]
+    (tmp_path / "multi.jsonl").write_text(json.dumps({"id": "m", "conversations": turns}) + "\n")
+    (record,) = read_index(tmp_path / "multi.jsonl")
+    assert json.loads(record["turns"]) == [["user", "a"], ["assistant", "b"], ["user", "c"], ["assistant", "d"]]
+    (tmp_path / "shard.parquet").write_bytes(b"")
+    with pytest.raises(IndexFileError, match=r"train from a prepared set"):
+        read_index(tmp_path / "shard.parquet")
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@given(first=st.integers(0, 500), length=st.integers(0, 40), width=st.integers(1, 5))
+def test_a_brace_range_expands_like_the_shells(first: int, length: int, width: int) -> None:
+    last = first + length
+    pattern = f"s/{{{str(first).zfill(width)}..{str(last).zfill(width)}}}.tar"
+    padded = width if width > 1 or first == 0 else 0
+    expected = [f"s/{str(n).zfill(padded if str(first).zfill(width).startswith('0') else 0)}.tar" for n in range(first, last + 1)]
+    assert expand_braces(pattern) == expected
+
+
+def test_a_glob_with_braces_names_the_files_in_order(tmp_path: Path) -> None:
+    for n in (3, 1, 2, 10):
+        (tmp_path / f"{n:05d}.tar").write_bytes(b"")
+    assert [p.name for p in expand(str(tmp_path / "{00001..00003}.tar"))] == ["00001.tar", "00002.tar", "00003.tar"]
+    assert [p.name for p in expand(str(tmp_path / "*.tar"))] == ["00001.tar", "00002.tar", "00003.tar", "00010.tar"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(texts=st.lists(st.text(max_size=30), min_size=1, max_size=25), array=st.booleans(), data=st.data())
+def test_json_values_resume_at_any_records_offset(
+    texts: list[str], array: bool, data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    path = tmp_path_factory.mktemp("json") / "f.json"
+    values = [{"n": n, "t": t} for n, t in enumerate(texts)]
+    path.write_text(
+        json.dumps(values, ensure_ascii=False, indent=1)
+        if array
+        else "".join(json.dumps(v, ensure_ascii=False) + "\n" for v in values)
+    )
+    read = list(iter_values(path))
+    assert [v for _, _, v in read] == values
+    k = data.draw(st.integers(0, len(values) - 1))
+    number, offset, _ = read[k]
+    assert [v for _, _, v in iter_values(path, offset, number - 1)] == values[k:]
+
+
+def resumed_ids(index: str, shard_size: int, synthetic_dir: Path, tmp: Path) -> tuple[list[str], list[str]]:
+    """(every sample's id in order, the ids read back shard by shard from the survey's resume points)."""
+    config = tiny_config(synthetic_dir, tmp, data__train_index=index, data__val_index="null")
+    found = survey(index, config, ReadOptions(), shard_size)
+    whole = [r.id for path in expand(index) for _, r in read_records(path, found.format) if isinstance(r, Record)]
+    pieces = []
+    for path, offset, ordinal, count in found.chunks:
+        records = itertools.islice(read_records(Path(path), found.format, offset, ordinal), count)
+        pieces += [r.id for _, r in records if isinstance(r, Record)]
+    assert found.records == len(whole)
+    return whole, pieces
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    count=st.integers(1, 23),
+    per_shard=st.integers(1, 9),
+    shard_size=st.integers(1, 10),
+    fmt=st.sampled_from(["webdataset", "parquet", "llava", "messages"]),
+)
+def test_every_sample_is_in_exactly_one_prepared_shard(
+    count: int, per_shard: int, shard_size: int, fmt: str, synthetic_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Over sample counts, shards per file and prepared shard sizes that need not divide: the shards'
+    resume points (byte offsets, Parquet rows) read every sample once, in order."""
+    folder = tmp_path_factory.mktemp("sets")
+    items = [Item(f"k{n:04d}", "p", f"r{n}", ICON if n % 3 else None, None, caption_only=n % 2 == 0) for n in range(count)]
+    index = {
+        "webdataset": lambda: write_tars(folder, items, per_shard),
+        "parquet": lambda: write_parquet(folder, items, per_shard, row_group=max(1, per_shard // 2)),
+        "llava": lambda: str(write_llava(folder, items)),
+        "messages": lambda: str(write_messages(folder, items)),
+    }[fmt]()
+    whole, pieces = resumed_ids(index, shard_size, synthetic_dir, folder)
+    assert whole == pieces == [item.id for item in items]
