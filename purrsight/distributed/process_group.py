@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 TORCHRUN_RANK = "PURRSIGHT_TORCHRUN_RANK"  # the rank torchrun assigned, kept for the store
 
 
@@ -154,3 +155,38 @@ def from_rank_zero(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def computed_on_rank_zero(compute: Callable[[], T], group: Any = None) -> T:
+    """``compute()`` run by rank 0 of ``group`` alone, its value on every rank of the group.
+
+    What it raises is raised on every rank, so none waits in the broadcast for a value that never
+    comes (an error that does not pickle arrives as a RuntimeError with its text). Every rank of
+    ``group`` must call; with ``group`` None it is computed here, with no collective.
+    """
+    if group is None:
+        return compute()
+    import torch.distributed as dist
+
+    outcome: tuple[Any, BaseException | None] = (None, None)
+    if dist.get_rank(group) == 0:
+        try:
+            outcome = (compute(), None)
+        except Exception as raised:
+            outcome = (None, raised if _pickles(raised) else RuntimeError(f"rank 0: {type(raised).__name__}: {raised}"))
+    box = [outcome]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    value, error = box[0]
+    if error is not None:
+        raise error
+    return cast(T, value)
+
+
+def _pickles(value: object) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True

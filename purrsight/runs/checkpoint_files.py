@@ -31,7 +31,9 @@ def saved_step(path: Path) -> int | None:
     import torch
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        # Memory-mapped: the few entries read here leave the disk, not the whole file (a truncated
+        # file fails here as when read whole: its zip directory, at the end, is missing).
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except OSError as err:
         raise CheckpointReadError(
             f"cannot read checkpoint {path}: {err.strerror or err}; fix access to it (or move it away) and start again"

@@ -51,7 +51,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         # Checkpoints hold tensors, numbers, strings and the loops' plain dicts: no pickled
         # objects, so the safe unpickler is enough, and a malicious file is refused.
-        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+        # Memory-mapped: every rank loads the file, and an eager load put all of it in each
+        # rank's memory (8 x 12 GB a node for the pooled projector's state at the 7B preset).
+        # Mapped, a node's ranks share its pages in the page cache and each reads what it
+        # takes: under fsdp its shard (rank 0 scatters the rest), under ddp the whole state.
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True, mmap=True)
 
 
 def validation_cut_by_stop(trainer: pl.Trainer) -> bool:
@@ -136,14 +140,6 @@ class CheckpointSaver(pl.Callback):
             self.stopped_by_signal = self.stop.signum or signal.SIGTERM
             trainer.should_stop = True
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.vote.finish()  # no collective left in flight behind the final save
-        if trainer.global_step != self.last_saved_step:
-            self.save(trainer)
-        self.stop.restore()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.stop.restore()
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """A stop during a validation pass ends the pass: it could take minutes at real size, past a
         preemption's grace period. Validation runs right after an optimizer step, so the position
@@ -167,3 +163,11 @@ class CheckpointSaver(pl.Callback):
             self.save(trainer)
         self.stopped_by_signal = self.stop.signum or signal.SIGTERM
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.vote.finish()  # no collective left in flight behind the final save
+        if trainer.global_step != self.last_saved_step:
+            self.save(trainer)
+        self.stop.restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.stop.restore()

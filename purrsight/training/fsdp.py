@@ -1,10 +1,20 @@
 """FSDP2 for a frozen base with LoRA on top (``distributed.strategy: fsdp``).
 
 What outgrows a GPU is the frozen weights, so they are what is sharded: each LLM decoder
-layer, the embeddings and an untied LM head, each encoder tower and the aligner become FSDP
-units over every rank; the root unit takes the rest (projectors, the final norm, tied
+layer, the embeddings and an untied LM head, each encoder tower, the aligner and each projector
+become FSDP units over every rank; the root unit takes the rest (the final norm, tied
 embeddings), so every trainable parameter's gradient is reduced. LoRA is applied before sharding: peft
 builds its shapes from the whole weight.
+
+The decoder layers are the modules the model itself declares unsplittable (Hugging Face's
+``_no_split_modules``), and there must be ``num_hidden_layers`` of them: a layer left out of
+every unit would silently fall into the root one, which is gathered whole for the whole step.
+
+As torchtitan does: under bf16-mixed the units gather and compute in bf16 and reduce gradients in
+fp32 (``MixedPrecisionPolicy``), and the sharded trainable parameters stay fp32 for the optimizer.
+Unlike torchtitan, which trains every weight, gradients are reduce-scattered once per
+accumulation window, at its last micro-batch: only the trainable parameters have gradients, so
+keeping them unsharded over a window costs what DDP keeps, not a whole model's.
 
 Checkpoints keep the file DDP writes: the trainable weights gathered whole on rank 0 (never
 the frozen base) and the optimizer state keyed by position, as ``Optimizer.state_dict()``
@@ -16,11 +26,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
+from peft import PeftModel
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.environments import ClusterEnvironment
 from pytorch_lightning.strategies import ModelParallelStrategy
@@ -34,41 +46,89 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from purrsight.config import Config
+from purrsight.internals.transformers_keys import loaded_names
 from purrsight.model.llm import lora_a_init
 from purrsight.model.loading import ModelLoadError
 from purrsight.model.meta_init import is_meta, local_part
 from purrsight.model.multimodal import PurrSightModel
-from purrsight.model.weight_files import WeightFiles, file_key
+from purrsight.model.weight_files import WeightFiles, file_key, weight_keys
 from purrsight.runs.checkpoint_saver import AtomicCheckpointIO
 from purrsight.training.model_builder import BuiltModel, build_model
 
 TRAINABLES_WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
 
-def frozen_units(model: PurrSightModel) -> list[nn.Module]:
-    """The modules sharded as units of their own, in forward order."""
+def decoder_layers(llm: nn.Module) -> list[nn.Module]:
+    """The LLM's decoder layers, found as the model declares them: the outermost modules of the
+    classes its ``_no_split_modules`` names (what Hugging Face never splits across devices), one
+    per ``num_hidden_layers``. Anything else stops the build with one line: a layer not found
+    would stay in the root unit, gathered whole every step, and nothing else would say so."""
+    base: nn.Module = llm.get_base_model() if isinstance(llm, PeftModel) else llm
+    declared = set(getattr(base, "_no_split_modules", None) or ())
+    layers: list[nn.Module] = []
+    inside: list[str] = []  # the layers found so far, by name: a declared class nested in one is part of it
+    for name, module in base.named_modules():
+        # by the class and its bases: fully_shard swaps a unit's class for a subclass, FSDP<name>
+        of_declared_class = any(cls.__name__ in declared for cls in type(module).__mro__)
+        if of_declared_class and not any(name.startswith(f"{outer}.") for outer in inside):
+            layers.append(module)
+            inside.append(name)
+    config: Any = getattr(base, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    expected = getattr(text, "num_hidden_layers", None)
+    if not declared or len(layers) != expected:
+        named = f"_no_split_modules {sorted(declared)} names {len(layers)}" if declared else "no _no_split_modules names its"
+        raise ModelLoadError(
+            f"distributed.strategy=fsdp finds no decoder layers to shard one by one in {type(base).__name__}: "
+            f"its {named} modules and config.num_hidden_layers is {expected} (without them every step gathers the "
+            "whole base); use distributed.strategy=ddp for this model"
+        )
+    return layers
+
+
+def fsdp_units(model: PurrSightModel) -> list[nn.Module]:
+    """The modules sharded as units of their own, in forward order (the root unit is the rest)."""
     llm = model.llm
     units: list[nn.Module] = [tower for tower in model.encoders.values()]
     if model.aligner is not None:
         units.append(model.aligner)
+    # Units of their own, not the root's: the root stays gathered for the whole step, and a
+    # unit's policy casts what enters it, so under bf16-mixed a projector's first LayerNorm
+    # sees bf16 input with its bf16-gathered weight (CPU autocast leaves that pair mismatched).
+    units += list(model.projectors.values())
     embeddings, head = llm.get_input_embeddings(), llm.get_output_embeddings()
     tied = head is not None and head.weight is embeddings.weight
     if not tied:  # a tied head shares its weight: both stay in the root unit, which holds it for the whole step
         units.append(embeddings)
-    units += [module for module in llm.modules() if type(module).__name__.endswith("DecoderLayer")]
+    units += decoder_layers(llm)
     if head is not None and not tied:
         units.append(head)
     return units
 
 
-def shard_model(model: PurrSightModel, mesh: Any) -> int:
-    """Shard ``model`` in place over ``mesh``; the number of units (the root included)."""
-    from torch.distributed.fsdp import fully_shard
+def mixed_precision(precision: str) -> Any:
+    """FSDP2's policy under a Lightning precision: under bf16-mixed the units gather their
+    parameters in bf16 (the frozen ones already are; the trainable fp32 ones are cast once per
+    gather instead of by autocast at every op) and reduce gradients in fp32. fp32, as torchtitan
+    reduces: the reduce sums every rank's gradient, and with sync held over a window FSDP
+    accumulates the micro-batches' gradients in this dtype too; the bytes are the trainable
+    gradients' only (LoRA and projectors). None otherwise: 32-true keeps fp32 throughout."""
+    if precision != "bf16-mixed":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    units = frozen_units(model)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def shard_model(model: PurrSightModel, mesh: Any, policy: Any = None) -> int:
+    """Shard ``model`` in place over ``mesh`` (with ``policy``, a ``MixedPrecisionPolicy`` or None);
+    the number of units (the root included)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    units = fsdp_units(model)
     for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(unit, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    fully_shard(model, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
     model.encode_every_step = True  # every rank must run every unit's all-gather, images or not
     return len(units) + 1
 
@@ -100,9 +160,11 @@ def _rows_held(param: torch.Tensor) -> tuple[int, int]:
     return start, start + local_part(param).shape[0]
 
 
-def fill(model: nn.Module, names: set[str], files: WeightFiles, seed: int) -> None:
+def fill(model: PurrSightModel, names: set[str], files: WeightFiles, seed: int) -> None:
     """The parameters built on meta, now materialized: frozen ones read from ``files`` (this
-    rank's rows only, one tensor at a time), LoRA's initialised by name."""
+    rank's rows only, one tensor at a time, under the keys the model's own conversion gives
+    them), LoRA's initialised by name."""
+    keys = weight_keys(model.llm.get_base_model(), files, loaded_names)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name not in names:
@@ -113,21 +175,24 @@ def fill(model: nn.Module, names: set[str], files: WeightFiles, seed: int) -> No
                 local.copy_(lora_a_init(name, param.shape, seed)[start:stop])
             elif ".lora_B." in name:
                 local.zero_()
-            elif file_key(name) in files:
-                local.copy_(files.rows(file_key(name), start, stop))
+            elif file_key(name) in keys:
+                local.copy_(files.rows(keys[file_key(name)], start, stop))
             else:
                 raise ModelLoadError(f"{files.folder}: no tensor {file_key(name)} for the LLM's {name}")
 
 
-def build_sharded(config: Config, frozen: torch.dtype, mesh: Any, device: torch.device) -> tuple[BuiltModel, int]:
+def build_sharded(
+    config: Config, frozen: torch.dtype, mesh: Any, device: torch.device, precision: str = "32-true"
+) -> tuple[BuiltModel, int]:
     """The model of ``config`` sharded over ``mesh``, and its number of FSDP units.
 
     An LLM from a directory is built on the meta device and filled after sharding, each rank
     reading its own rows; one built from a config dict is built whole first (it is small).
+    ``precision``: Lightning's, which decides the mixed-precision policy (``mixed_precision``).
     """
     llm_path = config.model.llm.path
-    built = build_model(config, frozen, llm_on_meta=llm_path is not None)
-    units = shard_model(built.model, mesh)
+    built = build_model(config, frozen, llm_on_meta=llm_path is not None, fingerprint_group=mesh.get_group())  # rank 0 reads it
+    units = shard_model(built.model, mesh, mixed_precision(precision))
     on_meta = materialize(built.model, device)
     if on_meta:
         assert llm_path is not None
@@ -195,6 +260,24 @@ class ShardedFrozenBase(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this for each micro-batch of an accumulation window but the last (its
+        own version holds back DDP only): FSDP keeps the unsharded trainable gradients and
+        reduce-scatters them once, at the window's last backward. A window an epoch ends early
+        ends where Lightning steps, so it is reduced there as well."""
+        from torch.distributed.fsdp import FSDPModule
+
+        roots = [module for module in (self.model.modules() if self.model is not None else ()) if isinstance(module, FSDPModule)]
+        if not roots:
+            yield
+            return
+        roots[0].set_requires_gradient_sync(False)  # the outermost unit; recursing reaches every one
+        try:
+            yield
+        finally:
+            roots[0].set_requires_gradient_sync(True)
 
     @property
     def lightning_restore_optimizer(self) -> bool:

@@ -11,12 +11,15 @@ from peft import LoraConfig
 
 from purrsight.config import Config
 from purrsight.datasets.builder import build_decoders
+from purrsight.distributed.process_group import computed_on_rank_zero
+from purrsight.internals.transformers_keys import loaded_names
 from purrsight.model.aligner import load_aligner
 from purrsight.model.encoders import FrozenEncoder, load_encoder
 from purrsight.model.llm import load_llm, load_tokenizer
 from purrsight.model.loading import ModelLoadError
 from purrsight.model.multimodal import MODALITIES, PurrSightModel
-from purrsight.model.weight_files import WeightFiles, file_key
+from purrsight.model.weight_files import WeightFiles, file_key, weight_keys
+from purrsight.training.fingerprint import FINGERPRINT_VERSION, frozen_fingerprint
 
 
 @dataclass
@@ -26,13 +29,14 @@ class BuiltModel:
     fingerprint: str
 
 
-def _tensor_sample_digest(model: torch.nn.Module, files: WeightFiles | None = None) -> str:
-    """Hash names, shapes and a strided sample of every frozen tensor.
+def _tensor_sample_digest(model: torch.nn.Module, files: WeightFiles | None = None, keys: dict[str, str] | None = None) -> str:
+    """Hash names, shapes and a strided sample of every frozen tensor (fingerprint version 2, kept
+    to check the checkpoints it signed: training/fingerprint.py).
 
     Hashing every byte of a 7B model would add a minute to each start; a strided sample
     of up to 4096 values per tensor still changes when weights are swapped or re-initialised.
-    A tensor still on the meta device is sampled from its weight file (``files``), so a
-    sharded build has the same fingerprint as a whole one.
+    A tensor still on the meta device is sampled from its weight file (``files``, under the key
+    ``keys`` gives its LLM name), so a sharded build has the same fingerprint as a whole one.
     """
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
@@ -40,10 +44,8 @@ def _tensor_sample_digest(model: torch.nn.Module, files: WeightFiles | None = No
             continue
         step = max(1, tensor.numel() // 4096)
         if tensor.device.type == "meta":
-            assert files is not None, name
-            key = file_key(name)
-            tied = key == "lm_head.weight" and key not in files  # a tied head is the embeddings
-            sample = files.strided_sample("model.embed_tokens.weight" if tied else key, step)
+            assert files is not None and keys is not None, name
+            sample = files.strided_sample(keys[file_key(name)], step)  # a tied head: the embeddings' key
         else:
             sample = tensor.detach().reshape(-1)[::step]
         digest.update(f"{name}:{list(tensor.shape)}".encode())
@@ -84,11 +86,20 @@ def compile_decoder_layers(model: PurrSightModel) -> int:
     return len(layers)
 
 
-def build_model(config: Config, frozen: torch.dtype = torch.float32, llm_on_meta: bool = False) -> BuiltModel:
+def build_model(
+    config: Config,
+    frozen: torch.dtype = torch.float32,
+    llm_on_meta: bool = False,
+    fingerprint_group: Any = None,
+    fingerprint_version: int = FINGERPRINT_VERSION,
+) -> BuiltModel:
     """The model of ``config``; its frozen weights held in ``frozen`` (see frozen_dtype).
 
     ``llm_on_meta`` (an LLM from a directory): the LLM's parameters are left on the meta
     device, to be sharded and then filled from its weight files (training/fsdp.py).
+    ``fingerprint_group``: a process group whose ranks all build at once (training/fsdp.py): its
+    rank 0 alone computes the fingerprint and broadcasts it. ``fingerprint_version`` 2: the
+    fingerprint an earlier PurrSight gave (``fingerprint_v2``), else training/fingerprint.py's.
     """
     seed = config.run.seed
     tokenizer = load_tokenizer(config.tokenizer_dir())
@@ -140,7 +151,24 @@ def build_model(config: Config, frozen: torch.dtype = torch.float32, llm_on_meta
             projector=config.model.projector,
         )
     # Before the cast: a bf16 run and a float32 run of the same weights may resume each other.
-    files = WeightFiles(llm_cfg.path) if llm_on_meta and llm_cfg.path is not None else None
-    fingerprint = hashlib.sha256(("|".join(sources) + _tensor_sample_digest(model, files)).encode()).hexdigest()
+    path = llm_cfg.path
+    if fingerprint_version == 2:
+        files = WeightFiles(path) if llm_on_meta and path is not None else None
+        keys = weight_keys(llm.get_base_model(), files, loaded_names) if files is not None else None
+        fingerprint = hashlib.sha256(("|".join(sources) + _tensor_sample_digest(model, files, keys)).encode()).hexdigest()
+    else:
+        fingerprint = computed_on_rank_zero(
+            lambda: frozen_fingerprint(model, sources, WeightFiles(path) if path is not None else None), fingerprint_group
+        )
     hold_frozen_in(model, frozen)
     return BuiltModel(model, tokenizer, fingerprint)
+
+
+def fingerprint_v2(config: Config) -> str:
+    """The fingerprint version 2 gave ``config``'s frozen sources, to check a checkpoint it signed.
+
+    The model is built again, its LLM on the meta device when it comes from a directory (version 2
+    sampled it from its files then, and the same values from memory when built whole): this costs
+    what every start cost before version 3, once, for the resume of such a checkpoint.
+    """
+    return build_model(config, llm_on_meta=config.model.llm.path is not None, fingerprint_version=2).fingerprint

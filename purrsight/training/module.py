@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
@@ -12,19 +13,19 @@ from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 
 from purrsight.config import Config, dump_config
 from purrsight.data.media import SampleError
+from purrsight.distributed.process_group import computed_on_rank_zero
 from purrsight.errors import UserError
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.runs.checkpoint_saver import validation_cut_by_stop
 from purrsight.runs.data_position import POSITION_KEY
 from purrsight.training.datamodule import Phase2DataModule
+from purrsight.training.fingerprint import FINGERPRINT_VERSION
 from purrsight.training.fsdp import build_sharded, local_frozen_bytes, peak_rss_bytes
-from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
+from purrsight.training.model_builder import build_model, compile_decoder_layers, fingerprint_v2, frozen_dtype
 from purrsight.training.optim import build_optimizer, continue_schedule
 
 CHECKPOINT_META_KEY = "purrsight"
-# 2: model folders are identified by architecture and weights, no longer by absolute path.
-FINGERPRINT_VERSION = 2
 log = logging.getLogger(__name__)
 
 
@@ -59,7 +60,7 @@ class Phase2Module(pl.LightningModule):
             dtype = frozen_dtype(precision)
             if self.config.distributed.strategy == "fsdp" and self._device_mesh is not None:
                 built, units = build_sharded(
-                    self.config, dtype, self._device_mesh["data_parallel"], self.trainer.strategy.root_device
+                    self.config, dtype, self._device_mesh["data_parallel"], self.trainer.strategy.root_device, precision
                 )
                 how = f"sharded over {self._device_mesh.size()} ranks in {units} FSDP units"
             else:
@@ -174,10 +175,23 @@ class Phase2Module(pl.LightningModule):
                     log.info("resumed with another schedule: %s", line)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        verify_checkpoint(checkpoint, self.fingerprint, self.trainable_shapes(), self.config.model.projector)
+        shapes, projector = self.trainable_shapes(), self.config.model.projector
+        verify_checkpoint(checkpoint, self.fingerprint, shapes, projector, self._earlier_fingerprint)
         datamodule = self._datamodule()
         if datamodule is not None:
             datamodule.resume_from(checkpoint)
+
+    def _earlier_fingerprint(self, version: int) -> str | None:
+        """This model's fingerprint as an earlier ``version`` computed it; None for one never computable
+        here. Version 2 (a strided read of most frozen pages) runs on rank 0 alone, broadcast."""
+        if version != 2:
+            return None
+        log.info(
+            "the checkpoint's fingerprint is version 2: computing that version once to check it (saves write %d)",
+            FINGERPRINT_VERSION,
+        )
+        everyone = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        return computed_on_rank_zero(lambda: fingerprint_v2(self.config), everyone)
 
     def _datamodule(self) -> Phase2DataModule | None:
         """The fit's DataModule (set by fit(); absent when the module is used alone)."""
@@ -191,8 +205,18 @@ PROJECTOR_NAMES = {
 }
 
 
-def verify_checkpoint(checkpoint: dict[str, Any], fingerprint: str, shapes: dict[str, list[int]], projector: str) -> None:
-    """Refuse a checkpoint whose projector, frozen sources or trainable shapes differ from this model."""
+def verify_checkpoint(
+    checkpoint: dict[str, Any],
+    fingerprint: str,
+    shapes: dict[str, list[int]],
+    projector: str,
+    earlier: Callable[[int], str | None] = lambda version: None,
+) -> None:
+    """Refuse a checkpoint whose projector, frozen sources or trainable shapes differ from this model.
+
+    ``fingerprint`` is this model's, of FINGERPRINT_VERSION; ``earlier(version)`` gives it as an
+    earlier version computed it, asked only for a checkpoint saved with that version (None: never
+    computable here)."""
     meta = checkpoint.get(CHECKPOINT_META_KEY)
     if not isinstance(meta, dict):
         raise CheckpointMismatchError("not a PurrSight Phase 2 checkpoint (no 'purrsight' section)")
@@ -202,18 +226,26 @@ def verify_checkpoint(checkpoint: dict[str, Any], fingerprint: str, shapes: dict
             f"the checkpoint holds the {PROJECTOR_NAMES.get(saved_projector, saved_projector)}; this config builds the "
             f"{PROJECTOR_NAMES.get(projector, projector)}: set model.projector={saved_projector} to resume it"
         )
-    if meta.get("fingerprint") != fingerprint and "fingerprint_version" not in meta:
+    version = meta.get("fingerprint_version")
+    if meta.get("fingerprint") != fingerprint and version is None:
         # Saved before version 2, whose fingerprint included the model folders' absolute
         # paths: it cannot be recomputed here, and refusing would strand every such run.
         log.warning(
             "checkpoint saved by an earlier PurrSight: its frozen-source fingerprint (path-bound) cannot be "
             "checked; the trainable shapes are"
         )
-    elif meta.get("fingerprint") != fingerprint:
-        raise CheckpointMismatchError(
-            "frozen-source fingerprint differs: the checkpoint was trained on other frozen weights "
-            "(LLM, encoders, aligner or their config/seed changed)"
-        )
+    elif version is not None:
+        expected = fingerprint if version == FINGERPRINT_VERSION else earlier(int(version))
+        if expected is None:
+            raise CheckpointMismatchError(
+                f"the checkpoint's frozen-source fingerprint is version {version}, which this PurrSight cannot compute "
+                f"(it computes {FINGERPRINT_VERSION} and 2): resume it with the PurrSight that saved it"
+            )
+        if meta.get("fingerprint") != expected:
+            raise CheckpointMismatchError(
+                "frozen-source fingerprint differs: the checkpoint was trained on other frozen weights "
+                "(LLM, encoders, aligner or their config/seed changed)"
+            )
     saved = {k: list(v.shape) for k, v in checkpoint.get("state_dict", {}).items()}
     for key in sorted(set(shapes) | set(saved)):
         if key not in saved:

@@ -86,8 +86,24 @@ def build_optimizer(
     optimizer = torch.optim.AdamW(
         parameters, lr=optim.lr, betas=(beta1, beta2), weight_decay=optim.weight_decay, fused=fused or None
     )
+    optimizer.register_load_state_dict_post_hook(own_loaded_state)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_for(optim, total_steps))
     return optimizer, scheduler
+
+
+def own_loaded_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict``: its CPU tensors copied out of the checkpoint file.
+
+    A resume memory-maps the checkpoint (runs/checkpoint_saver.py), and ``load_state_dict`` keeps a
+    tensor that already has its parameter's device and dtype as it is: on a CPU the moments would
+    stay views of the mapped file for the rest of the run, the file kept mapped after ``keep_last``
+    removes it (its disk space held; on NFS a ``.nfs*`` file in the folder). FSDP's sharded states
+    (DTensors) are fresh copies already; on a GPU every state was copied to the device.
+    """
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if type(value) is torch.Tensor and value.device.type == "cpu":
+                state[name] = value.clone()
 
 
 CHANGES = (("optim.lr", 0), ("optim.warmup_steps", 1), ("trainer.max_steps", 2), ("optim.min_lr_ratio", 3))

@@ -5,7 +5,8 @@ comes (``save_pretrained``: safetensors split over several files, tied embedding
 builds it on the meta device and each rank reads its own rows; the real config's loop settings
 (2 loader workers, 2 micro-batches per optimizer step). Five runs share the work: DDP for reference, FSDP to step 10, a DDP
 checkpoint resumed under FSDP, an FSDP checkpoint resumed under DDP, and one resumed under FSDP
-on four ranks.
+on four ranks. Two more, with probes in the trainer (fsdp_probe.py, ddp_probe.py), count FSDP's
+reduce-scatters per accumulation window and measure what each rank gathers at once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from tests.helpers import (
     record_samples_env,
     run_python,
     tiny_overrides,
+    torchrun_two_ranks,
     trainable_state,
 )
 
@@ -153,3 +156,41 @@ def test_fsdp_trains_as_ddp_holds_half_the_frozen_weights_and_resumes_across_str
     for relative in ours:
         a, b = load_file(exported["fsdp"] / relative), load_file(exported["ddp"] / relative)
         assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=TOLERANCE) for k in a), relative
+
+
+def probed(script: str, llm: Path, synthetic_dir: Path, out: Path, **overrides: object) -> tuple[str, list[dict[str, Any]]]:
+    """``script`` (a probe in this folder) on two ranks under torchrun; its output and each rank's record."""
+    settings = tiny_overrides(synthetic_dir, out, **{**LOOP, **overrides})
+    args = [str(out), str(DEFAULT_CONFIG), *settings, f"model.llm.path={llm}", "model.llm.config=null"]
+    command = torchrun_two_ranks(REPO / "tests" / "integration" / script, *args)
+    result = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout + result.stderr, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_reduce_scatters_once_per_accumulation_window_trains_as_ddp_and_gathers_one_unit_at_a_time(
+    synthetic_dir: Path, tmp_path: Path, llm_dir: Path
+) -> None:
+    """3 micro-batches per optimizer step: 8 an epoch on each rank (128 samples, 2 ranks x 8) make
+    windows of 3, 3 and 2, so the epoch's last window ends early (the mean of its 2, as under
+    DDP: purrsight/runs/step_windows.py). Each unit with trainable parameters (the LoRA layers,
+    the projectors) reduce-scatters once per window, the short one too, where it reduced once per
+    micro-batch before; losses and weights stay DDP's. The gathered peak: one unit at a time."""
+    run = {"trainer__accumulate_grad_batches": 3, "trainer__max_steps": 6, "data__num_workers": 0}
+    run |= {"trainer__val_every_n_steps": 100, "checkpoint__every_n_steps": 100}
+    _, ddp = probed("ddp_probe.py", llm_dir, synthetic_dir, tmp_path / "ddp", **run)
+    output, fsdp = probed("fsdp_probe.py", llm_dir, synthetic_dir, tmp_path / "fsdp", distributed__strategy="fsdp", **run)
+    assert noise_in(output) == []
+
+    for rank in fsdp:
+        assert rank["micro_batches"] == [3, 3, 2, 3, 3, 2]
+        assert rank["units_with_gradients"] == 2 + 2  # two decoder layers with LoRA, two projectors
+        assert rank["reduce_scatters"] == [rank["units_with_gradients"]] * 6
+        assert rank["lora_gathered"] == "torch.float32"  # 32-true: no mixed-precision policy
+        assert 0 < rank["gathered_peak"] <= rank["one_unit_bound"], rank["gathered_peak"]
+    assert column(read_metrics(tmp_path / "fsdp" / RUN), "train/loss") == pytest.approx(
+        column(read_metrics(tmp_path / "ddp" / RUN), "train/loss"), abs=TOLERANCE
+    )
+    for name, weight in ddp[0]["weights"].items():
+        assert torch.allclose(fsdp[0]["weights"][name], weight, atol=TOLERANCE), name

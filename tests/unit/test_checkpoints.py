@@ -16,6 +16,7 @@ from purrsight.runs import checkpoint_saver
 from purrsight.runs.checkpoint_files import CheckpointReadError, newest_checkpoint, saved_step
 from purrsight.runs.checkpoint_saver import AtomicCheckpointIO
 from purrsight.runs.start import ResumeError, StartPlan, choose_start, plan_start, prepare_run_folder
+from purrsight.training.fingerprint import FINGERPRINT_VERSION
 from purrsight.training.module import CheckpointMismatchError, verify_checkpoint
 from purrsight.training.optim import warmup_cosine
 from tests.helpers import DEFAULT_CONFIG, REPO, python_env
@@ -216,7 +217,8 @@ def test_resuming_another_runs_checkpoint_into_a_folder_holding_a_run_is_refused
 
 def test_verify_checkpoint_names_the_difference() -> None:
     shapes = {"model.a": [2, 3]}
-    good = {"purrsight": {"fingerprint": "f", "fingerprint_version": 2}, "state_dict": {"model.a": torch.zeros(2, 3)}}
+    meta: dict[str, object] = {"fingerprint": "f", "fingerprint_version": FINGERPRINT_VERSION}
+    good = {"purrsight": meta, "state_dict": {"model.a": torch.zeros(2, 3)}}
     verify_checkpoint(good, "f", shapes, "pooled")  # no projector key: saved before there was a choice
     with pytest.raises(CheckpointMismatchError, match="fingerprint differs"):
         verify_checkpoint(good, "g", shapes, "pooled")
@@ -226,7 +228,7 @@ def test_verify_checkpoint_names_the_difference() -> None:
         verify_checkpoint({"state_dict": {}}, "f", shapes, "pooled")
     with pytest.raises(CheckpointMismatchError, match=r"holds the pooled projector .* set model\.projector=pooled to resume it"):
         verify_checkpoint(good, "f", shapes, "tokens")
-    tokens = {**good, "purrsight": {**good["purrsight"], "projector": "tokens"}}
+    tokens = {**good, "purrsight": {**meta, "projector": "tokens"}}
     verify_checkpoint(tokens, "f", shapes, "tokens")
     with pytest.raises(CheckpointMismatchError, match=r"holds the tokens projector .* set model\.projector=tokens"):
         verify_checkpoint(tokens, "f", shapes, "pooled")

@@ -12,7 +12,7 @@ import sys
 import pytest
 import pytorch_lightning as pl
 
-from purrsight.internals import ray_logging, torch_c10d, torch_elastic
+from purrsight.internals import ray_logging, torch_c10d, torch_elastic, transformers_keys
 from purrsight.internals.lightning_loops import BATCH_PROGRESS, LightningLayoutError, check_layout, set_batches_done
 from purrsight.ray_engine.ray_noise import filter_forwarded_output, quiet_checkpoint_reports
 
@@ -82,6 +82,41 @@ def test_rays_moved_internals_leave_the_lines_and_training_alone(monkeypatch: py
     quiet_checkpoint_reports()  # no exception: the worker goes on training
     assert storage.filters == filters  # and filters nothing
     assert ray_logging.train_report_loggers() is None and not filter_forwarded_output()
+
+
+def _tiny_causal_lm(config_class: str, **extra: object) -> object:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    shape = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    return AutoModelForCausalLM.from_config(getattr(transformers, config_class)(num_key_value_heads=1, **shape, **extra))
+
+
+def test_transformers_names_weight_file_keys_as_it_loads_them() -> None:
+    """EXAONE's files rename (a plain rename: read by rows as it lies); Mixtral's per-expert
+    tensors are merged into one (a converter: not readable by rows)."""
+    exaone = _tiny_causal_lm("ExaoneConfig", eos_token_id=1)
+    names = [name for name, _ in exaone.named_parameters()]  # type: ignore[attr-defined]
+    keys = ["transformer.h.0.attn.attention.out_proj.weight", "lm_head.weight"]
+    assert transformers_keys.loaded_names(exaone, keys, names) == {
+        "transformer.h.0.attn.attention.out_proj.weight": ("model.layers.0.self_attn.o_proj.weight", False),
+        "lm_head.weight": ("lm_head.weight", False),
+    }
+    mixtral = _tiny_causal_lm("MixtralConfig", num_local_experts=2)
+    names = [name for name, _ in mixtral.named_parameters()]  # type: ignore[attr-defined]
+    key = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    assert transformers_keys.loaded_names(mixtral, [key], names) == {key: ("model.layers.0.mlp.experts.gate_up_proj", True)}
+
+
+def test_a_moved_key_conversion_reads_keys_as_names_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    exaone = _tiny_causal_lm("ExaoneConfig", eos_token_id=1)
+    monkeypatch.setitem(sys.modules, "transformers.conversion_mapping", None)  # import fails as if it had moved
+    key = "transformer.h.0.attn.attention.out_proj.weight"
+    with caplog.at_level(logging.WARNING):
+        assert transformers_keys.loaded_names(exaone, [key], []) == {key: (key, False)}
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["transformers' weight-key conversion not found"]
 
 
 def test_a_stop_iteration_from_a_validation_batch_hook_ends_the_pass_and_runs_its_end_hooks() -> None:

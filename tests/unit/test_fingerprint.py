@@ -1,0 +1,220 @@
+"""The frozen-source fingerprint (training/fingerprint.py): what changes it, what does not, and how
+a checkpoint of each version is checked.
+
+Real parts: LLM folders written by ``save_pretrained`` (safetensors split over several files, as
+a user's base comes) and by safetensors' own ``save_file``, aligners written by ``save_aligner``,
+the model built by the trainer's ``build_model``. What a rank reads to compute it is measured on
+real ranks in tests/integration/test_start_reads.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from purrsight.model.aligner import Phase1Aligner, save_aligner
+from purrsight.model.weight_files import WeightFiles
+from purrsight.training.fingerprint import FINGERPRINT_VERSION
+from purrsight.training.model_builder import build_model, fingerprint_v2
+from purrsight.training.module import CheckpointMismatchError, Phase2Module, verify_checkpoint
+from tests.helpers import REPO, python_env, tiny_config
+
+SHAPE: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def save_llm(folder: Path, tokenizer_dir: Path, seed: int, shard_size: str = "60KB") -> Path:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from purrsight.model.llm import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=len(tokenizer), **SHAPE))
+    model.save_pretrained(folder, max_shard_size=shard_size)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llm_dir(tmp_path_factory: pytest.TempPathFactory, synthetic_dir: Path) -> Path:
+    folder = save_llm(tmp_path_factory.mktemp("llm") / "llm", synthetic_dir / "tokenizer", seed=0)
+    assert len(list(folder.glob("model-*.safetensors"))) > 2
+    return folder
+
+
+def with_one_tensor_changed(source: Path, target: Path, key: str) -> Path:
+    """A copy of ``source`` whose tensor ``key`` is scaled by 1.01; the file that holds it."""
+    shutil.copytree(source, target)
+    holder = target / WeightFiles(target).weight_map[key]
+    tensors = load_file(holder)
+    tensors[key] = tensors[key] * 1.01
+    save_file(tensors, holder, metadata={"format": "pt"})
+    return holder
+
+
+def test_the_fingerprint_changes_with_the_frozen_weights_and_only_with_them(
+    synthetic_dir: Path, tmp_path: Path, llm_dir: Path
+) -> None:
+    def fingerprint(llm: Path | None = None, aligner: Path | None = None, **extra: object) -> str:
+        overrides: dict[str, object] = dict(extra)
+        if llm is not None:
+            overrides.update({"model.llm.path": llm, "model.llm.config": "null"})
+        if aligner is not None:
+            overrides["model.aligner_checkpoint"] = aligner
+        return build_model(tiny_config(synthetic_dir, tmp_path, **overrides)).fingerprint
+
+    original = fingerprint(llm_dir)
+    # the same weights split over other files, in another folder, or held in bf16: the same model
+    resplit = save_llm(tmp_path / "resplit", synthetic_dir / "tokenizer", seed=0, shard_size="200KB")
+    assert len(list(resplit.glob("*.safetensors"))) != len(list(llm_dir.glob("*.safetensors")))
+    assert fingerprint(resplit) == original
+    config = tiny_config(synthetic_dir, tmp_path, model__llm__path=llm_dir, model__llm__config="null")
+    assert build_model(config, torch.bfloat16).fingerprint == original
+    # other weights: another folder's, or one tensor of one file changed
+    assert fingerprint(save_llm(tmp_path / "other", synthetic_dir / "tokenizer", seed=1)) != original
+    holder = with_one_tensor_changed(llm_dir, tmp_path / "changed", "model.layers.1.mlp.down_proj.weight")
+    assert holder.name != sorted(p.name for p in llm_dir.glob("model-*.safetensors"))[0]  # not only the first file counts
+    assert fingerprint(tmp_path / "changed") != original
+
+    # the tiny default's towers and LLM, random-initialised from a seed, and the aligner's file
+    assert fingerprint() == fingerprint() != fingerprint(run__seed=7)
+    widths = {"image": 32, "audio": 32}
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        save_aligner(Phase1Aligner(widths, 256), tmp_path / f"aligner-{seed}.pt")
+    shutil.copy(tmp_path / "aligner-0.pt", tmp_path / "aligner-0-moved.pt")
+    with_aligner = fingerprint(aligner=tmp_path / "aligner-0.pt")
+    assert with_aligner == fingerprint(aligner=tmp_path / "aligner-0-moved.pt")
+    assert len({with_aligner, fingerprint(aligner=tmp_path / "aligner-1.pt"), fingerprint()}) == 3
+
+
+def test_a_sharded_build_has_the_whole_builds_fingerprint(synthetic_dir: Path, tmp_path: Path, llm_dir: Path) -> None:
+    """Built on the meta device (fsdp) or whole (ddp), from the same folder: a resume across strategies is accepted."""
+    config = tiny_config(synthetic_dir, tmp_path, model__llm__path=llm_dir, model__llm__config="null")
+    sharded = build_model(config, llm_on_meta=True)
+    assert any(param.device.type == "meta" for param in sharded.model.parameters())
+    assert sharded.fingerprint == build_model(config).fingerprint
+
+
+def test_rows_read_from_the_files_are_the_saved_tensors(llm_dir: Path) -> None:
+    files = WeightFiles(llm_dir)
+    saved: dict[str, torch.Tensor] = {}
+    for path in llm_dir.glob("*.safetensors"):
+        saved.update(load_file(path))
+    assert set(files.weight_map) == set(saved)
+    for key, tensor in saved.items():
+        rows = tensor.shape[0] if tensor.dim() else 1
+        assert torch.equal(files.rows(key, 0, rows), tensor), key
+        assert torch.equal(files.rows(key, 1, 3), tensor[1:3]), key
+        assert torch.equal(files.rows(key, rows - 1, rows + 5), tensor[rows - 1 :]), key  # a last shard runs short
+
+
+def never(version: int) -> str | None:
+    raise AssertionError(f"version {version} was computed for a checkpoint that did not need it")
+
+
+def test_a_checkpoint_is_checked_against_the_fingerprint_of_its_own_version(caplog: pytest.LogCaptureFixture) -> None:
+    shapes = {"model.a": [2, 3]}
+
+    def checkpoint(fingerprint: str, version: int | None) -> dict[str, object]:
+        meta: dict[str, object] = {"fingerprint": fingerprint, "projector": "tokens"}
+        if version is not None:
+            meta["fingerprint_version"] = version
+        return {"purrsight": meta, "state_dict": {"model.a": torch.zeros(2, 3)}}
+
+    verify_checkpoint(checkpoint("now", FINGERPRINT_VERSION), "now", shapes, "tokens", never)  # the earlier one not computed
+    with pytest.raises(CheckpointMismatchError, match="fingerprint differs"):
+        verify_checkpoint(checkpoint("other", FINGERPRINT_VERSION), "now", shapes, "tokens", never)
+    asked: list[int] = []
+
+    def version2(version: int) -> str | None:
+        asked.append(version)
+        return "then"
+
+    verify_checkpoint(checkpoint("then", 2), "now", shapes, "tokens", version2)
+    assert asked == [2]
+    with pytest.raises(CheckpointMismatchError, match="fingerprint differs"):
+        verify_checkpoint(checkpoint("else", 2), "now", shapes, "tokens", version2)
+    with pytest.raises(CheckpointMismatchError, match=r"fingerprint is version 9, which this PurrSight cannot compute"):
+        verify_checkpoint(checkpoint("then", 9), "now", shapes, "tokens", lambda version: None)
+    verify_checkpoint(checkpoint("path-bound", None), "now", shapes, "tokens", never)  # version 1: a warning
+    assert "cannot be checked" in caplog.text
+
+
+def test_a_version_2_checkpoint_resumes_and_other_frozen_weights_are_still_refused(synthetic_dir: Path, tmp_path: Path) -> None:
+    """Through the module's own hook: version 2 is computed for the checkpoint, on demand."""
+    config = tiny_config(synthetic_dir, tmp_path)
+    module = Phase2Module(config)
+    module.configure_model()
+    shapes = module.trainable_shapes()
+    state = {name: torch.zeros(shape) for name, shape in shapes.items()}
+
+    def saved_by_version_2(fingerprint: str) -> dict[str, object]:
+        meta = {"fingerprint": fingerprint, "fingerprint_version": 2, "projector": config.model.projector}
+        return {"purrsight": meta, "state_dict": state}
+
+    then = fingerprint_v2(config)
+    assert then != module.fingerprint  # two versions: the check below must compute the earlier one
+    module.on_load_checkpoint(saved_by_version_2(then))
+    with pytest.raises(CheckpointMismatchError, match="fingerprint differs"):
+        module.on_load_checkpoint(saved_by_version_2(fingerprint_v2(tiny_config(synthetic_dir, tmp_path, run__seed=7))))
+
+
+# Two real processes in a gloo group: rank 0 computes (a value, then an error), rank 1 never does.
+RANK_COMPUTES = """
+import sys
+import torch.distributed as dist
+from purrsight.distributed.process_group import computed_on_rank_zero
+from purrsight.model.loading import ModelLoadError
+
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+
+def compute(what):
+    if rank != 0:
+        raise AssertionError(f"rank {rank} computed")
+    if what == "error":
+        raise ModelLoadError("model.safetensors: not a safetensors file")
+    return "fingerprint of rank 0"
+
+print(computed_on_rank_zero(lambda: compute("value"), dist.group.WORLD))
+try:
+    computed_on_rank_zero(lambda: compute("error"), dist.group.WORLD)
+except ModelLoadError as error:
+    print(f"ModelLoadError: {error}")
+dist.destroy_process_group()
+"""
+
+
+def test_rank_0_alone_computes_and_its_error_is_raised_on_every_rank(tmp_path: Path) -> None:
+    """A fingerprint rank 0 cannot compute (an unreadable weight file) stops every rank with its
+    line, instead of leaving the others in the broadcast until the collective timeout."""
+    store = tmp_path / "store"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_COMPUTES, str(rank), str(store)],
+            cwd=REPO,
+            env=python_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    for rank, (out, err) in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, err[-2000:]
+        assert out.splitlines() == ["fingerprint of rank 0", "ModelLoadError: model.safetensors: not a safetensors file"]
