@@ -39,6 +39,10 @@ Prepare a large dataset once (decoded, tokenised, memory-mapped shards; docs/DAT
     python train_phase2.py prepare --config config/qwen2.5-0.5b.yaml --out /shared/prepared/v1
     python train_phase2.py --config config/qwen2.5-0.5b.yaml data.prepared=/shared/prepared/v1
 
+Before queueing: does it fit? Per-GPU memory under ddp and fsdp, from config files only (docs/SCALING.md)::
+
+    python train_phase2.py estimate --config config/qwen2.5-7b.yaml --gpus 8 --gpu-memory 80GB
+
 Export (LoRA merged, Hugging Face directory, projectors beside it)::
 
     python train_phase2.py export --checkpoint runs/phase2-tiny/checkpoints/last.ckpt --out exported/phase2-tiny
@@ -159,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("purrsight.distributed").info(ranks_note)
     if argv[:1] == ["export"]:
         return run_guarded(export_command, parse_export_args(argv[1:]))
+    if argv[:1] == ["estimate"]:
+        from purrsight.estimate.command import estimate_command, parse_estimate_args
+
+        try:
+            estimate_args = parse_estimate_args(argv[1:])
+        except SystemExit as exit_:
+            return ExitCode.USAGE if exit_.code else ExitCode.OK
+        return run_guarded(estimate_command, estimate_args)
     if argv[:1] == ["prepare"]:
         from purrsight.datasets.prepare_job import parse_prepare_args, prepare_command
 

@@ -22,6 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "runs": {"distributed", "internals"},
     "observability": {"model", "runs"},
     "training": {"internals", "data", "model", "distributed", "datasets", "runs", "observability"},
+    "estimate": {"internals", "data", "model"},  # config files and meta tensors: nothing trains here
     "launcher": {"internals", "data"},
     "ray_engine": {"internals", "data", "distributed", "datasets", "runs", "observability", "training"},
 }

@@ -1,0 +1,116 @@
+"""``train_phase2.py estimate``: whether a config's training fits its GPUs, before it is queued."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from purrsight.errors import UserError
+
+DESCRIPTION = """\
+Per-GPU memory of training CONFIG on N GPUs, ddp and fsdp side by side, and the checkpoint's size.
+Built from config files alone on the meta device: a model directory is read for its config.json,
+never its weights; nothing is downloaded.
+
+Counted per GPU: frozen weights (bf16 under bf16 precisions), trainable weights (LoRA and the
+projectors, fp32), their gradients, AdamW's two moments, fsdp's all-gather buffers (the root unit
+and two neighbouring units gathered, one twice while copied out), and the peak of one micro-batch's
+activations and logits at data.batch_size and data.max_length (plus the prefix tokens), found by
+running that step's forward and backward on meta with gradient checkpointing as configured (the
+logits at their real bytes: fp32 upcast, log-softmax and gradients, about 12 B each).
+trainer.precision auto counts as bf16-mixed.
+
+Not counted: the CUDA context, NCCL buffers and allocator fragmentation (leave 1-5 GB of an 80 GB
+GPU for them), pinned loader batches, kernel workspaces. docs/SCALING.md has the tables.
+
+  python train_phase2.py estimate --config config/qwen2.5-7b.yaml --gpus 8 --gpu-memory 80GB
+  python train_phase2.py estimate --config config/qwen2.5-7b.yaml --gpus 8 --llm-config /path/Qwen2.5-72B/config.json --json
+"""
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_estimate_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="train_phase2.py estimate", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default="config/train_config.yaml", help="YAML config (default: %(default)s)")
+    parser.add_argument("--gpus", default="1", help="GPUs the job trains on, all nodes together (default: %(default)s)")
+    parser.add_argument(
+        "--gpu-memory", default=None, metavar="SIZE", help="one GPU's memory (80GB, 141GB, 80GiB): say whether each strategy fits"
+    )
+    parser.add_argument(
+        "--llm-config",
+        default=None,
+        metavar="PATH",
+        help="a config.json (or a directory holding one) whose shape replaces model.llm's: price a base you have not downloaded",
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout instead of the table")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, as for training")
+    return parser.parse_args(argv)
+
+
+def parse_size(text: str) -> int:
+    """``80GB`` -> 80e9 bytes; ``80GiB`` -> 80 * 2**30; a bare number is bytes."""
+    match = SIZE.match(text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in {*UNITS, ""}:
+        raise UserError(f"--gpu-memory {text}: not a size; write it as 80GB or 80GiB (units: {', '.join(UNITS)})")
+    return int(float(match.group(1)) * UNITS.get(unit, 1))
+
+
+def parse_gpus(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"--gpus {text}: give a whole number of GPUs, at least 1")
+    return int(text)
+
+
+def in_unit(count: int, unit: int) -> str:
+    return f"{count / unit:.2f}"
+
+
+def estimate_command(args: argparse.Namespace) -> int:
+    gpus, memory = parse_gpus(args.gpus), parse_size(args.gpu_memory) if args.gpu_memory else None
+    from purrsight.config import load_config
+    from purrsight.estimate.memory import STRATEGIES, estimate
+
+    config = load_config(args.config, args.overrides, check_paths=False)  # model paths: config.json only, checked as read
+    result = estimate(config, gpus, Path(args.llm_config) if args.llm_config else None)
+    if args.json:
+        per_gpu = {
+            name: {**vars(part), "total": part.total, **({"fits": result.fits(name, memory)} if memory else {})}
+            for name, part in result.per_gpu.items()
+        }
+        print(
+            json.dumps(
+                {
+                    "config": args.config,
+                    "gpus": gpus,
+                    "precision": result.precision,
+                    "frozen_parameters": result.frozen_parameters,
+                    "trainable_parameters": result.trainable_parameters,
+                    "checkpoint_bytes": result.checkpoint_bytes,
+                    "gpu_memory_bytes": memory,
+                    "per_gpu_bytes": per_gpu,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    largest = max(part.total for part in result.per_gpu.values())
+    unit, unit_name = (10**9, "GB") if largest >= 10**9 else (10**6, "MB")
+    print(
+        f"{args.config} on {gpus} GPU(s), {result.precision}: {result.frozen_parameters / 1e6:,.1f}M frozen, "
+        f"{result.trainable_parameters / 1e6:,.2f}M trainable parameters; checkpoint {result.checkpoint_bytes / 1e9:.3f} GB"
+    )
+    rows = ["frozen", "trainable", "gradients", "optimizer", "all_gather", "activations", "logits"]
+    print(f"{'per GPU, ' + unit_name:<14}" + "".join(f"{name:>14}" for name in STRATEGIES))
+    for row in rows:
+        print(f"{row:<14}" + "".join(f"{in_unit(getattr(result.per_gpu[name], row), unit):>14}" for name in STRATEGIES))
+    print(f"{'total':<14}" + "".join(f"{in_unit(result.per_gpu[name].total, unit):>14}" for name in STRATEGIES))
+    if memory:
+        verdicts = ("fits" if result.fits(name, memory) else "DOES NOT FIT" for name in STRATEGIES)
+        print(f"{'in ' + in_unit(memory, unit) + ' ' + unit_name:<14}" + "".join(f"{verdict:>14}" for verdict in verdicts))
+    return 0

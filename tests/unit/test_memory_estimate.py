@@ -1,0 +1,100 @@
+"""``train_phase2.py estimate`` (purrsight/estimate/): its arithmetic's promises over all numbers, the
+model's own counts, its errors, measured against a CPU run in
+tests/integration/test_estimate_peak.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from purrsight.errors import UserError
+from purrsight.estimate.command import parse_size
+from purrsight.estimate.memory import Footprint, footprint
+from purrsight.internals.torch_dispatch import LiveBytes
+from tests.helpers import REPO, tiny_config
+
+sizes = st.integers(min_value=0, max_value=10**12)
+footprints = st.builds(
+    Footprint,
+    precision=st.just("bf16-mixed"),
+    frozen_parameters=sizes,
+    trainable_parameters=sizes,
+    frozen_bytes=sizes,
+    trainable_bytes=sizes,
+    all_gather=sizes,
+    activations=sizes,
+    logits=sizes,
+    bucket_copy=st.booleans(),
+    accumulates=st.booleans(),
+)
+
+
+@given(footprints, st.integers(min_value=1, max_value=4096))
+def test_fsdp_per_gpu_bytes_never_grow_with_gpus_and_ddp_stays(found: Footprint, gpus: int) -> None:
+    fewer, more = found.estimate(gpus), found.estimate(gpus + 1)
+    assert more.per_gpu["fsdp"].total <= fewer.per_gpu["fsdp"].total
+    assert more.per_gpu["ddp"] == fewer.per_gpu["ddp"]
+    assert fewer.per_gpu["fsdp"].frozen <= fewer.per_gpu["ddp"].frozen
+
+
+@given(footprints, st.integers(min_value=1, max_value=64), sizes)
+def test_it_fits_exactly_when_the_sum_is_within_the_memory(found: Footprint, gpus: int, memory: int) -> None:
+    result = found.estimate(gpus)
+    for name, part in result.per_gpu.items():
+        assert result.fits(name, memory) == (sum(vars(part).values()) <= memory)
+
+
+def test_sizes_read_as_written_and_a_bad_one_names_itself() -> None:
+    assert parse_size("80GB") == 80 * 10**9 and parse_size("80GiB") == 80 * 2**30 and parse_size("141 gb") == 141 * 10**9
+    with pytest.raises(UserError, match="--gpu-memory 80XB"):
+        parse_size("80XB")
+
+
+def test_counts_are_the_models_own(synthetic_dir: Path, tmp_path: Path) -> None:
+    """The tiny default built for real (training's own builder) holds what the meta build counts."""
+    from purrsight.training.model_builder import build_model
+
+    config = tiny_config(synthetic_dir, tmp_path)
+    model = build_model(config).model
+    found = footprint(config)
+    assert found.trainable_parameters == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
+    assert found.frozen_parameters == sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert found.logits > 0 and found.activations > 0
+
+
+def test_the_step_tracker_counts_a_known_peak() -> None:
+    """Two 1 MiB fp32 tensors alive at once, then one: the peak is 2 MiB, views of existing weights count nothing."""
+    weight = torch.empty(1024, 256, device="meta")
+    with LiveBytes() as tracker:
+        first = torch.empty(1024, 256, device="meta") + 1
+        second = first * 2
+        del first
+        _ = weight.t()
+        del second
+    assert tracker.peak_bytes == 2 * 2**20
+
+
+def run_estimate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "train_phase2.py", "estimate", *args], cwd=REPO, capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "culprit"),
+    [
+        (["--gpus", "0"], "--gpus 0"),
+        (["--gpu-memory", "80XB"], "--gpu-memory 80XB"),
+        (["--config", "missing.yaml"], "missing.yaml"),
+    ],
+)
+def test_bad_input_is_one_line_naming_it_and_exit_2(args: list[str], culprit: str) -> None:
+    done = run_estimate(*args)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(lines) == 1 and culprit in lines[0], done.stderr
