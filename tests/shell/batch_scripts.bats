@@ -1,0 +1,81 @@
+#!/usr/bin/env bats
+# The batch scripts' own shell: slurm/prepare.sbatch's part of an array, the CPUs an srun step
+# asks for (slurm/job.sh).
+#
+# Python is a stand-in here (a script that records its arguments and plays one answer per
+# command): these tests are about what the shell does with the answers. The real ones run in
+# tests/cluster (SLURM, PBS over it, real Ray).
+
+setup() {
+  REPO="$(cd "${BATS_TEST_DIRNAME}/../.." && pwd)"
+  cd "${REPO}" || exit 1
+  STUB="${BATS_TEST_TMPDIR}/venv"
+  mkdir -p "${STUB}/bin"
+  printf 'PATH="%s/bin:${PATH}"\n' "${STUB}" >"${STUB}/bin/activate"
+  # python: records its arguments; `wait` sleeps STUB_WAIT_S (the wait for the nodes), `address`
+  # fails when STUB_ADDRESS_FAILS is set, `ports` prints a block, the rest succeed.
+  cat >"${STUB}/bin/python" <<'EOF'
+#!/usr/bin/env bash
+printf '%s\n' "$*" >>"${STUB_CALLS}"
+case " $* " in
+  *" address "*) [[ -z "${STUB_ADDRESS_FAILS:-}" ]] || exit 1; echo 127.0.0.1 ;;
+  *" ports "*) echo 14200 ;;
+  *" wait "*) sleep "${STUB_WAIT_S:-0}"; echo http://127.0.0.1:14201 ;;
+esac
+EOF
+  printf '#!/bin/sh\nexit 0\n' >"${STUB}/bin/ray"
+  chmod +x "${STUB}/bin/python" "${STUB}/bin/ray"
+  export VENV="${STUB}" STUB_CALLS="${BATS_TEST_TMPDIR}/calls" LOG_DIR="${BATS_TEST_TMPDIR}/logs"
+  unset PARTS SLURM_ARRAY_TASK_ID SLURM_ARRAY_TASK_MIN SLURM_ARRAY_TASK_MAX SLURM_ARRAY_TASK_COUNT
+}
+
+prepare_part() {
+  run bash slurm/prepare.sbatch config/train_config.yaml "${BATS_TEST_TMPDIR}/out"
+}
+
+@test "prepare.sbatch: each task of a 0-based or 1-based array prepares its place in the array" {
+  SLURM_ARRAY_TASK_MIN=0 SLURM_ARRAY_TASK_MAX=15 SLURM_ARRAY_TASK_COUNT=16
+  export SLURM_ARRAY_TASK_MIN SLURM_ARRAY_TASK_MAX SLURM_ARRAY_TASK_COUNT
+  SLURM_ARRAY_TASK_ID=15 prepare_part
+  [ "${status}" -eq 0 ]
+  grep -q -- "--part 15/16 " "${STUB_CALLS}"
+  export SLURM_ARRAY_TASK_MIN=1 SLURM_ARRAY_TASK_MAX=16
+  for task in 1 16; do SLURM_ARRAY_TASK_ID="${task}" prepare_part; [ "${status}" -eq 0 ]; done
+  grep -q -- "--part 0/16 " "${STUB_CALLS}"
+  grep -c -- "--part 15/16 " "${STUB_CALLS}" | grep -qx 2
+  run grep -q -- "--part 16/16" "${STUB_CALLS}"
+  [ "${status}" -ne 0 ]
+}
+
+@test "prepare.sbatch: a failed part runs again as the same part with PARTS, and never as the whole set" {
+  export SLURM_ARRAY_TASK_ID=3 SLURM_ARRAY_TASK_MIN=3 SLURM_ARRAY_TASK_MAX=3 SLURM_ARRAY_TASK_COUNT=1
+  PARTS=16 prepare_part
+  [ "${status}" -eq 0 ]
+  grep -q -- "--part 3/16 " "${STUB_CALLS}"
+  prepare_part # without PARTS: one line naming the fix, nothing prepared
+  [ "${status}" -eq 2 ]
+  [ "$(grep -c 'error:' <<<"${output}")" -eq 1 ]
+  grep -q "PARTS=N sbatch --array=3" <<<"${output}"
+  [ "$(wc -l <"${STUB_CALLS}")" -eq 1 ]
+  PARTS=3 prepare_part
+  [ "${status}" -eq 2 ]
+  grep -q "array task '3' is no part of 3" <<<"${output}"
+  export SLURM_ARRAY_TASK_MIN=0 SLURM_ARRAY_TASK_COUNT=2 # --array=0,3: a list with gaps
+  prepare_part
+  [ "${status}" -eq 2 ]
+  grep -q -- "--array skips tasks (2 of 0-3)" <<<"${output}"
+  unset SLURM_ARRAY_TASK_ID # not an array: the whole set
+  prepare_part
+  [ "${status}" -eq 0 ]
+  grep -q -- "--part 0/1 " "${STUB_CALLS}"
+}
+
+@test "job.sh: an srun step asks for the task's CPUs, else its node's share of the job's" {
+  cpus() { bash -c 'source slurm/job.sh; step_cpus "$1"' step_cpus "$1"; }
+  [ "$(SLURM_CPUS_PER_TASK=8 SLURM_JOB_CPUS_PER_NODE='32(x2)' cpus 1)" -eq 8 ]
+  export SLURM_JOB_CPUS_PER_NODE='32(x2),16' # node order: 32, 32, 16
+  unset SLURM_CPUS_PER_TASK
+  [ "$(cpus 0)" -eq 32 ]
+  [ "$(cpus 2)" -eq 16 ]
+  [ "$(cpus all)" -eq 16 ] # one count for every node's task: the least
+}
