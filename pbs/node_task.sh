@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # pbs/node_task.sh: what pbs/train.pbs and pbs/ray.pbs run on each node (pbs/nodes.sh).
-#   node_task.sh WORKDIR COMMAND [ARGS...]
+#   node_task.sh WORKDIR [--env FILE] COMMAND [ARGS...]
 # pbsdsh starts tasks in the home folder; the launcher, relative config paths and the Python
-# modules need the job's.
+# modules need the job's. FILE holds the job's settings (NAME=VALUE, NUL-separated, mode 0600),
+# for launchers that start a bare environment: exported here, then removed.
 set -euo pipefail
-cd "${1:?usage: node_task.sh WORKDIR COMMAND [ARGS...]}"
+cd "${1:?usage: node_task.sh WORKDIR [--env FILE] COMMAND [ARGS...]}"
 shift
+if [[ "${1:-}" == --env ]]; then
+  while IFS= read -r -d '' setting; do export "${setting?}"; done <"${2:?--env needs a file}"
+  rm -f "$2"
+  shift 2
+fi
 exec "$@"

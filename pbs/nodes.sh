@@ -9,7 +9,9 @@
 #   pbs_run_on INDEX CMD...   run CMD on host INDEX, in the job's folder with the job's settings
 #                             (PBS_LAUNCHER: pbsdsh, srun or ssh; see below). It execs: call it
 #                             in the background (&), and $! is the task's own pid
-#   pbs_stop_tasks PID...     ask the tasks started through pbs_run_on to end (SIGTERM)
+#   pbs_forget_env            at the job's end: the settings files of tasks that never started
+#   pbs_stop_tasks SIG PID... ask the tasks started through pbs_run_on to end (SIGTERM), or their
+#                             Ray to go down (SIGUSR2)
 #   pbs_rerun_check           RESUME=auto when this job id ran before (qrerun, a server restart)
 #
 # PBS_LAUNCHER picks how a host's task starts: pbsdsh where PBS has it; srun where the PBS job
@@ -80,25 +82,46 @@ pbs_launcher() {
 pbs_run_on() {
   local index="$1"
   shift
-  local env_args=()
-  mapfile -d '' -t env_args < <(forwarded_env)
-  local task=(env "${env_args[@]}" "${WORKDIR}/pbs/node_task.sh" "${WORKDIR}" "$@")
-  case "$(pbs_launcher)" in
+  local launcher env_file
+  launcher="$(pbs_launcher)"
+  env_file="${WORKDIR}/logs/.pbs-env-$(pbs_job_number)-${index}"
+  if [[ "${launcher}" == srun ]]; then
+    # srun hands the job's environment over itself, the scheduler's own way: nothing to write.
+    exec srun --overlap --nodes=1 --ntasks=1 --cpus-per-task="$(pbs_host_cpus "${index}")" \
+      --nodelist="${PBS_HOSTS[index]}" "${WORKDIR}/pbs/node_task.sh" "${WORKDIR}" "$@"
+  fi
+  # pbsdsh and ssh start a bare environment: the job's settings go in a file only this user
+  # can read (on the job's folder, which every node mounts), never as `env NAME=VALUE`
+  # arguments, which /proc/PID/cmdline shows every local user for the task's whole life.
+  # node_task.sh reads it and removes it.
+  (umask 077 && mkdir -p "${WORKDIR}/logs" && forwarded_env >"${env_file}")
+  local task=("${WORKDIR}/pbs/node_task.sh" "${WORKDIR}" --env "${env_file}" "$@")
+  case "${launcher}" in
     pbsdsh) exec pbsdsh -n "${PBS_HOST_INDEXES[index]}" -- "${task[@]}" ;;
-    srun) exec srun --overlap --nodes=1 --ntasks=1 --nodelist="${PBS_HOSTS[index]}" "${task[@]}" ;;
     # ssh takes one command string; every word is quoted for the remote shell, never evaluated here.
     *) exec ssh -o BatchMode=yes "${PBS_HOSTS[index]}" "$(printf '%q ' "${task[@]}")" ;;
   esac
 }
 
+# The slots (cores) the job holds on host INDEX: its lines in PBS_NODEFILE, one per slot.
+pbs_host_cpus() {
+  grep -cxF -- "${PBS_HOSTS[$1]}" "${PBS_NODEFILE}" || echo 1
+}
+
+# The env files of tasks that never started (a failed pbsdsh): removed at the job's end.
+pbs_forget_env() {
+  rm -f "${WORKDIR}/logs/.pbs-env-$(pbs_job_number)-"*
+}
+
 pbs_stop_tasks() {
-  local pid
+  local sig="$1" pid
+  shift
   if [[ "$(pbs_launcher)" == srun ]]; then
     # To the tasks, not to srun: srun answers SIGTERM by cancelling its step with SIGKILL.
-    scancel --signal=TERM "${SLURM_JOB_ID}" 2>/dev/null || true
+    scancel --signal="${sig}" "${SLURM_JOB_ID}" 2>/dev/null || true
     return 0
   fi
-  for pid in "$@"; do kill -s TERM "${pid}" 2>/dev/null || true; done
+  for pid in "$@"; do kill -s "${sig}" "${pid}" 2>/dev/null || true; done
 }
 
 pbs_rerun_check() {

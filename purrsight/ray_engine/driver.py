@@ -126,6 +126,11 @@ class StopRelay:
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        # Inside a batch job's Ray (purrsight.ray_node) every Ray process, this driver included, is
+        # born with SIGTERM held, so that a job-wide SIGTERM (scancel, a preemption, qdel) leaves
+        # Ray up; the driver is the one process that must hear it (and `ray job stop`): it stops
+        # the run. Ray itself holds SIGINT in its processes. One held before now arrives here.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
         threading.Thread(target=self._relay, name="purrsight-stop-relay", daemon=True).start()
 
     def _handle(self, signum: int, _frame: Any) -> None:

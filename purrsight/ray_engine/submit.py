@@ -11,9 +11,11 @@ a SLURM script that submits to Ray can tell them apart:
 
 Everything after ``--`` goes to ``train_phase2.py`` (``--config``, ``--resume``, overrides).
 SIGTERM or Ctrl-C here stops the job as ``ray job stop`` does (each worker saves a
-checkpoint) and still waits for its end; a second Ctrl-C leaves it running and returns (a second
-signal within 2 s is the first one's echo: scancel signals this process and the batch script that
-relays it).
+checkpoint) and still waits for its end. A second Ctrl-C at the keyboard leaves the job running
+and returns (one within 2 s is the first one's echo). A SIGTERM never does: a batch job hears
+several while its checkpoint is written (the time limit's after the script's own stop, a
+scancel that signals this process and the script that relays it), and returning would let the
+script tear Ray down under the checkpoint; the job's own end, or SIGKILL, ends the wait.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from purrsight.internals.ray_logging import RUNTIME_ENV_LOGGERS
 ENTRYPOINT = ("python", "train_phase2.py", "--engine", "ray")
 ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")  # the order `ray job` reads them in
 FINAL_STATES = {"SUCCEEDED", "FAILED", "STOPPED"}
-SAME_STOP_S = 2.0  # a second signal sooner than this is the first one's echo, not a second Ctrl-C
+SAME_STOP_S = 2.0  # a second Ctrl-C sooner than this is the first one's echo, not a second press
 # Ray's SDK narrates the upload file by file and each websocket it closes; what is uploaded
 # is .rayignore's business (docs/RAY.md), and its warnings and errors still print.
 CHATTY_LOGGERS = {
@@ -124,15 +126,15 @@ class Submission:
 
     def _on_signal(self, sig: int) -> None:
         now = time.monotonic()
-        if self.stop_asked_at is not None and now - self.stop_asked_at < SAME_STOP_S:
-            return  # the same stop, told twice: scancel signals this process and the batch script that relays it
+        if self.stop_asked_at is not None and (sig != signal.SIGINT or now - self.stop_asked_at < SAME_STOP_S):
+            return  # a SIGTERM, or the same Ctrl-C told twice: the stop asked for goes on, and so does the wait
         if self.stop_asked_at is not None:
             print(f"\nleaving job {self.job_id} running; stop it with `ray job stop {self.job_id}`", file=sys.stderr)
             raise SystemExit(SIGNAL_BASE + sig)
         self.stop_asked_at = now
         print(
             f"\n{signal.Signals(sig).name}: stopping job {self.job_id} (each worker saves a checkpoint); "
-            "Ctrl-C again leaves it running",
+            + ("Ctrl-C again leaves it running" if sig == signal.SIGINT else "waiting for its end"),
             file=sys.stderr,
         )
         try:

@@ -24,7 +24,24 @@ the `spank_pbs` plugin sets PBS_JOBID, PBS_O_WORKDIR, PBS_NODENUM and the other 
 in every job, and a TaskProlog gives each task a PBS_NODEFILE of one line per slot
 (`generate_pbs_nodefile`), as a site that runs PBS scripts on SLURM configures it. The node
 names resolve to their addresses through /etc/hosts (lines added for the session, then removed),
-as a cluster's host names do: PBS scripts know their nodes by name only.
+as a cluster's host names do: PBS scripts know their nodes by name only. Ours go first, so a
+machine whose /etc/hosts already maps those names (another test cluster did) still resolves
+them to this cluster's addresses; the fixture checks that they do.
+
+CPUs are bound as sites bind them: `TaskPlugin=task/affinity` gives each step the CPUs it asked
+for and no more (a step that asks for none gets one), so a script that forgets
+`--cpus-per-task` on an srun step shows it here. Processes are tracked by cgroup where this
+machine allows it (`proctrack/cgroup` on a writable cgroup v1 freezer hierarchy, the one this
+VM has, root being needed to write it): every process of a step, a renamed or reparented
+one included, is signalled and killed with its step. On cgroup v2 SLURM 22.05 wants systemd
+to delegate it a subtree (dbus), which a container without systemd cannot give: there the
+cluster tracks by process tree (`proctrack/linuxproc`), which misses a process that leaves it
+(a double fork), and says so at start.
+
+A second partition, `urgent`, holds the same nodes at a higher priority tier
+(`PreemptType=preempt/partition_prio`, `PreemptMode=REQUEUE`): a job there preempts a `debug`
+job on its nodes as a site takes nodes back, SIGTERM to every process of the job, SIGKILL after
+KillWait, and SLURM requeues the preempted job.
 """
 
 from __future__ import annotations
@@ -57,8 +74,8 @@ SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
 SlurmdLogFile={root}/log/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+ProctrackType={proctrack}
+TaskPlugin=task/affinity
 MpiDefault=none
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=5,sched_interval=5
@@ -77,8 +94,35 @@ TaskProlog={root}/task_prolog.sh
 NodeName=node0 NodeHostname=node0 NodeAddr={node0_addr} Port={node0_port} CPUs=2 RealMemory=4000 State=UNKNOWN
 NodeName=node1 NodeHostname=node1 NodeAddr={node1_addr} Port={node1_port} CPUs=2 RealMemory=4000 State=UNKNOWN
 NodeName=node2 NodeHostname=node2 NodeAddr={node2_addr} Port={node2_port} CPUs=2 RealMemory=4000 State=UNKNOWN
-PartitionName=debug Nodes=node0,node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=node0,node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PriorityTier=1
+PartitionName=urgent Nodes=node0,node1,node2 Default=NO MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
+
+# Only the freezer (proctrack) is used: no memory or CPU limits of SLURM's over the machine's.
+CGROUP_CONF = """\
+CgroupPlugin=cgroup/v1
+CgroupMountpoint=/sys/fs/cgroup
+ConstrainCores=no
+ConstrainRAMSpace=no
+ConstrainSwapSpace=no
+ConstrainDevices=no
+"""
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+def process_tracking() -> tuple[str, str]:
+    """(ProctrackType, why): cgroup where a cgroup v1 freezer hierarchy is mounted and writable here."""
+    probe = FREEZER / f"purrsight-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as err:
+        why = "no cgroup v1 freezer hierarchy" if not FREEZER.is_dir() else f"cannot write {FREEZER} ({err.strerror})"
+        return "proctrack/linuxproc", f"{why}; SLURM 22.05's cgroup v2 plugin needs systemd's delegation"
+    return "proctrack/cgroup", f"{FREEZER} is writable"
+
 
 SPANK_PBS = "/usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pbs.so"
 
@@ -100,15 +144,23 @@ HOSTS_MARK = "# purrsight test cluster"
 
 @contextlib.contextmanager
 def node_names_resolve() -> Iterator[None]:
-    """node0-node2 in /etc/hosts for the session (PBS scripts reach their hosts by name)."""
+    """node0-node2 in /etc/hosts for the session (PBS scripts reach their hosts by name), ahead of
+    any other line for them: the resolver takes the first match."""
     original = ETC_HOSTS.read_text()
     kept = "".join(line for line in original.splitlines(keepends=True) if HOSTS_MARK not in line)
     lines = "".join(f"{addr} {node} {HOSTS_MARK}\n" for node, addr in NODE_ADDRS.items())
-    ETC_HOSTS.write_text(kept + ("" if kept.endswith("\n") or not kept else "\n") + lines)
+    ETC_HOSTS.write_text(lines + kept)
     try:
         yield
     finally:
         ETC_HOSTS.write_text(kept)
+
+
+def check_node_names() -> None:
+    for node, addr in NODE_ADDRS.items():
+        resolved = subprocess.run(["getent", "hosts", node], capture_output=True, text=True, timeout=10).stdout.split()
+        if resolved[:1] != [addr]:
+            pytest.fail(f"{node} resolves to {resolved[:1]}, not to {addr} that /etc/hosts names first (nsswitch.conf?)")
 
 
 @dataclass
@@ -171,9 +223,14 @@ def running_cluster(root: Path) -> Iterator[SlurmCluster]:
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
+    proctrack, why = process_tracking()
+    print(f"test cluster: {proctrack} ({why})")
+    if proctrack == "proctrack/cgroup":
+        (root / "cgroup.conf").write_text(CGROUP_CONF)
     (root / "slurm.conf").write_text(
         SLURM_CONF.format(
             root=root,
+            proctrack=proctrack,
             ctld_port=free_port(),
             **{f"{node}_port": free_port() for node in NODES},
             **{f"{node}_addr": addr for node, addr in NODE_ADDRS.items()},
@@ -206,6 +263,7 @@ def running_cluster(root: Path) -> Iterator[SlurmCluster]:
             pytest.fail(f"SLURM nodes never became idle: {cluster.run('sinfo', check=False)}\n{cluster.log('slurmctld')}")
         time.sleep(1)
     with node_names_resolve():
+        check_node_names()
         yield cluster
         # Jobs a failed test left running: cancel them and let their steps end (up to KillWait
         # and a margin), or their processes would outlive the daemons.

@@ -78,7 +78,8 @@ def test_one_failing_node_fails_the_job_and_stops_the_others(synthetic_dir: Path
 
 
 def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: Path) -> None:
-    """What the job exported arrives on each node, by name and by family (NCCL_*, TORCH_*, ...).
+    """What the job exported arrives on each node, by name and by family (NCCL_*, TORCH_*, ...),
+    through a file only the user can read, never on the task's command line (a token among them).
 
     The launcher on the nodes is replaced by a script that writes its environment to a file:
     this test is about what train.pbs hands over (the tests above run the real launcher).
@@ -100,14 +101,20 @@ def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: 
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "LD_LIBRARY_PATH": "/opt/nccl/lib",
         "MAX_RESTARTS": "5",
+        "HF_TOKEN": "hf_secret_for_the_nodes_only",
+        "PURRSIGHT_SECRET_KEY": "one secret with spaces",
     }
-    done, _ = run_pbs(tmp_path, synthetic_dir, workdir=workdir, UNRELATED_SETTING="stays", **sent)
+    args = tmp_path / "pbsdsh-args"
+    done, _ = run_pbs(tmp_path, synthetic_dir, workdir=workdir, UNRELATED_SETTING="stays", FAKE_PBSDSH_ARGS=str(args), **sent)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     for rank in (0, 1):
         received = dict(line.split("=", 1) for line in (workdir / f"env.node{rank}").read_text().splitlines() if "=" in line)
         assert {key: received.get(key) for key in sent} == sent
         assert "UNRELATED_SETTING" not in received  # forwarded by name or family only
         assert received["PBS_NODENUM"] in {"0", "2"}
+    shown = args.read_text()
+    assert shown.count("env file mode 600") == 2 and "hf_secret" not in shown and "one secret" not in shown, shown
+    assert not list((workdir / "logs").glob(".pbs-env-*"))  # read and removed on each node
 
 
 # --- PBS through a real batch system ------------------------------------------------------------
@@ -126,10 +133,13 @@ def qsub_script(tmp: Path, name: str, resources: str) -> Path:
     return script
 
 
-def qsub(slurm: SlurmCluster, tmp: Path, script: Path, synthetic_dir: Path, **overrides: object) -> str:
+def qsub(
+    slurm: SlurmCluster, tmp: Path, script: Path, synthetic_dir: Path, extra_env: dict[str, str] | None = None, **overrides: object
+) -> str:
     """`CONFIG=... OVERRIDES=... qsub -V -j oe -o OUT SCRIPT` from the repo, as docs/SCHEDULERS.md shows; the job id."""
     env = dict(
         slurm.env,
+        **(extra_env or {}),
         PATH=f"{REPO / '.venv' / 'bin'}:{slurm.env['PATH']}",
         CONFIG="config/train_config.yaml",
         OVERRIDES=" ".join(tiny_overrides(synthetic_dir, tmp / "runs", **overrides)),
@@ -187,14 +197,42 @@ def test_qsub_train_pbs_on_two_nodes_qrerun_resumes_and_qdel_leaves_a_checkpoint
 
 
 @pytest.mark.root
-def test_qsub_ray_pbs_trains_on_two_nodes_to_the_end(slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path) -> None:
+def test_qsub_ray_pbs_trains_on_two_nodes_and_qdel_stops_it_with_a_checkpoint(
+    slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """qsub -V with tracker credentials exported; qdel mid-run (SIGTERM to every task, Ray's own
+    included, SIGKILL after the kill delay): a checkpoint at the step the run reached, no process
+    of the job's Ray left (renamed ones counted), and neither the job's Ray token nor a credential
+    on any command line or in a file other users may read, at any moment of the job."""
+    from tests.cluster.test_ray_batch import SECRETS, no_ray_left, ray_processes_seen, watch_secrets
+
     script = qsub_script(tmp_path, "ray.pbs", "nodes=2:ppn=2")  # PBS_NODEFILE: each host twice
-    job = qsub(slurm, tmp_path, script, synthetic_dir, trainer__max_steps=20)
-    state = slurm.wait_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=400)
-    out = (tmp_path / "job.out").read_text(errors="replace")
-    assert state == "COMPLETED", out[-4000:]
-    assert "Ray over 2 node(s) node0 node1; head 127.0.1.1" in out and "all 2 node(s) up: node0, node1" in out
-    assert "[ray.pbs" in out and "training finished" in out
-    assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt").exists()
+    seen: dict[int, str] = {}
+    with watch_secrets(tmp_path, slurm.root, jobs=[]) as watch:
+        job = qsub(
+            slurm, tmp_path, script, synthetic_dir, extra_env=SECRETS,
+            trainer__max_steps=100000, checkpoint__every_n_steps=100000,
+        )  # fmt: skip
+        watch.roots = lambda: [tmp_path, slurm.root, *Path("/tmp").glob(f"prs-{job}-*")]
+        out = tmp_path / "job.out"
+        deadline = time.monotonic() + 300
+        while not (out.exists() and "step 5/" in out.read_text(errors="replace")):
+            state = slurm.job_field(job, "JobState")
+            assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), (state, out.exists() and out.read_text())
+            seen.update(ray_processes_seen(job))
+            time.sleep(1)
+        seen.update(ray_processes_seen(job))
+        subprocess.run(["qdel", job], env=slurm.env, check=True, timeout=60)
+        assert slurm.wait_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=120) == "CANCELLED"
+    text = out.read_text(errors="replace")
+    assert "Ray over 2 node(s) node0 node1; head 127.0.1.1" in text and "all 2 node(s) up: node0, node1" in text
+    stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", text)
+    assert len(stopped) == 1, text[-3000:]
+    saved = sorted((tmp_path / "runs" / "phase2-tiny" / "checkpoints").glob("step-*.ckpt"))
+    assert [path.name for path in saved] == [f"step-{int(stopped[0]):08d}.ckpt"], saved
     for node in ("node0", "node1"):
-        assert "stopping this job's Ray" in (tmp_path / "logs" / f"ray-{job}" / f"{node}.log").read_text()
+        log = (tmp_path / "logs" / f"ray-{job}" / f"{node}.log").read_text()
+        assert "SIGTERM: the job is stopping; Ray stays up" in log and "stopping this job's Ray" in log, log[-2000:]
+    no_ray_left(job, seen)
+    watch.assert_clean(set(SECRETS.values()))
+    assert len(watch.seen) > len(SECRETS), "the scans never saw the job's Ray token"

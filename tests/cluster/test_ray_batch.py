@@ -2,6 +2,9 @@
 
 Each job starts real Ray (a head and a worker node, `ray start` on the test nodes' own loopback
 addresses), submits the training through purrsight.ray_engine.submit and stops its Ray at the end.
+Every way the site stops a job is real: a plain scancel (SIGTERM to every process of the job,
+SIGKILL after KillWait), a preemption by a job of a higher partition (the same signals, then
+SLURM's requeue), USR1 before the time limit.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from purrsight.launcher.ray_node import JobPorts, ray_processes, temp_dir
+from purrsight.ray_node.ports import JobPorts
 from tests.cluster.conftest import SlurmCluster
 from tests.cluster.test_slurm import batch_output, job_env, sbatch, submit
 from tests.helpers import REPO, check_every_sample_once, log_time, rank0_steps, record_samples_env, tiny_overrides
+from tests.host_scan import SecretWatch, processes_using
 
 pytest.importorskip("ray", reason="slurm/ray.sbatch needs the ray extra (scripts/test.sh installs it)")
 pytestmark = pytest.mark.root  # SLURM's daemons run as root here
@@ -27,22 +31,83 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 RAY_ALLOCATION = ("--mem=1000",)
 
 
-def no_ray_left(job: str, slots: int = 2) -> None:
-    for slot in range(slots):
-        temp = temp_dir(job, slot)
-        assert ray_processes(temp) == [] and not temp.exists(), f"job {job}'s Ray left on slot {slot}"
+# Tracker credentials in the submitting user's environment (sbatch passes it on): like the job's
+# own Ray token, on no command line and in no file that other users may read.
+SECRETS = {"WANDB_API_KEY": "wandb-ray-job-secret-0451", "MLFLOW_TRACKING_PASSWORD": "mlflow-ray-job-secret-0452"}
 
 
-def test_two_ray_jobs_on_the_same_nodes_one_from_a_set_prepared_by_an_array_and_a_stop_that_checkpoints(
+def temp_prefix(job: str) -> str:
+    return f"/tmp/prs-{job}-"  # each node's Ray temp dir: /tmp/prs-<job>-<slot>[-<suffix>]
+
+
+def ray_tokens(*log_dirs: Path) -> list[str]:
+    """The tokens the jobs made for their Ray (0600 files under their log folders), while they exist."""
+    found = []
+    for folder in log_dirs:
+        for path in folder.glob("ray-*/.auth-token"):
+            try:
+                found.append(path.read_text())
+            except OSError:
+                continue
+    return [token for token in found if token]
+
+
+def watch_secrets(*folders: Path, jobs: list[str]) -> SecretWatch:
+    """Command lines, and the files of the jobs' folders, the cluster's and their Ray temp dirs."""
+
+    def roots() -> list[Path]:
+        return [*folders, *(path for job in jobs for path in Path("/tmp").glob(f"prs-{job}-*"))]
+
+    return SecretWatch(lambda: [*SECRETS.values(), *ray_tokens(*(folder / "logs" for folder in folders))], roots)
+
+
+def ray_processes_seen(job: str) -> dict[int, str]:
+    """This job's Ray on the nodes now, found by what no teardown looks at: open files and working
+    folders under its temp dirs (Ray renames its processes: ray::RayTrainWorker...)."""
+    return processes_using(temp_prefix(job))
+
+
+def no_ray_left(job: str, seen: dict[int, str]) -> None:
+    """None of the job's Ray processes seen while it ran, renamed workers included, nor any other
+    holding its temp dirs, is alive; and the temp dirs are gone."""
+    assert any(title.startswith("ray::") for title in seen.values()), seen  # the check sees renamed workers
+    alive = {pid: title for pid, title in seen.items() if Path(f"/proc/{pid}").exists() and title in _title(pid)}
+    assert not alive and not ray_processes_seen(job), (alive, ray_processes_seen(job))
+    assert not list(Path("/tmp").glob(f"prs-{job}-*")), f"job {job}'s Ray temp dirs left"
+
+
+def _title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def wait_for_text(path: Path, text: str, slurm: SlurmCluster, job: str, seen: dict[int, str], timeout: float = 300) -> None:
+    """Until ``text`` is in the job's output, noting its Ray processes meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text(errors="replace")):
+        running = time.monotonic() < deadline and slurm.job_field(job, "JobState") not in ENDED
+        assert running, (path.read_text(errors="replace") if path.exists() else "(no output)")[-3000:]
+        seen.update(ray_processes_seen(job))
+        time.sleep(1)
+
+
+def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_stop_one_with_a_checkpoint(
     slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path
 ) -> None:
     """docs/DATA.md's array (slurm/prepare.sbatch, 2 parts), then two ray.sbatch jobs at once on
-    node0 and node1: A trains from the index to its end, B from the prepared set until, well after
-    A has ended, SIGTERM to its batch script (`scancel --batch --signal=TERM`) stops it.
+    node0 and node1: A from the index, B from the prepared set, both with tracker credentials in
+    their environment.
 
-    Each job's ports come from its own id, each node's Ray is sized from the allocation and logs
-    to its own file; A's teardown leaves B's Ray training on the same nodes; B's stop leaves a
-    checkpoint on every worker and no requeue; neither leaves a Ray process or temp dir behind.
+    A plain `scancel` stops A: SIGTERM to every process of the job, Ray's included, which hold it
+    and stay up while the driver stops the run: a checkpoint at the step it reached, and no
+    requeue. A's teardown leaves B's Ray training on the same nodes. Then a job of the `urgent`
+    partition preempts B (SIGTERM to everything, SIGKILL after KillWait, SLURM's requeue): a
+    checkpoint at its step, a resume once the urgent job is done, and B finishes with every
+    sample trained once per epoch. Each job's ports come from its own id, each node's Ray is
+    sized from the allocation; no command line and no file others may read holds a job's Ray
+    token or a tracker credential; neither job leaves a Ray process (renamed ones counted) or temp dir.
     """
     env = job_env(slurm, tmp_path)
     prepared = tmp_path / "prepared"
@@ -62,23 +127,40 @@ def test_two_ray_jobs_on_the_same_nodes_one_from_a_set_prepared_by_an_array_and_
     on_shared_nodes = ("--nodelist=node0,node1", *RAY_ALLOCATION)
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
+    steps = 64  # B: 128 samples, 2 workers x 8 a step: 8 epochs
+    records = tmp_path / "samples"
     first = submit(
-        slurm, tmp_path / "a", synthetic_dir, script="slurm/ray.sbatch", sbatch_args=on_shared_nodes, trainer__max_steps=20,
+        slurm, tmp_path / "a", synthetic_dir, extra_env=SECRETS, script="slurm/ray.sbatch", sbatch_args=on_shared_nodes,
+        trainer__max_steps=100000, checkpoint__every_n_steps=100000,
     )  # fmt: skip
     second = submit(
-        slurm, tmp_path / "b", synthetic_dir, script="slurm/ray.sbatch", sbatch_args=on_shared_nodes,
-        trainer__max_steps=100000, checkpoint__every_n_steps=100000, data__prepared=str(prepared),
+        slurm, tmp_path / "b", synthetic_dir, extra_env={**SECRETS, **record_samples_env(records, slurm.env)},
+        script="slurm/ray.sbatch", sbatch_args=on_shared_nodes,
+        trainer__max_steps=steps, checkpoint__every_n_steps=100000, data__prepared=str(prepared),
     )  # fmt: skip
-    assert slurm.wait_state(first, ENDED, timeout=400) == "COMPLETED", batch_output(tmp_path / "a", first, "purrsight-ray")[-3000:]
-    out_b = tmp_path / "b" / f"purrsight-ray-{second}.out"
-    (a_down,) = [line for line in batch_output(tmp_path / "a", first, "purrsight-ray").splitlines() if "Ray on every node" in line]
-    deadline = time.monotonic() + 300
-    # B trains on after A's teardown: two of its steps stamped after it.
-    while len([when for when, _ in rank0_steps(out_b.read_text(errors="replace")) if when > log_time(a_down)]) < 2:
-        assert time.monotonic() < deadline, out_b.read_text(errors="replace")[-3000:]
-        time.sleep(1)
-    slurm.run("scancel", "--batch", "--signal=TERM", second)
-    slurm.wait_state(second, ENDED, timeout=300)
+    out_a, out_b = (tmp_path / name / f"purrsight-ray-{job}.out" for name, job in (("a", first), ("b", second)))
+    seen: dict[str, dict[int, str]] = {first: {}, second: {}}
+    with watch_secrets(tmp_path, slurm.root, jobs=[first, second]) as watch:
+        wait_for_text(out_a, "step 5/", slurm, first, seen[first])
+        wait_for_text(out_b, "step 5/", slurm, second, seen[second])
+        seen[first].update(ray_processes_seen(first))
+        slurm.run("scancel", first)
+        assert slurm.wait_state(first, ENDED, timeout=120) == "CANCELLED", out_a.read_text()[-3000:]
+        (a_down,) = [line for line in out_a.read_text().splitlines() if "Ray on every node" in line]
+        deadline = time.monotonic() + 300
+        # B trains on after A's teardown: two of its steps stamped after it.
+        while len([when for when, _ in rank0_steps(out_b.read_text(errors="replace")) if when > log_time(a_down)]) < 2:
+            assert time.monotonic() < deadline, out_b.read_text(errors="replace")[-3000:]
+            seen[second].update(ray_processes_seen(second))
+            time.sleep(1)
+        urgent = sbatch(
+            slurm, env, "--partition=urgent", "--nodes=2", "--nodelist=node0,node1", "--exclusive", "--time=5",
+            f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 5",
+        )  # fmt: skip
+        wait_for_text(out_b, "stopped by SIGTERM (scancel or preemption)", slurm, second, seen[second])
+        assert slurm.wait_state(urgent, ENDED, timeout=300) == "COMPLETED", slurm.log("slurmctld")
+        wait_for_text(out_b, "resume=auto: continuing from", slurm, second, seen[second], timeout=400)
+        assert slurm.wait_state(second, ENDED, timeout=500) == "COMPLETED", out_b.read_text()[-4000:]
     outs = {job: batch_output(tmp_path / name, job, "purrsight-ray") for job, name in ((first, "a"), (second, "b"))}
 
     for job, name in ((first, "a"), (second, "b")):
@@ -87,19 +169,34 @@ def test_two_ray_jobs_on_the_same_nodes_one_from_a_set_prepared_by_an_array_and_
         assert "all 2 node(s) up: node0, node1" in out
         for node, address in (("node0", "127.0.1.1"), ("node1", "127.0.1.2")):
             log = (tmp_path / name / "logs" / f"ray-{job}" / f"{node}.log").read_text()
-            sized = re.search(rf"at {address}: \d+ CPUs \(affinity mask\), 0 GPUs \(SLURM\), object store 0\.3 GiB", log)
+            sized = re.search(rf"at {address}: 1 CPUs \(affinity mask\), 0 GPUs \(SLURM\), object store 0\.3 GiB", log)
             assert sized, log[-2000:]
             assert f"stopping this job's Ray on {node}" in log
-        no_ray_left(job)
+        no_ray_left(job, seen[job])
     assert JobPorts.of(first).base != JobPorts.of(second).base
-    assert "training finished" in outs[first]
-    assert (tmp_path / "a" / "runs" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt").exists()
+    watch.assert_clean(set(SECRETS.values()))
+    assert len(watch.seen) >= len(SECRETS) + 3, "the scans never saw the jobs' Ray tokens"  # A's, B's and B's requeued run's
+
+    # A, cancelled: a checkpoint at the step it reached, SIGTERM having reached every process of it.
+    stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", outs[first])
+    assert len(stopped) == 1, outs[first][-3000:]
+    saved = sorted((tmp_path / "a" / "runs" / "phase2-tiny" / "checkpoints").glob("step-*.ckpt"))
+    assert [path.name for path in saved] == [f"step-{int(stopped[0]):08d}.ckpt"], saved  # no periodic one was due
+    assert "stopped by SIGTERM (scancel or preemption): not requeueing; the checkpoints are kept" in outs[first]
+    assert slurm.job_field(first, "Restarts") == "0"
+    for node in ("node0", "node1"):
+        log = (tmp_path / "a" / "logs" / f"ray-{first}" / f"{node}.log").read_text()
+        assert "SIGTERM: the job is stopping; Ray stays up" in log, log[-2000:]
+
+    # B, preempted: the stop's checkpoint, SLURM's requeue, the resume from it, the end.
     assert f"data: 128 train samples (prepared {prepared})" in outs[second]
-    stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint", outs[second])
-    assert stopped, outs[second][-3000:]
-    assert (tmp_path / "b" / "runs" / "phase2-tiny" / "checkpoints" / f"step-{int(stopped.group(1)):08d}.ckpt").exists()
-    assert "stopped by SIGTERM (scancel or preemption): not requeueing; the checkpoints are kept" in outs[second]
-    assert slurm.job_field(second, "Restarts") == "0"
+    stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", outs[second])
+    resumed = re.search(r"resume=auto: continuing from .*step-(\d+)\.ckpt", outs[second])
+    assert len(stopped) == 1 and resumed and resumed.group(1) == f"{int(stopped[0]):08d}", outs[second][-4000:]
+    assert slurm.job_field(second, "Restarts") == "1" and "training finished" in outs[second]
+    assert (tmp_path / "b" / "runs" / "phase2-tiny" / "checkpoints" / f"step-{steps:08d}.ckpt").exists()
+    every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
+    check_every_sample_once(records, every_id, whole_epochs=steps // 8, accumulation=1)
 
 
 def failing_ray_on_the_second_node(folder: Path) -> Path:
@@ -131,26 +228,35 @@ def test_a_node_whose_ray_fails_to_start_is_excluded_then_usr1_requeues_and_the_
 
     Run 1: the second node's Ray fails to start; the wait ends at once, names it (exit 3), and
     the job requeues without it. Run 2, on the two other nodes, trains until USR1 (what
-    --signal=B:USR1@120 sends before the time limit) stops it with a checkpoint and requeues.
+    --signal=B:USR1@240 sends before the time limit) stops it with a checkpoint and requeues.
     Run 3 resumes from that checkpoint and finishes; across the runs every epoch trains every
-    sample once (each Ray Train worker records what it trains).
+    sample once (each Ray Train worker records what it trains). The job asks for 2 CPUs a task:
+    under the cluster's CPU binding each node's Ray gets both (an srun step that does not ask
+    for its CPUs gets one).
     """
     steps = 80
     records = tmp_path / "samples"
     extra = {**record_samples_env(records, slurm.env), "VENV": str(failing_ray_on_the_second_node(tmp_path / "venv"))}
     job = submit(
-        slurm, tmp_path, synthetic_dir, extra_env=extra, script="slurm/ray.sbatch", sbatch_args=RAY_ALLOCATION,
-        trainer__max_steps=steps, checkpoint__every_n_steps=20,
+        slurm, tmp_path, synthetic_dir, extra_env=extra, script="slurm/ray.sbatch",
+        sbatch_args=(*RAY_ALLOCATION, "--cpus-per-task=2"), trainer__max_steps=steps, checkpoint__every_n_steps=20,
         data__num_workers=2, data__batch_size=4, trainer__accumulate_grad_batches=2,
     )  # fmt: skip
     checkpoints = tmp_path / "runs" / "phase2-tiny" / "checkpoints"
+    seen: dict[int, str] = {}
     deadline = time.monotonic() + 400
     while not (checkpoints / "step-00000040.ckpt").exists():
         running = time.monotonic() < deadline and slurm.job_field(job, "JobState") not in ENDED
         assert running, batch_output(tmp_path, job, "purrsight-ray")[-3000:]
+        seen.update(ray_processes_seen(job))
         time.sleep(0.5)
     slurm.run("scancel", "--signal=USR1", "--batch", job)
-    state = slurm.wait_state(job, ENDED, timeout=500)
+    deadline = time.monotonic() + 500
+    while slurm.job_field(job, "JobState") not in ENDED:
+        assert time.monotonic() < deadline, batch_output(tmp_path, job, "purrsight-ray")[-3000:]
+        seen.update(ray_processes_seen(job))
+        time.sleep(1)
+    state = slurm.job_field(job, "JobState")
     out = batch_output(tmp_path, job, "purrsight-ray")
     assert state == "COMPLETED", out[-4000:] + slurm.log("slurmctld")
 
@@ -169,4 +275,7 @@ def test_a_node_whose_ray_fails_to_start_is_excluded_then_usr1_requeues_and_the_
     # 128 samples, 2 workers x 4 x 2 per step: 8 steps an epoch, 10 epochs in 80 steps.
     every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
     check_every_sample_once(records, every_id, whole_epochs=10, accumulation=2)
-    no_ray_left(job)
+    for node in slurm.run("scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")).split():
+        log = (tmp_path / "logs" / f"ray-{job}" / f"{node}.log").read_text()
+        assert re.search(r"at 127\.0\.1\.\d: 2 CPUs \(affinity mask\)", log), log[-2000:]
+    no_ray_left(job, seen)

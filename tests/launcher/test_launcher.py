@@ -5,12 +5,24 @@ from __future__ import annotations
 import os
 import re
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 
 from tests.helpers import read_metrics
+from tests.host_scan import SecretWatch
 from tests.launcher.conftest import Cluster, descendants, wait_for
+
+# Credentials a user exports for the trackers (W&B, MLflow) and the hub: they reach every rank
+# through the environment, never a command line or a file other users may read.
+SECRETS = {
+    "WANDB_API_KEY": "wandb-0123456789abcdef-secret",
+    "MLFLOW_TRACKING_PASSWORD": "mlflow-password-secret-42",
+    "MLFLOW_TRACKING_TOKEN": "mlflow-token-secret-43",
+    "HF_TOKEN": "hf_tokensecret44",
+}
 
 
 def workers(launcher_pid: int) -> list[psutil.Process]:
@@ -63,14 +75,20 @@ def test_two_nodes_worker_first_train_one_job_refuse_a_second_run_and_resume_on_
     run.output_dir: a second start is refused on each before torchrun, RESUME=auto continues
     the run on one rank per node, and the metrics history runs from the first step to the last.
     (A kill of one node's worker and torchrun's restart of both: tests/faults/test_trackers.py.)
+    Both nodes hold tracker and hub credentials in their environment: no process of the job shows
+    one on its command line, and no file of the job's, nor a launcher's temp file, lets others read one.
     """
-    two_ranks = {"NPROC_PER_NODE": "2", "BACKEND": "gloo"}
-    worker = cluster.start(2, 1, env={"NODE_ADDR": "127.0.0.2", **two_ranks}, trainer__max_steps=10)
-    time.sleep(10)
-    assert worker.proc.poll() is None, worker.text()  # still waiting for the master, not failed
-    master = cluster.start(2, 0, env={"NODE_ADDR": "127.0.0.3", **two_ranks}, trainer__max_steps=10)
-    assert master.wait(timeout=300) == 0, master.text()[-3000:]
-    assert worker.wait(timeout=120) == 0, worker.text()[-3000:]
+    two_ranks = {"NPROC_PER_NODE": "2", "BACKEND": "gloo", **SECRETS}
+    scratch = Path(tempfile.gettempdir())
+    roots = lambda: [cluster.tmp, *scratch.glob("purrsight-*")]  # noqa: E731 (the launchers' plan files)
+    with SecretWatch(lambda: list(SECRETS.values()), roots) as watch:
+        worker = cluster.start(2, 1, env={"NODE_ADDR": "127.0.0.2", **two_ranks}, trainer__max_steps=10)
+        time.sleep(10)
+        assert worker.proc.poll() is None, worker.text()  # still waiting for the master, not failed
+        master = cluster.start(2, 0, env={"NODE_ADDR": "127.0.0.3", **two_ranks}, trainer__max_steps=10)
+        assert master.wait(timeout=300) == 0, master.text()[-3000:]
+        assert worker.wait(timeout=120) == 0, worker.text()[-3000:]
+    watch.assert_clean(set(SECRETS.values()))
     logs = [cluster.node_log(0), cluster.node_log(1)]
     for node, log in enumerate(logs):
         for local in (0, 1):

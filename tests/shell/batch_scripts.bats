@@ -1,6 +1,7 @@
 #!/usr/bin/env bats
 # The batch scripts' own shell: slurm/prepare.sbatch's part of an array, the CPUs an srun step
-# asks for (slurm/job.sh).
+# asks for (slurm/job.sh), and batch/ray_cluster.sh's bring-up (a failed step stops it; a stop
+# signal ends it at once).
 #
 # Python is a stand-in here (a script that records its arguments and plays one answer per
 # command): these tests are about what the shell does with the answers. The real ones run in
@@ -78,4 +79,50 @@ prepare_part() {
   [ "$(cpus 0)" -eq 32 ]
   [ "$(cpus 2)" -eq 16 ]
   [ "$(cpus all)" -eq 16 ] # one count for every node's task: the least
+}
+
+# A batch script's bring-up as slurm/ray.sbatch runs it, with the scheduler's parts stubbed:
+# ray_on_node records what it would start on a node.
+ray_script() {
+  cat >"${BATS_TEST_TMPDIR}/bring_up.sh" <<EOF
+set -euo pipefail
+cd "${REPO}"
+log() { printf '%s\n' "\$*"; }
+ray_on_node() { shift; printf 'started %s\n' "\$*" >>"${BATS_TEST_TMPDIR}/started"; exec sleep 60; }
+ray_stop_nodes() { kill "\$@" 2>/dev/null || true; }
+source batch/ray_cluster.sh
+STOP_SIGNAL=""
+on_stop_signal() { STOP_SIGNAL="\${STOP_SIGNAL:-\$1}"; ray_stop_training "\$1"; }
+ray_cluster_init 7 0 none
+ray_node_add node0 node0
+ray_node_add node1 node1
+trap 'on_stop_signal TERM' TERM
+trap 'ray_cluster_down' EXIT
+rc=0
+ray_run config/train_config.yaml || rc=\$?
+echo "ray_run: \${rc}"
+exit "\${rc}"
+EOF
+}
+
+@test "ray_cluster.sh: a failed address lookup stops the bring-up before any node starts" {
+  ray_script
+  STUB_ADDRESS_FAILS=1 run bash "${BATS_TEST_TMPDIR}/bring_up.sh"
+  [ "${status}" -ne 0 ]
+  grep -q "error: no address for the head node0" <<<"${output}"
+  [ ! -e "${BATS_TEST_TMPDIR}/started" ]
+}
+
+@test "ray_cluster.sh: a stop while the nodes come up ends the wait at once" {
+  ray_script
+  STUB_WAIT_S=30 bash "${BATS_TEST_TMPDIR}/bring_up.sh" >"${BATS_TEST_TMPDIR}/out" 2>&1 &
+  local script=$! start=${SECONDS}
+  while ! grep -q " wait " "${STUB_CALLS}" 2>/dev/null; do sleep 0.2; ((SECONDS - start < 20)); done
+  kill -s TERM "${script}"
+  local status=0
+  wait "${script}" || status=$?
+  ((SECONDS - start < 15)) # not the 30 s the wait would take
+  [ "${status}" -eq 143 ]
+  grep -q "ray_run: 143" "${BATS_TEST_TMPDIR}/out"
+  [ "$(grep -c '^started' "${BATS_TEST_TMPDIR}/started")" -eq 2 ] # both nodes were starting, and were stopped
 }

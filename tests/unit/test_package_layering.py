@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "training": {"internals", "data", "model", "distributed", "datasets", "runs", "observability"},
     "estimate": {"internals", "data", "model"},  # config files and meta tensors: nothing trains here
     "launcher": {"internals", "data"},
+    "ray_node": {"launcher"},  # a batch job's Ray node stands on the launcher's node facts (addresses, CPUs)
     "ray_engine": {"internals", "data", "distributed", "datasets", "runs", "observability", "training"},
 }
 MAX_MODULES = 12  # a package a maintainer reads as one concern
@@ -88,6 +89,43 @@ def test_the_rules_have_no_circle() -> None:
 
     for package in ALLOWED:
         below(package, ())
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def purrsight_modules_imported(path: Path, modules: set[str]) -> set[str]:
+    """The purrsight modules ``path`` imports: ``from purrsight.a import b`` names the module a.b when b is one."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            dotted = [f"{node.module}.{alias.name}" for alias in node.names]
+            names = [name if name in modules else node.module for name in dotted]
+        found.update(name for name in names if name in modules and name != "purrsight")
+    return found - {module_name(path)}
+
+
+def test_no_module_is_part_of_an_import_circle() -> None:
+    """Within a package too (lazy imports count): a circle means two modules that are one concern, or
+    one that belongs below both (the Ray node and its wait imported each other)."""
+    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {name: purrsight_modules_imported(path, set(paths)) for name, path in paths.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, "import circle: " + " -> ".join((*path[path.index(name) :], name))
+        if name not in done:
+            for imported in sorted(graph[name]):
+                visit(imported, (*path, name))
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, ())
 
 
 def test_no_package_is_a_flat_folder_of_everything() -> None:

@@ -103,10 +103,12 @@ class StopRecorder:
             raise ConnectionError("Connection reset by peer")
 
 
-def test_a_stop_told_twice_at_once_is_one_stop_and_a_later_second_leaves_the_job(
+def test_a_later_sigterm_never_leaves_the_job_and_only_a_second_ctrl_c_does(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """scancel signals the wrapper and the batch script, which relays it: one stop, not a second Ctrl-C."""
+    """scancel signals the wrapper and the batch script, which relays it; the time limit's SIGTERM
+    comes long after the script's own stop, while the checkpoint is written. Neither may detach:
+    the script would then tear Ray down under the checkpoint. A second Ctrl-C at a keyboard does."""
     client = StopRecorder()
     following = submit.Submission(client, "raysubmit_1")
     clock = [100.0]
@@ -114,11 +116,18 @@ def test_a_stop_told_twice_at_once_is_one_stop_and_a_later_second_leaves_the_job
     following._on_signal(15)
     clock[0] += 0.5
     following._on_signal(15)  # the relay
+    clock[0] += 60
+    following._on_signal(15)  # the time limit's, a minute into the checkpoint
     assert client.stops == ["raysubmit_1"] and "leaving" not in capsys.readouterr().err
-    clock[0] += submit.SAME_STOP_S
     with pytest.raises(SystemExit) as exit:
         following._on_signal(2)  # a real second Ctrl-C
     assert exit.value.code == 130 and "leaving job raysubmit_1 running" in capsys.readouterr().err
+    clock[0] += 60
+    pressed = submit.Submission(StopRecorder(), "raysubmit_3")
+    pressed._on_signal(2)
+    clock[0] += 0.5
+    pressed._on_signal(2)  # the terminal's echo of the same press
+    assert "Ctrl-C again leaves it running" in capsys.readouterr().err
 
 
 def test_a_stop_the_head_cannot_take_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

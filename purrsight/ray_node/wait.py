@@ -1,8 +1,10 @@
-"""The wait for every node of a batch job's Ray cluster, with a deadline (``ray_node wait``).
+"""The wait for every node of a batch job's Ray cluster, with a deadline (``python -m purrsight.ray_node wait``).
 
 Ends at once, naming the node, when a node's step ends before it joined (its Ray failed to
 start), and names the missing nodes at the deadline; either way they join the job's bad-node
-list, which the SLURM script excludes on requeue. Ray is imported here only.
+list, which the SLURM script excludes on requeue. A node whose step ended for a reason that is
+no node's fault (a port another job took: the node records it in ``<log dir>/<node>.ended``)
+is named in one line and not blamed. Ray is imported here only.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from pathlib import Path
 
 from purrsight.bad_nodes import name_bad_node
 from purrsight.errors import ExitCode
-from purrsight.launcher.ray_node import JobPorts, Say
+from purrsight.ray_node.node import ENDED_SUFFIX
+from purrsight.ray_node.ports import JobPorts
+from purrsight.ray_node.say import Say
 
 
 def alive_nodes(dashboard: str) -> dict[str, dict[str, float]]:
@@ -39,6 +43,13 @@ def step_ended(pid: int) -> bool:
         return True
 
 
+def ended_because(log_dir: str, node: str) -> str:
+    try:
+        return (Path(log_dir) / f"{node}{ENDED_SUFFIX}").read_text()
+    except OSError:
+        return ""
+
+
 def wait(args: argparse.Namespace) -> int:
     """Wait until every node is up with its GPUs, then print the job server's address; exit 3
     naming the missing node at the deadline, or at once when a node's step (``--watch NODE=PID``)
@@ -46,12 +57,16 @@ def wait(args: argparse.Namespace) -> int:
     say = Say("wait")
     expected = args.nodes.split(",")
     watched = dict(item.split("=", 1) for item in args.watch)
-    dashboard = f"http://{args.head}:{JobPorts.of(args.job, args.port_base).dashboard}"
+    dashboard = f"http://{args.head}:{JobPorts(args.ports).dashboard}"
     deadline = time.monotonic() + args.deadline
     last = ""
     while True:
         for node, pid in watched.items():
             if step_ended(int(pid)):
+                reason, _, line = ended_because(args.log_dir, node).partition("\t")
+                if reason == "ports":
+                    say(f"error: node {node}'s Ray could not start: {line.strip()}")
+                    return ExitCode.FAILED  # a requeue may find the ports free; no node to exclude
                 say(f"error: node {node}'s Ray step ended before the cluster was up; its log: {args.log_dir}/{node}.log")
                 name_bad_node(["ray start"], node=node)
                 return ExitCode.CLUSTER

@@ -1,0 +1,126 @@
+"""What another local user could see, and what a job left running: read from /proc and the file system.
+
+Used during the real runs (tests/cluster, tests/launcher, tests/ray) as a site's admin would
+check them: no secret on any command line (``/proc/PID/cmdline`` is readable by every local
+user) or in a file others may read, and no process of a job left after it. The leftover check
+does not go by command line, which Ray rewrites (``ray::RayTrainWorker...``), nor by the process
+tree the teardown itself walks: it finds the processes that hold a file or their working folder
+under the job's temp dir (every Ray process keeps its logs open there, and a child inherits them).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def shown(line: bytes) -> str:
+    return line.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def cmdlines_holding(secrets: Iterable[str]) -> list[str]:
+    """'pid: command line' of every process whose command line holds one of ``secrets``."""
+    wanted = [secret.encode() for secret in secrets if secret]
+    found = []
+    for pid in pids():
+        line = cmdline(pid)
+        if any(secret in line for secret in wanted):
+            found.append(f"{pid}: {shown(line)[:300]}")
+    return found
+
+
+def readable_by_others_holding(secrets: Iterable[str], roots: Iterable[Path]) -> list[str]:
+    """Files under ``roots`` that any user may read (mode o+r) and that hold one of ``secrets``."""
+    wanted = [secret.encode() for secret in secrets if secret]
+    found = []
+    for root in roots:
+        for folder, _, files in os.walk(root):
+            for name in files:
+                path = Path(folder, name)
+                try:
+                    info = path.lstat()
+                    if not stat.S_ISREG(info.st_mode) or not info.st_mode & stat.S_IROTH or info.st_size > 64 * 2**20:
+                        continue
+                    data = path.read_bytes()
+                except OSError:
+                    continue
+                if any(secret in data for secret in wanted):
+                    found.append(f"{path} (mode {stat.S_IMODE(info.st_mode):o})")
+    return found
+
+
+def processes_using(prefix: str) -> dict[int, str]:
+    """pid -> command line of each process with its working folder or an open file under ``prefix``
+    (a folder's path and what follows it: '/tmp/prs-12-' finds /tmp/prs-12-0 and /tmp/prs-12-1-x7/...),
+    also once the folder is deleted."""
+    held = {}
+    for pid in pids():
+        try:
+            links = [os.readlink(f"/proc/{pid}/cwd")]
+            links += [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if any(link.startswith(prefix) for link in links):
+            held[pid] = shown(cmdline(pid))
+    return held
+
+
+class SecretWatch:
+    """Scans every process's command line for the secrets twice a second while a run goes on, and
+    the files under ``roots`` every few seconds (temp files live only while the run does).
+
+    ``secrets`` and ``roots`` are called at each scan: a token the job makes for itself, and the
+    temp dirs it makes, join once they exist.
+    """
+
+    def __init__(
+        self, secrets: Callable[[], list[str]], roots: Callable[[], list[Path]] = list, files_every_s: float = 5.0
+    ) -> None:
+        self.secrets = secrets
+        self.roots = roots
+        self.files_every_s = files_every_s
+        self.hits: list[str] = []
+        self.scans = 0
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        files_due = 0.0
+        while not self._stop.wait(0.5):
+            current = self.secrets()
+            self.seen.update(current)
+            self.hits += cmdlines_holding(current)
+            if time.monotonic() >= files_due:
+                self.hits += readable_by_others_holding(current, self.roots())
+                files_due = time.monotonic() + self.files_every_s
+            self.scans += 1
+
+    def __enter__(self) -> SecretWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.hits += readable_by_others_holding(sorted(self.seen), self.roots())
+
+    def assert_clean(self, expected: set[str]) -> None:
+        """No hit, after scans that were looking for every one of ``expected`` (else they proved nothing)."""
+        assert self.scans > 2 and expected <= self.seen, (self.scans, expected - self.seen)
+        assert not self.hits, "secrets visible to every local user:\n" + "\n".join(sorted(set(self.hits)))
