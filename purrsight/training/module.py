@@ -141,8 +141,30 @@ class Phase2Module(pl.LightningModule):
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         assert self.model is not None
-        optimizer, scheduler = build_optimizer(self.model.trainable_parameters(), self.config.optim, self.config.trainer.max_steps)
+        scaled = self.trainer.precision == "16-mixed"  # the one precision with a grad scaler
+        trainable, steps = self.model.trainable_parameters(), self.config.trainer.max_steps
+        optimizer, scheduler = build_optimizer(trainable, self.config.optim, steps, scaled_gradients=scaled)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's mixed-precision plugin refuses to clip for an optimizer that unscales in its
+        own step (the fused AdamW of GPUs), for fear of a grad scaler's scaled gradients. Only
+        16-mixed scales, and it gets no fused step (build_optimizer); under bf16-mixed the
+        gradients are true ones, so they are clipped here as Lightning's plain precision clips
+        them (every bf16 run on a GPU stopped at its first step with the default clip of 1.0)."""
+        if self.trainer.precision == "16-mixed" or not gradient_clip_val:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(parameters, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(parameters, gradient_clip_val)
 
     # ------------------------------------------------------------------ checkpoints
 

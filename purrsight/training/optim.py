@@ -76,13 +76,18 @@ def schedule_for(optim: OptimConfig, total_steps: int) -> LRSchedule:
 
 
 def build_optimizer(
-    parameters: list[torch.nn.Parameter], optim: OptimConfig, total_steps: int
+    parameters: list[torch.nn.Parameter], optim: OptimConfig, total_steps: int, scaled_gradients: bool = False
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """The optimizer and its per-step schedule (step the scheduler after every optimizer step)."""
+    """The optimizer and its per-step schedule (step the scheduler after every optimizer step).
+
+    ``scaled_gradients``: a grad scaler multiplies the loss (16-mixed).
+    """
     beta1, beta2 = optim.betas
     # On GPUs the fused kernel: one launch for all parameters, and its step counters stay on
-    # the device (the default keeps them on the host and reads each one per step).
-    fused = bool(parameters) and all(p.is_cuda for p in parameters)
+    # the device (the default keeps them on the host and reads each one per step). Not under a
+    # grad scaler: the fused step unscales inside itself, after clipping would have seen the
+    # gradients still scaled (Lightning refuses to clip then).
+    fused = bool(parameters) and all(p.is_cuda for p in parameters) and not scaled_gradients
     optimizer = torch.optim.AdamW(
         parameters, lr=optim.lr, betas=(beta1, beta2), weight_decay=optim.weight_decay, fused=fused or None
     )
