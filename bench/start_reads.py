@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, cast
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = REPO / "config" / "train_config.yaml"
 SMALL: dict[str, Any] = {
     "vocab_size": 32000,
     "hidden_size": 512,
@@ -165,7 +164,11 @@ def worker(root: Path, synthetic: Path) -> None:
     llm = root / f"rank-{rank}"
     overrides = [f"data.synthetic_dir={synthetic}", f"data.train_index={synthetic}/train.jsonl"]
     overrides += [f"data.val_index={synthetic}/val.jsonl", f"model.llm.path={llm}", "model.llm.config=null"]
-    config = load_config(CONFIG, [*overrides, f"run.output_dir={root / 'runs'}"])
+    # The default config of the tree whose package runs (an earlier tree knows fewer keys).
+    import purrsight
+
+    tree_config = Path(purrsight.__file__).resolve().parent.parent / "config" / "train_config.yaml"
+    config = load_config(tree_config, [*overrides, f"run.output_dir={root / 'runs'}"])
     tensors = headers(llm)
     base = sum(path.stat().st_size for path in llm.glob("*.safetensors"))
     dist.barrier()
