@@ -208,6 +208,13 @@ class DataConfig(_Section):
         8, gt=0, description="With skip: this many bad samples in a row (a broken folder, not a bad file) stops the run."
     )
     batch_size: int = Field(8, gt=0, description="Samples per process per step (before accumulation).")
+    group_by_length: bool = Field(
+        False, description="Batch samples of similar length together, in shuffled groups within windows (docs/DATA.md)."
+    )
+    length_group_size: int = Field(
+        256, gt=0, description="Samples per length group; a multiple of batch_size x processes keeps micro-batches in one group."
+    )
+    length_group_window: int = Field(64, gt=0, description="Groups sorted by length together; their order is shuffled.")
     num_workers: int = Field(0, ge=0, description="Loader worker processes per rank; 0 decodes in the training process.")
     pin_memory: bool | Literal["auto"] = Field("auto", description="Pinned host memory; auto: on when training on GPUs.")
 

@@ -47,8 +47,11 @@ class Shape:
     accumulation: int
     workers: int
 
-    def config(self, seed: int, val_every: int) -> Config:
+    def config(self, seed: int, val_every: int, grouped: bool = False) -> Config:
+        # Grouped: groups of 6 samples sorted in windows of 3 groups, so 160 samples make many windows.
+        grouping = ["data.group_by_length=true", "data.length_group_size=6", "data.length_group_window=3"] if grouped else []
         overrides = [
+            *grouping,
             f"data.batch_size={self.batch}",
             f"data.num_workers={self.workers}",
             f"trainer.accumulate_grad_batches={self.accumulation}",
@@ -235,11 +238,13 @@ def fit(
     stop_at: int | None = None,
     resume: bool = False,
     legacy: str | None = None,
+    grouped: bool = False,
 ) -> Record:
     """One fit of the simulated job; ``resume`` continues from the newest checkpoint in ``folder``;
-    ``legacy`` writes the data position as an earlier version did (LEGACY_LAYOUTS)."""
+    ``legacy`` writes the data position as an earlier version did (LEGACY_LAYOUTS); ``grouped``
+    batches by length (data.group_by_length, the lengths SampleIds reports)."""
     val_every = 3
-    config = shape.config(seed, val_every)
+    config = shape.config(seed, val_every, grouped)
     views = [RankView(config, size, shape.world, rank) for rank in range(shape.world)]
     job = SimulatedJob(views, val_samples=2)
     record = Record()

@@ -11,6 +11,10 @@ points into a different shard layout).
 
 At ``start = 0`` the order equals torch's ``DistributedSampler(shuffle=True, drop_last=True)``
 for the same seed, so runs and checkpoints made before this sampler continue unchanged.
+
+With ``lengths`` (``data.group_by_length``) the epoch's order is that permutation regrouped by
+length within windows (data/length_groups.py): still one order per (seed, epoch) for the whole
+job, whatever the world size, so the position logic above holds unchanged.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+from purrsight.data.length_groups import grouped_order
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +44,23 @@ def batches_done(size: int, world: int, batch_size: int, consumed: int) -> int:
 
 
 class GlobalPositionSampler(Sampler[int]):
-    def __init__(self, size: int, num_replicas: int, rank: int, seed: int) -> None:
+    def __init__(
+        self,
+        size: int,
+        num_replicas: int,
+        rank: int,
+        seed: int,
+        lengths: np.ndarray | None = None,
+        group_size: int = 256,
+        window_groups: int = 64,
+    ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is out of range for {num_replicas} replicas")
+        if lengths is not None and len(lengths) != size:
+            raise ValueError(f"{len(lengths)} lengths for {size} samples")
+        self.lengths = lengths  # None: no grouping by length
+        self.group_size = group_size
+        self.window_groups = window_groups
         self.size = size
         self.num_replicas = num_replicas
         self.rank = rank
@@ -67,12 +88,19 @@ class GlobalPositionSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         self._apply_pending()
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.size, generator=generator).tolist()  # Python ints: no tensor read per sample
+        order = self.epoch_order()
         self.pass_samples = max(0, self.size - self.start) // self.num_replicas  # the tail short of one sample per rank waits
         end = self.start + self.pass_samples * self.num_replicas
         yield from (order[position] for position in range(self.start + self.rank, end, self.num_replicas))
+
+    def epoch_order(self) -> list[int]:
+        """The whole job's order of this epoch: a function of (seed, epoch) and the lengths alone."""
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.size, generator=generator).tolist()  # Python ints: no tensor read per sample
+        if self.lengths is not None:  # the groups' shuffle continues the same generator: still (seed, epoch) alone
+            order = grouped_order(order, self.lengths, self.group_size, self.window_groups, generator)
+        return order
 
     def __len__(self) -> int:
         # A whole epoch, also the resumed one: the trainer counts the batches done before the

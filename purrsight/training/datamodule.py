@@ -11,12 +11,14 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, Sample
+from purrsight.data.length_groups import grouping_fit, sample_lengths
 from purrsight.data.loader_worker import init_loader_worker
 from purrsight.data.sampler import GlobalPositionSampler, batches_done
 from purrsight.datasets.builder import build_datasets
@@ -71,6 +73,7 @@ class Phase2DataModule(pl.LightningDataModule):
         self.val_set: Dataset[Sample] | None = None
         self.collator: Collator | None = None
         self.train_sampler: GlobalPositionSampler | None = None
+        self._lengths: np.ndarray | None = None  # the training samples' lengths, with data.group_by_length
         self._resume_at: DataPosition | None = None
         self._taken = (-1, 0)  # (epoch, its micro-batches this process trained)
 
@@ -123,7 +126,24 @@ class Phase2DataModule(pl.LightningDataModule):
         # takes the same number of steps. Training keeps the job's global position in the
         # epoch (data/sampler.py), so a resume continues exactly, on any world size.
         world, rank = self._world()
-        self.train_sampler = GlobalPositionSampler(len(self.train_set), world, rank, self.config.run.seed)  # type: ignore[arg-type]
+        data = self.config.data
+        lengths = None
+        if data.group_by_length:
+            if self._lengths is None:  # read once per run: every rank alike, from the same set
+                self._lengths = sample_lengths(self.train_set)
+                problem = grouping_fit(data.length_group_size, data.batch_size, world)
+                if problem and rank == 0:
+                    log.warning(problem)
+            lengths = self._lengths
+        self.train_sampler = GlobalPositionSampler(
+            len(self.train_set),  # type: ignore[arg-type]
+            world,
+            rank,
+            self.config.run.seed,
+            lengths,
+            data.length_group_size,
+            data.length_group_window,
+        )
         at = self._resume_at
         if at is not None:
             self.train_sampler.resume_at(at.epoch, at.consumed, at.world_size)

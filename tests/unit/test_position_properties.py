@@ -24,11 +24,14 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from purrsight.data.sampler import GlobalPositionSampler
 from purrsight.runs.data_position import PositionError
+from tests.sample_ids import SampleIds
 from tests.simulated_ranks import LEGACY_LAYOUTS, WORLDLESS_LAYOUTS, Record, Shape, fit
 
 
@@ -110,12 +113,29 @@ def every_third(after: int, upto: int, stopped: bool) -> list[int]:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_a_stop_anywhere_and_a_resume_on_any_world_keep_every_promise(scenario: tuple[Shape, Shape, int, int, int]) -> None:
+    check_every_promise(scenario, grouped=False)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_length_grouped_batches_keep_every_promise(scenario: tuple[Shape, Shape, int, int, int]) -> None:
+    """data.group_by_length reorders each epoch within windows (data/length_groups.py); the same
+    promises hold through the real fit loop, and the order trained is the grouped one."""
+    check_every_promise(scenario, grouped=True)
+
+
+def check_every_promise(scenario: tuple[Shape, Shape, int, int, int], grouped: bool) -> None:
     first, second, size, max_steps, stop_at = scenario
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        before = fit(first, size, max_steps, folder / "run", stop_at=stop_at)
-        after = fit(second, size, max_steps, folder / "run", resume=True)
-        reference = fit(first, size, max_steps, folder / "reference")
+        before = fit(first, size, max_steps, folder / "run", stop_at=stop_at, grouped=grouped)
+        after = fit(second, size, max_steps, folder / "run", resume=True, grouped=grouped)
+        reference = fit(first, size, max_steps, folder / "reference", grouped=grouped)
+    if grouped:  # the uninterrupted run's first epoch is the grouped order, rank-interleaved
+        order = GlobalPositionSampler(size, 1, 0, 0, np.array(SampleIds(size).lengths()), 6, 3).epoch_order()
+        steps = [zip(*by_rank.values(), strict=True) for epoch, _, by_rank in reference.micro_batches if epoch == 0]
+        trained = [i for step in steps for ranks in step for i in ranks]
+        assert trained == order[: len(trained)]
 
     assert after.final_step == max_steps
     epochs = samples_by_epoch(before, after)
