@@ -130,7 +130,10 @@ def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_st
     on_shared_nodes = ("--nodelist=node0,node1", *RAY_ALLOCATION)
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-    steps = 64  # B: 128 samples, 2 workers x 8 a step: 8 epochs
+    # B: 128 samples, 2 workers x 8 a step: 20 epochs, some 50 s of training here, so that the
+    # preemption (after A's scancel and teardown, and the urgent job's scheduling) finds it training:
+    # with 64 steps an unloaded machine finished B first (the stop never came).
+    steps = 160
     records = tmp_path / "samples"
     first = submit(
         slurm, tmp_path / "a", synthetic_dir, extra_env=SECRETS, script="slurm/ray.sbatch", sbatch_args=on_shared_nodes,
