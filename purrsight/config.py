@@ -533,6 +533,7 @@ PATH_KEYS = (
     "data.val_index",
     "data.prepared",
     "data.synthetic_dir",
+    "data.media_root",
     "model.llm.path",
     "model.llm.tokenizer",
     "model.image_encoder.path",

@@ -21,7 +21,8 @@ from torch.utils.data import Dataset
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_prompt_lengths
-from purrsight.data.formats.records import FieldNames, ReadOptions
+from purrsight.data.formats.records import ReadOptions
+from purrsight.data.formats.records import read_options as options_of
 from purrsight.data.formats.sources import sources_digest
 from purrsight.data.index import IndexFileError, RecordTable, SampleIndex, read_index
 from purrsight.data.media import AudioDecoder, ImageDecoder
@@ -52,18 +53,7 @@ class Datasets:
 
 def read_options(config: Config) -> ReadOptions:
     """How the formats' readers find a sample's parts (data.fields, data.caption_prompt, data.media_root)."""
-    data = config.data
-    names = data.fields
-    fields = FieldNames(
-        image=tuple(names.image),
-        audio=tuple(names.audio),
-        caption=tuple(names.caption),
-        conversations=tuple(names.conversations),
-        prompt=names.prompt,
-        response=names.response,
-        id=names.id,
-    )
-    return ReadOptions(fields, data.caption_prompt, Path(data.media_root) if data.media_root else None)
+    return options_of(config.data)
 
 
 def build_decoders(config: Config) -> tuple[ImageDecoder | None, AudioDecoder | None]:

@@ -63,6 +63,7 @@ def check_data(config: Config, node_rank: int = 0) -> str:
     set's manifest) exist and can be read: a million-line index checked on 128 nodes is 128
     million metadata calls on the shared filesystem for nothing.
     """
+    from purrsight.data.formats.records import read_options
     from purrsight.data.index import IndexFileError, read_index
     from purrsight.data.prepared_manifest import PreparedSetError, check_sources, read_manifest
 
@@ -88,7 +89,10 @@ def check_data(config: Config, node_rank: int = 0) -> str:
                 raise CheckFailedError(f"{index}: cannot read the index ({err.strerror or err})") from None
         return f"{', '.join(indexes)} readable (node 0 checks every line)"
     try:
-        sizes = [f"{index}: {len(read_index(index))} samples" for index in indexes]
+        # The trainer's reading of them: its format, field names and media root (a LLaVA file's
+        # images are often relative to data.media_root, not to the file's folder).
+        options = read_options(data)
+        sizes = [f"{index}: {len(read_index(index, fmt=data.format, options=options))} samples" for index in indexes]
     except IndexFileError as err:
         raise CheckFailedError(str(err)) from None
     return "; ".join(sizes)

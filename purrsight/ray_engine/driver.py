@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from purrsight.config import Config, ConfigError, path_problems, with_paths_under
+from purrsight.data.formats.records import read_options
 from purrsight.data.index import read_index
 from purrsight.data.prepared_manifest import read_manifest
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
@@ -70,9 +71,11 @@ def prepared_config(config: Config, source: str) -> Config:
     if config.data.prepared is not None:
         read_manifest(Path(config.data.prepared))  # complete (rank 0 checks that it matches the config)
         return config
-    read_index(config.data.train_index)  # a bad line stops the job before any worker starts (and restarts)
-    if config.data.val_index is not None:
-        read_index(config.data.val_index)
+    # A bad line stops the job before any worker starts (and restarts); read as the workers read it.
+    data, options = config.data, read_options(config.data)
+    for index in (data.train_index, data.val_index):
+        if index is not None:
+            read_index(index, fmt=data.format, options=options)
     return config
 
 

@@ -22,7 +22,7 @@ from purrsight.launcher.health import (
     check_writable,
 )
 from purrsight.launcher.logwriter import parse_ranks, prune_runs
-from tests.helpers import REPO, python_env
+from tests.helpers import REPO, python_env, tiny_config
 
 
 def run_logwriter(log_dir: Path, stamp: str, lines: list[str], **options: object) -> str:
@@ -217,3 +217,29 @@ def test_a_node_names_itself_for_exclusion_only_for_failures_of_its_own(tmp_path
     assert name_bad_node(["config", "gpus", "disk"], environ) == "gpu17\tgpus, disk"
     assert name_bad_node(["preflight"], environ, node="gpu03") == "gpu03\tpreflight"  # rank 0 names a straggler's node
     assert bad.read_text() == "gpu17\tgpus, disk\ngpu03\tpreflight\n"
+
+
+def llava_file_beside_its_media_root(tmp_path: Path) -> tuple[Path, Path]:
+    """A LLaVA JSON whose image paths are relative to a media root, not to the file's folder (as
+    llava_v1_5_mix665k.json's are to the folder of coco/, gqa/, ...): (the file, the root)."""
+    from PIL import Image
+
+    from tests.format_sets import Item, write_llava
+
+    (tmp_path / "annotations").mkdir()
+    (tmp_path / "media" / "coco").mkdir(parents=True)
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(tmp_path / "media" / "coco" / "a.png")
+    items = [Item("a", "What colour?", "Red.", image=Path("coco/a.png")), Item("b", "Hello?", "Hi.")]
+    return write_llava(tmp_path / "annotations", items), tmp_path / "media"
+
+
+def test_node_0_reads_a_llava_file_as_the_trainer_does_with_its_media_root(synthetic_dir: Path, tmp_path: Path) -> None:
+    """data.media_root and data.format reach the health check's reading: without them the check
+    looked for annotations/coco/a.png and failed a set the trainer reads."""
+    index, media = llava_file_beside_its_media_root(tmp_path)
+    overrides = {"data__train_index": str(index), "data__val_index": "null", "data__format": "llava"}
+    config = tiny_config(synthetic_dir, tmp_path, **overrides, data__media_root=str(media))
+    assert check_data(config, node_rank=0) == f"{index}: 2 samples"
+    without_root = tiny_config(synthetic_dir, tmp_path, **overrides)
+    with pytest.raises(CheckFailedError, match=r"llava.json:\d+ \(id 'a'\): image file .*annotations/coco/a.png does not exist"):
+        check_data(without_root, node_rank=0)

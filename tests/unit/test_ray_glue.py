@@ -23,6 +23,7 @@ from tests.helpers import DEFAULT_CONFIG
 
 pytest.importorskip("ray", reason="the Ray engine needs the ray extra (scripts/test.sh installs it)")
 
+from purrsight.data.index import IndexFileError
 from purrsight.data.prepared_manifest import PreparedSetError
 from purrsight.ray_engine import callbacks, driver, worker
 from purrsight.ray_engine.coordinator import RunCoordinator
@@ -261,3 +262,19 @@ def test_a_failure_after_the_watchdog_fired_exits_86(
         log.write("2026-11-24 10:00:00 seen by rank 0: hang: rank 1 in all_reduce at step 12\n")
     assert driver._failed(coordinator, RuntimeError("worker died"), hangs) == 86
     assert "last: 2026-11-24 10:00:00 seen by rank 0: hang: rank 1 in all_reduce at step 12" in capsys.readouterr().err
+
+
+def test_the_driver_reads_a_llava_file_with_its_media_root_under_the_shared_dir(synthetic_dir: Path, tmp_path: Path) -> None:
+    """data.format and data.media_root reach the driver's check of the index, and a relative media
+    root is made absolute under ray.shared_dir as the index is (workers run in other folders)."""
+    from tests.unit.test_cluster_logs_ranks_health import llava_file_beside_its_media_root
+
+    index, media = llava_file_beside_its_media_root(tmp_path)
+    # The synthetic set's folder only for its tokenizer (already generated: nothing written).
+    overrides = [f"ray.shared_dir={tmp_path}", f"data.synthetic_dir={synthetic_dir}", "data.val_index=null", "data.format=llava"]
+    overrides.append(f"data.train_index={index.relative_to(tmp_path)}")
+    config = load_config(DEFAULT_CONFIG, [*overrides, f"data.media_root={media.relative_to(tmp_path)}"], check_paths=False)
+    prepared = driver.prepared_config(config, "cfg.yaml")
+    assert prepared.data.media_root == str(media)
+    with pytest.raises(IndexFileError, match=r"image file .*annotations/coco/a.png does not exist"):
+        driver.prepared_config(load_config(DEFAULT_CONFIG, overrides, check_paths=False), "cfg.yaml")

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from purrsight.config import DataConfig
 
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
 ROLES = {"human": USER, "user": USER, "gpt": ASSISTANT, "assistant": ASSISTANT, "system": SYSTEM}
@@ -63,6 +67,22 @@ class ReadOptions:
 
     def root_of(self, path: Path) -> Path:
         return self.media_root if self.media_root is not None else path.parent
+
+
+def read_options(data: DataConfig) -> ReadOptions:
+    """How the readers find a sample's parts, from ``data.fields``, ``data.caption_prompt`` and ``data.media_root``:
+    every reader of an index (the trainer, prepare, the launcher's health check, the Ray driver) passes these."""
+    names = data.fields
+    fields = FieldNames(
+        image=tuple(names.image),
+        audio=tuple(names.audio),
+        caption=tuple(names.caption),
+        conversations=tuple(names.conversations),
+        prompt=names.prompt,
+        response=names.response,
+        id=names.id,
+    )
+    return ReadOptions(fields, data.caption_prompt, Path(data.media_root) if data.media_root else None)
 
 
 @dataclass
