@@ -26,7 +26,7 @@ from transformers.utils import logging as transformers_logging
 from purrsight.atomic_file import publishing_folder, stale_temp_folders
 from purrsight.config import Config, ConfigError, safe_yaml_load, write_resolved
 from purrsight.errors import UserError
-from purrsight.training.model_builder import build_model
+from purrsight.training.model_builder import build_model, fingerprint_v2
 from purrsight.training.module import CHECKPOINT_META_KEY, CheckpointMismatchError, verify_checkpoint
 
 MODEL_PREFIX = "model."
@@ -52,7 +52,9 @@ def load_trained(checkpoint: Path) -> tuple[Config, torch.nn.Module, object]:
         raise ConfigError([f"{checkpoint}: stored config is invalid: {err}"]) from None
     built = build_model(config)
     shapes = {MODEL_PREFIX + n: list(p.shape) for n, p in built.model.named_parameters() if p.requires_grad}
-    verify_checkpoint(state, built.fingerprint, shapes, config.model.projector)
+    # A checkpoint saved with version 2 is checked against version 2, computed for it (as a resume does).
+    earlier = lambda version: fingerprint_v2(config) if version == 2 else None  # noqa: E731
+    verify_checkpoint(state, built.fingerprint, shapes, config.model.projector, earlier)
     trainable = {k[len(MODEL_PREFIX) :]: v for k, v in state["state_dict"].items()}
     unexpected = built.model.load_state_dict(trainable, strict=False).unexpected_keys
     if unexpected:

@@ -258,6 +258,11 @@ def verify_checkpoint(
         )
     elif version is not None:
         expected = fingerprint if version == FINGERPRINT_VERSION else earlier(int(version))
+        if expected is None and version == 2:
+            # Every caller here passes a version-2 ``earlier``; one that does not is a bug, not the checkpoint's fault.
+            raise CheckpointMismatchError(
+                "the checkpoint's frozen-source fingerprint is version 2, and this check was given no way to compute it"
+            )
         if expected is None:
             raise CheckpointMismatchError(
                 f"the checkpoint's frozen-source fingerprint is version {version}, which this PurrSight cannot compute "

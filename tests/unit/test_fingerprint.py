@@ -218,3 +218,38 @@ def test_rank_0_alone_computes_and_its_error_is_raised_on_every_rank(tmp_path: P
     for rank, (out, err) in zip(ranks, outputs, strict=True):
         assert rank.returncode == 0, err[-2000:]
         assert out.splitlines() == ["fingerprint of rank 0", "ModelLoadError: model.safetensors: not a safetensors file"]
+
+
+def test_an_export_checks_a_version_2_checkpoint_against_version_2(synthetic_dir: Path, tmp_path: Path) -> None:
+    """Every checkpoint saved before version 3 carries version 2: export computes it, as a resume does."""
+    from purrsight.config import dump_config
+    from purrsight.training.export import load_trained
+
+    config = tiny_config(synthetic_dir, tmp_path)
+    module = Phase2Module(config)
+    module.configure_model()
+    state = {name: torch.zeros(shape) for name, shape in module.trainable_shapes().items()}
+
+    def saved_by_version_2(fingerprint: str) -> Path:
+        meta = {
+            "fingerprint": fingerprint,
+            "fingerprint_version": 2,
+            "projector": config.model.projector,
+            "config": dump_config(config),
+        }
+        path = tmp_path / f"{fingerprint[:8]}.ckpt"
+        torch.save({"purrsight": meta, "state_dict": state}, path)
+        return path
+
+    _, model, _ = load_trained(saved_by_version_2(fingerprint_v2(config)))
+    assert all(not p.any() for n, p in model.named_parameters() if p.requires_grad)  # the checkpoint's weights, restored
+    with pytest.raises(CheckpointMismatchError, match="fingerprint differs"):
+        load_trained(saved_by_version_2(fingerprint_v2(tiny_config(synthetic_dir, tmp_path, run__seed=7))))
+
+
+def test_a_version_2_checkpoint_checked_without_version_2_is_not_told_it_is_beyond_this_purrsight() -> None:
+    checkpoint = {"purrsight": {"fingerprint": "then", "fingerprint_version": 2, "projector": "tokens"}, "state_dict": {}}
+    with pytest.raises(
+        CheckpointMismatchError, match=r"^the checkpoint's frozen-source fingerprint is version 2, and this check was given no way"
+    ):
+        verify_checkpoint(checkpoint, "now", {}, "tokens")
