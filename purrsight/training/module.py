@@ -141,7 +141,8 @@ class Phase2Module(pl.LightningModule):
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         assert self.model is not None
-        scaled = self.trainer.precision == "16-mixed"  # the one precision with a grad scaler
+        # The one precision with a grad scaler (no trainer: the module used alone, unscaled).
+        scaled = self._trainer is not None and self._trainer.precision == "16-mixed"
         trainable, steps = self.model.trainable_parameters(), self.config.trainer.max_steps
         optimizer, scheduler = build_optimizer(trainable, self.config.optim, steps, scaled_gradients=scaled)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
