@@ -115,6 +115,11 @@ def sample_offsets(stored: StoredTensor) -> list[tuple[int, int]]:
     return [(stored.begin + last * i // (SAMPLE_WINDOWS - 1), SAMPLE_WINDOW_BYTES) for i in range(SAMPLE_WINDOWS)]
 
 
+def holds_safetensors(folder: str | Path) -> bool:
+    """Whether ``folder`` holds its weights as safetensors (a base of ``pytorch_model.bin`` does not)."""
+    return (Path(folder) / INDEX_FILE).is_file() or (Path(folder) / SINGLE_FILE).is_file()
+
+
 class WeightFiles:
     """The tensors of a directory's ``model.safetensors`` (or its sharded files), by key."""
 

@@ -18,7 +18,7 @@ from purrsight.model.encoders import FrozenEncoder, load_encoder
 from purrsight.model.llm import load_llm, load_tokenizer
 from purrsight.model.loading import ModelLoadError
 from purrsight.model.multimodal import MODALITIES, PurrSightModel
-from purrsight.model.weight_files import WeightFiles, file_key, weight_keys
+from purrsight.model.weight_files import WeightFiles, file_key, holds_safetensors, weight_keys
 from purrsight.training.fingerprint import FINGERPRINT_VERSION, frozen_fingerprint
 
 
@@ -157,8 +157,12 @@ def build_model(
         keys = weight_keys(llm.get_base_model(), files, loaded_names) if files is not None else None
         fingerprint = hashlib.sha256(("|".join(sources) + _tensor_sample_digest(model, files, keys)).encode()).hexdigest()
     else:
+        # A base of pytorch_model.bin, built whole, is counted from memory (as a config-dict LLM is);
+        # only the sharded build (on meta) needs safetensors, and load_llm refused it without them.
+        from_files = path if path is not None and (llm_on_meta or holds_safetensors(path)) else None
         fingerprint = computed_on_rank_zero(
-            lambda: frozen_fingerprint(model, sources, WeightFiles(path) if path is not None else None), fingerprint_group
+            lambda: frozen_fingerprint(model, sources, WeightFiles(from_files) if from_files is not None else None),
+            fingerprint_group,
         )
     hold_frozen_in(model, frozen)
     return BuiltModel(model, tokenizer, fingerprint)
@@ -167,8 +171,10 @@ def build_model(
 def fingerprint_v2(config: Config) -> str:
     """The fingerprint version 2 gave ``config``'s frozen sources, to check a checkpoint it signed.
 
-    The model is built again, its LLM on the meta device when it comes from a directory (version 2
-    sampled it from its files then, and the same values from memory when built whole): this costs
-    what every start cost before version 3, once, for the resume of such a checkpoint.
+    The model is built again, its LLM on the meta device when it comes from a directory of
+    safetensors (version 2 sampled it from its files then, and the same values from memory when
+    built whole, as a base of pytorch_model.bin always was): this costs what every start cost
+    before version 3, once, for the resume of such a checkpoint.
     """
-    return build_model(config, llm_on_meta=config.model.llm.path is not None, fingerprint_version=2).fingerprint
+    path = config.model.llm.path
+    return build_model(config, llm_on_meta=path is not None and holds_safetensors(path), fingerprint_version=2).fingerprint

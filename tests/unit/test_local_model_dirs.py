@@ -22,6 +22,7 @@ from transformers import (
     Wav2Vec2Model,
 )
 
+from purrsight.config import Config
 from purrsight.model.llm import load_tokenizer
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.model_builder import build_model
@@ -128,3 +129,39 @@ def test_a_moved_model_folder_is_the_same_model(model_dirs: dict[str, Path], syn
         retrained.model.layers[0].mlp.up_proj.weight.mul_(1.01)
     retrained.save_pretrained(moved_llm)
     assert fingerprint(moved_llm, moved_vit) != original
+
+
+def test_a_base_of_pytorch_model_bin_builds_whole_and_is_fingerprinted_from_memory(
+    model_dirs: dict[str, Path], synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """transformers loads a folder of pytorch_model.bin; under ddp the model is built whole, so only
+    the sharded (fsdp) build needs safetensors, and both fingerprint versions count the LLM from memory."""
+    from purrsight.training.model_builder import fingerprint_v2
+
+    def saved_as_bin(folder: Path, scale: float) -> Path:
+        llm = AutoModelForCausalLM.from_pretrained(model_dirs["llm"])
+        with torch.no_grad():
+            llm.model.layers[0].mlp.up_proj.weight.mul_(scale)
+        # transformers 5 writes safetensors whatever safe_serialization says; a .bin base (as older
+        # tools and many hub folders hold) is written as they wrote it, and transformers still loads it.
+        llm.config.save_pretrained(folder)
+        torch.save(llm.state_dict(), folder / "pytorch_model.bin")
+        load_tokenizer(model_dirs["llm"]).save_pretrained(folder)
+        assert (folder / "pytorch_model.bin").is_file() and not list(folder.glob("*.safetensors"))
+        return folder
+
+    def config(folder: Path) -> Config:
+        overrides = {
+            "model.llm.path": folder,
+            "model.llm.config": "null",
+            "model.llm.lora.target_modules": "[q_proj, v_proj]",
+            "distributed.strategy": "ddp",
+        }
+        return tiny_config(synthetic_dir, tmp_path, **overrides)
+
+    same, other = config(saved_as_bin(tmp_path / "bin", 1.0)), config(saved_as_bin(tmp_path / "bin-changed", 1.01))
+    built = build_model(same)
+    reference = AutoModelForCausalLM.from_pretrained(model_dirs["llm"])
+    assert torch.equal(built.model.llm.get_base_model().model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    assert build_model(other).fingerprint != built.fingerprint  # the LLM's weights count, read from memory
+    assert fingerprint_v2(same) != fingerprint_v2(other)
