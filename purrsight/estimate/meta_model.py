@@ -22,6 +22,7 @@ from purrsight.data.synthetic import TOKENIZER_VOCAB
 from purrsight.errors import UserError
 from purrsight.model.aligner import Phase1Aligner
 from purrsight.model.encoders import TINY_ARCHITECTURES, FrozenEncoder, _tower, _width
+from purrsight.model.llm import check_lora_targets
 from purrsight.model.multimodal import MODALITIES, PurrSightModel
 
 
@@ -32,16 +33,31 @@ class MetaModel:
     encoder_inputs: dict[str, tuple[int, ...]]  # per modality, one sample's input shape
 
 
-def read_config_json(path: Path, key: str) -> PretrainedConfig:
-    """``path`` (a config.json, or a directory holding one) as its transformers config class."""
+# An LLM's shape: a config.json without one of them would be priced at its class's defaults (a
+# Qwen2Config's are a 7B's), a figure for some other model.
+LLM_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_config_json(path: Path, key: str, required: tuple[str, ...] = ()) -> PretrainedConfig:
+    """``path`` (a config.json, or a directory holding one) as its transformers config class; the
+    ``required`` fields (by their name or the class's alias) must be written in it (or its text_config)."""
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise UserError(f"{key}: {path} holds no config.json (the estimate reads that file only; no weights)")
     try:
         values: dict[str, Any] = json.loads(file.read_text())
-        return AutoConfig.for_model(values.pop("model_type"), **values)  # type: ignore[no-any-return]
+        hf = AutoConfig.for_model(values.pop("model_type"), **values)
     except (ValueError, KeyError, TypeError) as err:
         raise UserError(f"{key}: {file} is not a Hugging Face config ({err})") from None
+    text_values = values.get("text_config")
+    written: dict[str, Any] = text_values if isinstance(text_values, dict) else values
+    text = hf.get_text_config()
+    aliases = type(text).attribute_map  # gpt2 writes hidden_size as n_embd
+    # A field the class does not hold (gpt2's intermediate_size) it derives from the others.
+    missing = [f for f in required if hasattr(text, f) and f not in written and aliases.get(f) not in written]
+    if missing:
+        raise UserError(f"{key}: {file} does not give the LLM's {', '.join(missing)} (the estimate needs its whole shape)")
+    return hf  # type: ignore[no-any-return]
 
 
 def _vocab_size(config: Config) -> int:
@@ -56,10 +72,10 @@ def _vocab_size(config: Config) -> int:
 
 def llm_config_of(config: Config, llm_config: Path | None) -> PretrainedConfig:
     if llm_config is not None:
-        return read_config_json(llm_config, "--llm-config")
+        return read_config_json(llm_config, "--llm-config", LLM_SHAPE_FIELDS)
     llm = config.model.llm
     if llm.path is not None:
-        return read_config_json(Path(llm.path), "model.llm.path")
+        return read_config_json(Path(llm.path), "model.llm.path", LLM_SHAPE_FIELDS)
     options = dict(llm.config or {})
     options.setdefault("vocab_size", _vocab_size(config))
     return Qwen2Config(**options)
@@ -111,6 +127,7 @@ def meta_model(config: Config, llm_config: Path | None = None) -> MetaModel:
         if llm_cfg.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.config.use_cache = False
+        check_lora_targets(base, list(llm_cfg.lora.target_modules))
         llm = get_peft_model(base, _lora(config))
         assert isinstance(llm, PeftModel)
         encoders, inputs = {}, {}

@@ -38,6 +38,17 @@ def _linear_names(model: nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
 
 
+def check_lora_targets(base: nn.Module, targets: list[str]) -> None:
+    """Refuse LoRA ``targets`` that name none, or not only, of ``base``'s linear layers (peft's own
+    errors are a traceback); the estimate checks them as training does."""
+    available = ", ".join(sorted(_linear_names(base)))
+    if not targets:
+        raise ModelLoadError(f"LoRA target_modules is empty: name at least one of the LLM's linear layers: {available}")
+    missing = sorted(set(targets) - _linear_names(base))
+    if missing:
+        raise ModelLoadError(f"LoRA target_modules: {', '.join(missing)} not found in the LLM; its linear layers are: {available}")
+
+
 def _base_llm(
     vocab_size: int, seed: int, path: str | None, config: dict[str, Any] | None, attn_implementation: str, on_meta: bool
 ) -> tuple[PreTrainedModel, str]:
@@ -90,11 +101,7 @@ def load_llm(
     ``on_meta`` (a directory only): every parameter on the meta device, LoRA's included.
     """
     base, source = _base_llm(vocab_size, seed, path, config, attn_implementation, on_meta and path is not None)
-    targets = set(lora.target_modules or [])
-    missing = sorted(targets - _linear_names(base))
-    if missing:
-        available = ", ".join(sorted(_linear_names(base)))
-        raise ModelLoadError(f"LoRA target_modules: {', '.join(missing)} not found in the LLM; its linear layers are: {available}")
+    check_lora_targets(base, list(lora.target_modules or []))
     if gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs and with DDP.
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -98,3 +98,45 @@ def test_bad_input_is_one_line_naming_it_and_exit_2(args: list[str], culprit: st
     done = run_estimate(*args)
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2 and len(lines) == 1 and culprit in lines[0], done.stderr
+
+
+NEOX = {
+    "model_type": "gpt_neox",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+
+@pytest.mark.parametrize(
+    ("llm_config", "targets", "culprit"),
+    [
+        (NEOX, None, r"LoRA target_modules: .*v_proj not found in the LLM; its linear layers are: dense,"),
+        (None, "[nonexistent]", r"LoRA target_modules: nonexistent not found in the LLM"),
+        (None, "[]", r"LoRA target_modules is empty: name at least one of the LLM's linear layers: down_proj,"),
+        (
+            {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 64},
+            None,
+            r"does not give the LLM's intermediate_size, num_hidden",
+        ),
+    ],
+)
+def test_a_model_the_config_cannot_build_is_one_line_as_in_training(
+    synthetic_dir: Path, tmp_path: Path, llm_config: dict[str, object] | None, targets: str | None, culprit: str
+) -> None:
+    """LoRA targets missing from the LLM, and a config.json without its shape (not priced at
+    Qwen2Config's defaults), are a UserError (one line, exit 2) as training's are, not a traceback."""
+    import json
+
+    from purrsight.estimate.meta_model import meta_model
+
+    config = tiny_config(synthetic_dir, tmp_path, **({"model.llm.lora.target_modules": targets} if targets else {}))
+    path = None
+    if llm_config is not None:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(llm_config))
+    with pytest.raises(UserError, match=culprit) as raised:
+        meta_model(config, path)
+    assert "\n" not in str(raised.value)
