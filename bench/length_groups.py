@@ -3,7 +3,7 @@
 Lengths (text tokens a sample): a mixture like LLaVA-Instruct-665K's, generated here: 40% short
 VQA-style answers (log-normal, median 60 tokens, sigma 0.5) and 60% conversations (log-normal,
 median 320, sigma 0.7), clipped to 16..2048 (data.max_length). The epoch's order is our sampler's,
-plain and grouped (data/sampler.py, data/length_groups.py), consumed as the trainer consumes it:
+plain and grouped (data/sampler.py), consumed as the trainer consumes it:
 every rank's micro-batch is ``batch`` samples at stride ``world``.
 
 Measured, per shape:

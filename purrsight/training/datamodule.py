@@ -18,9 +18,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, Sample
-from purrsight.data.length_groups import grouping_fit, sample_lengths
 from purrsight.data.loader_worker import init_loader_worker
-from purrsight.data.sampler import GlobalPositionSampler, batches_done
+from purrsight.data.sampler import GlobalPositionSampler, batches_done, grouping_fit, sample_lengths
 from purrsight.datasets.builder import build_datasets
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
 from purrsight.internals.lightning_loops import drop_loader_states, epoch_batches_of, saved_epoch_ended, set_batches_done

@@ -1,4 +1,4 @@
-"""Length-grouped order (data/length_groups.py): a permutation of the plain epoch order within each
+"""Length-grouped order (data/sampler.py, "length-grouped batches"): a permutation of the plain epoch order within each
 window, a function of (seed, epoch) alone, and as exact across resumes on other world sizes as the
 plain order (the whole fit loop: test_position_properties.py's grouped example)."""
 
@@ -15,9 +15,8 @@ from hypothesis import strategies as st
 
 from purrsight.data.dataset import MultiModalDataset
 from purrsight.data.index import RecordTable, SampleIndex
-from purrsight.data.length_groups import grouped_order, grouping_fit, sample_lengths
 from purrsight.data.prepared import PreparedSplit, sample_row, write_shard
-from purrsight.data.sampler import GlobalPositionSampler, batches_done
+from purrsight.data.sampler import GlobalPositionSampler, batches_done, grouped_order, grouping_fit, sample_lengths
 from tests.sample_ids import SampleIds
 
 

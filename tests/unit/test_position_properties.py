@@ -119,7 +119,7 @@ def test_a_stop_anywhere_and_a_resume_on_any_world_keep_every_promise(scenario: 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_length_grouped_batches_keep_every_promise(scenario: tuple[Shape, Shape, int, int, int]) -> None:
-    """data.group_by_length reorders each epoch within windows (data/length_groups.py); the same
+    """data.group_by_length reorders each epoch within windows (data/sampler.py, "length-grouped batches"); the same
     promises hold through the real fit loop, and the order trained is the grouped one."""
     check_every_promise(scenario, grouped=True)
 
