@@ -25,6 +25,11 @@ trainer.precision auto counts as bf16-mixed.
 Not counted: the CUDA context, NCCL buffers and allocator fragmentation (leave 1-5 GB of an 80 GB
 GPU for them), pinned loader batches, kernel workspaces. docs/SCALING.md has the tables.
 
+With --gpu-memory each strategy gets a verdict: "fits" when its total plus 2 GB (the least of what
+is not counted) is within the memory, "tight" when the total alone is, else "DOES NOT FIT";
+"refused" where training would not start it (fsdp with one GPU, or a model without decoder layers
+to shard), the reason below the table.
+
   python train_phase2.py estimate --config config/qwen2.5-7b.yaml --gpus 8 --gpu-memory 80GB
   python train_phase2.py estimate --config config/qwen2.5-7b.yaml --gpus 8 --llm-config /path/Qwen2.5-72B/config.json --json
 """
@@ -67,12 +72,19 @@ def parse_gpus(text: str) -> int:
     return int(text)
 
 
+def parse_gpu_memory(text: str) -> int:
+    size = parse_size(text)
+    if size <= 0:
+        raise UserError(f"--gpu-memory {text}: a GPU's memory is more than nothing; write it as 80GB or 80GiB")
+    return size
+
+
 def in_unit(count: int, unit: int) -> str:
     return f"{count / unit:.2f}"
 
 
 def estimate_command(args: argparse.Namespace) -> int:
-    gpus, memory = parse_gpus(args.gpus), parse_size(args.gpu_memory) if args.gpu_memory else None
+    gpus, memory = parse_gpus(args.gpus), parse_gpu_memory(args.gpu_memory) if args.gpu_memory is not None else None
     from purrsight.config import load_config
     from purrsight.estimate.memory import STRATEGIES, estimate
 
@@ -80,7 +92,12 @@ def estimate_command(args: argparse.Namespace) -> int:
     result = estimate(config, gpus, Path(args.llm_config) if args.llm_config else None)
     if args.json:
         per_gpu = {
-            name: {**vars(part), "total": part.total, **({"fits": result.fits(name, memory)} if memory else {})}
+            name: {
+                **vars(part),
+                "total": part.total,
+                **({"refused": result.refused[name]} if name in result.refused else {}),
+                **({"fits": result.fits(name, memory), "verdict": result.verdict(name, memory)} if memory else {}),
+            }
             for name, part in result.per_gpu.items()
         }
         print(
@@ -111,6 +128,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         print(f"{row:<14}" + "".join(f"{in_unit(getattr(result.per_gpu[name], row), unit):>14}" for name in STRATEGIES))
     print(f"{'total':<14}" + "".join(f"{in_unit(result.per_gpu[name].total, unit):>14}" for name in STRATEGIES))
     if memory:
-        verdicts = ("fits" if result.fits(name, memory) else "DOES NOT FIT" for name in STRATEGIES)
+        verdicts = (result.verdict(name, memory).replace("does not fit", "DOES NOT FIT") for name in STRATEGIES)
         print(f"{'in ' + in_unit(memory, unit) + ' ' + unit_name:<14}" + "".join(f"{verdict:>14}" for verdict in verdicts))
+    for name, why in result.refused.items():
+        print(f"{name}: {why}")
     return 0

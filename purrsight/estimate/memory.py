@@ -34,7 +34,7 @@ transient kernel workspaces.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,9 +43,15 @@ from torch import nn
 from purrsight.config import Config
 from purrsight.estimate.meta_model import MetaModel, meta_model
 from purrsight.internals.torch_dispatch import LiveBytes, fused_attention
+from purrsight.model.llm import decoder_layers
+from purrsight.model.loading import ModelLoadError
 from purrsight.model.multimodal import PurrSightModel
 
 STRATEGIES = ("ddp", "fsdp")
+# "fits" keeps this much of a GPU for what is not counted (the CUDA context, NCCL, fragmentation:
+# 1-5 GB); a total within the memory but not this far below it is "tight".
+HEADROOM = 2 * 10**9
+FSDP_ONE_PROCESS = "distributed.strategy=fsdp is refused with one process (training stops at start): train with ddp"
 
 
 @dataclass(frozen=True)
@@ -73,9 +79,17 @@ class Estimate:
     trainable_parameters: int
     checkpoint_bytes: int
     per_gpu: dict[str, PerGpu]
+    refused: dict[str, str] = field(default_factory=dict)  # strategy -> why training refuses it here
 
     def fits(self, strategy: str, gpu_memory: int) -> bool:
         return self.per_gpu[strategy].total <= gpu_memory
+
+    def verdict(self, strategy: str, gpu_memory: int) -> str:
+        """refused, fits (HEADROOM left over), tight (within the memory, less left), or does not fit."""
+        if strategy in self.refused:
+            return "refused"
+        total = self.per_gpu[strategy].total
+        return "fits" if total + HEADROOM <= gpu_memory else "tight" if total <= gpu_memory else "does not fit"
 
 
 def precision_of(config: Config) -> str:
@@ -102,20 +116,6 @@ def _numel(module: nn.Module, trainable: bool, seen: set[int]) -> int:
     return total
 
 
-def decoder_layers(model: PurrSightModel) -> list[nn.Module]:
-    """The outermost modules of the classes the LLM declares unsplittable (``_no_split_modules``),
-    as training/fsdp.py shards them."""
-    base = model.llm.get_base_model()
-    declared = set(getattr(base, "_no_split_modules", None) or ())
-    layers: list[nn.Module] = []
-    inside: list[str] = []
-    for name, module in base.named_modules():
-        if type(module).__name__ in declared and not any(name.startswith(f"{outer}.") for outer in inside):
-            layers.append(module)
-            inside.append(name)
-    return layers
-
-
 def fsdp_units(model: PurrSightModel) -> list[nn.Module]:
     """training/fsdp.py's units in forward order: towers, aligner, projectors, untied embeddings,
     decoder layers, untied head; the root unit holds the rest."""
@@ -126,7 +126,7 @@ def fsdp_units(model: PurrSightModel) -> list[nn.Module]:
     embeddings, head = model.llm.get_input_embeddings(), model.llm.get_output_embeddings()
     tied = head is not None and head.weight is embeddings.weight
     units += [] if tied else [embeddings]
-    units += decoder_layers(model)
+    units += decoder_layers(model.llm)  # training/fsdp.py's own search, and its refusal
     units += [head] if head is not None and not tied else []
     return units
 
@@ -186,6 +186,7 @@ class Footprint:
     logits: int
     bucket_copy: bool  # ddp keeps its gradients a second time (gradient_as_bucket_view false)
     accumulates: bool  # accumulate_grad_batches > 1: fsdp keeps whole fp32 gradients over the window
+    fsdp_refused: str | None = None  # why training/fsdp.py would refuse this model (its decoder layers)
 
     def per_gpu(self, strategy: str, gpus: int) -> PerGpu:
         weights, trainable = self.trainable_bytes, self.trainable_parameters
@@ -207,7 +208,8 @@ class Footprint:
         # A checkpoint holds the trainable weights and AdamW's two moments, fp32, gathered whole.
         per_gpu = {name: self.per_gpu(name, gpus) for name in STRATEGIES}
         checkpoint = 12 * self.trainable_parameters
-        return Estimate(gpus, self.precision, self.frozen_parameters, self.trainable_parameters, checkpoint, per_gpu)
+        refused = {"fsdp": self.fsdp_refused or FSDP_ONE_PROCESS} if self.fsdp_refused or gpus == 1 else {}
+        return Estimate(gpus, self.precision, self.frozen_parameters, self.trainable_parameters, checkpoint, per_gpu, refused)
 
 
 def footprint(config: Config, llm_config: Path | None = None) -> Footprint:
@@ -220,7 +222,10 @@ def footprint(config: Config, llm_config: Path | None = None) -> Footprint:
     meta = meta_model(config, llm_config)
     frozen = _numel(meta.model, False, set())
     trainable = _numel(meta.model, True, set())
-    all_gather = gathered_bytes(meta.model, gather_frozen, gather_trainable)
+    try:
+        all_gather, fsdp_refused = gathered_bytes(meta.model, gather_frozen, gather_trainable), None
+    except ModelLoadError as err:  # no decoder layers to shard: fsdp refuses this model, ddp's figures stand
+        all_gather, fsdp_refused = 0, str(err)
     activations, logits = step_peak(meta, config, compute)
     return Footprint(
         precision,
@@ -233,6 +238,7 @@ def footprint(config: Config, llm_config: Path | None = None) -> Footprint:
         logits,
         bucket_copy=not config.distributed.gradient_as_bucket_view,
         accumulates=config.trainer.accumulate_grad_batches > 1,
+        fsdp_refused=fsdp_refused,
     )
 
 

@@ -128,3 +128,43 @@ def lora_a_init(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     value = torch.empty(shape, device="cpu")
     nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
     return value
+
+
+def decoder_layers(llm: nn.Module) -> list[nn.Module]:
+    """The LLM's decoder layers, found as the model declares them: the outermost modules of the
+    classes its ``_no_split_modules`` names (what Hugging Face never splits across devices), which
+    must be the whole of one ModuleList of ``num_hidden_layers`` (a declared class nested inside
+    each layer, an attention alone, would leave the rest of every layer behind). Anything else
+    stops with one line: a layer not found would stay in fsdp's root unit, gathered whole every
+    step, and nothing else would say so. training/fsdp.py shards these; the estimate counts them."""
+    base: nn.Module = llm.get_base_model() if isinstance(llm, PeftModel) else llm
+    declared = set(getattr(base, "_no_split_modules", None) or ())
+    layers: list[nn.Module] = []
+    inside: list[str] = []  # the layers found so far, by name: a declared class nested in one is part of it
+    for name, module in base.named_modules():
+        # by the class and its bases: fully_shard swaps a unit's class for a subclass, FSDP<name>
+        of_declared_class = any(cls.__name__ in declared for cls in type(module).__mro__)
+        if of_declared_class and not any(name.startswith(f"{outer}.") for outer in inside):
+            layers.append(module)
+            inside.append(name)
+    config: Any = getattr(base, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    expected = getattr(text, "num_hidden_layers", None)
+    lists = [m for m in base.modules() if isinstance(m, nn.ModuleList) and len(m) == len(layers) and len(layers) > 0]
+    one_list = any(all(a is b for a, b in zip(m, layers, strict=True)) for m in lists)
+    named = f"its _no_split_modules {sorted(declared)} names {len(layers)} modules"
+    if not declared:
+        found = "it declares no _no_split_modules"
+    elif len(layers) != expected:
+        found = f"{named} and config.num_hidden_layers is {expected}"
+    elif not one_list:
+        found = (
+            f"{named}, each a {type(layers[0]).__name__}, not the children of one ModuleList "
+            "(the rest of each layer would stay in the root unit)"
+        )
+    else:
+        return layers
+    raise ModelLoadError(
+        f"distributed.strategy=fsdp finds no decoder layers to shard one by one in {type(base).__name__}: {found} "
+        "(without them every step gathers the whole base); use distributed.strategy=ddp for this model"
+    )

@@ -32,7 +32,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from peft import PeftModel
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.environments import ClusterEnvironment
 from pytorch_lightning.strategies import ModelParallelStrategy
@@ -47,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from purrsight.config import Config
 from purrsight.internals.transformers_keys import loaded_names
-from purrsight.model.llm import lora_a_init
+from purrsight.model.llm import decoder_layers, lora_a_init
 from purrsight.model.loading import ModelLoadError
 from purrsight.model.meta_init import is_meta, local_part
 from purrsight.model.multimodal import PurrSightModel
@@ -56,34 +55,6 @@ from purrsight.runs.checkpoint_saver import AtomicCheckpointIO
 from purrsight.training.model_builder import BuiltModel, build_model
 
 TRAINABLES_WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-
-
-def decoder_layers(llm: nn.Module) -> list[nn.Module]:
-    """The LLM's decoder layers, found as the model declares them: the outermost modules of the
-    classes its ``_no_split_modules`` names (what Hugging Face never splits across devices), one
-    per ``num_hidden_layers``. Anything else stops the build with one line: a layer not found
-    would stay in the root unit, gathered whole every step, and nothing else would say so."""
-    base: nn.Module = llm.get_base_model() if isinstance(llm, PeftModel) else llm
-    declared = set(getattr(base, "_no_split_modules", None) or ())
-    layers: list[nn.Module] = []
-    inside: list[str] = []  # the layers found so far, by name: a declared class nested in one is part of it
-    for name, module in base.named_modules():
-        # by the class and its bases: fully_shard swaps a unit's class for a subclass, FSDP<name>
-        of_declared_class = any(cls.__name__ in declared for cls in type(module).__mro__)
-        if of_declared_class and not any(name.startswith(f"{outer}.") for outer in inside):
-            layers.append(module)
-            inside.append(name)
-    config: Any = getattr(base, "config", None)
-    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    expected = getattr(text, "num_hidden_layers", None)
-    if not declared or len(layers) != expected:
-        named = f"_no_split_modules {sorted(declared)} names {len(layers)}" if declared else "no _no_split_modules names its"
-        raise ModelLoadError(
-            f"distributed.strategy=fsdp finds no decoder layers to shard one by one in {type(base).__name__}: "
-            f"its {named} modules and config.num_hidden_layers is {expected} (without them every step gathers the "
-            "whole base); use distributed.strategy=ddp for this model"
-        )
-    return layers
 
 
 def fsdp_units(model: PurrSightModel) -> list[nn.Module]:

@@ -114,7 +114,8 @@ def test_the_meta_build_filled_from_files_equals_the_whole_build_and_gathers_one
 def test_decoder_layers_come_from_the_models_declaration_or_the_build_stops_with_one_line(synthetic_dir: Path) -> None:
     """BioGPT declares no ``_no_split_modules`` (its layers' class names end in DecoderLayer: a
     name rule would have found them, and would miss GPT-NeoX's, above); a Qwen2 with a layer
-    taken out but its config unchanged (as a pruned model saved carelessly) finds one layer too few."""
+    taken out but its config unchanged (as a pruned model saved carelessly) finds one layer too few;
+    a declaration of the attention alone finds one module a layer, and is refused too."""
     from transformers import AutoModelForCausalLM, BioGptConfig, Qwen2Config
 
     shape: dict[str, Any] = {
@@ -128,12 +129,17 @@ def test_decoder_layers_come_from_the_models_declaration_or_the_build_stops_with
     with pytest.raises(ModelLoadError) as undeclared:
         decoder_layers(biogpt)
     assert str(undeclared.value) == (
-        "distributed.strategy=fsdp finds no decoder layers to shard one by one in BioGptForCausalLM: its no "
-        "_no_split_modules names its modules and config.num_hidden_layers is 3 (without them every step gathers the "
-        "whole base); use distributed.strategy=ddp for this model"
+        "distributed.strategy=fsdp finds no decoder layers to shard one by one in BioGptForCausalLM: it declares no "
+        "_no_split_modules (without them every step gathers the whole base); use distributed.strategy=ddp for this model"
     )
     qwen2 = AutoModelForCausalLM.from_config(Qwen2Config(**shape))
     assert decoder_layers(qwen2) == list(qwen2.model.layers)
+    # A declaration naming a class nested in each layer finds num_hidden_layers modules, but not the layers.
+    qwen2._no_split_modules = ["Qwen2Attention"]
+    nested = r"names 3 modules, each a Qwen2Attention, not the children of one ModuleList \(the rest of each layer"
+    with pytest.raises(ModelLoadError, match=nested):
+        decoder_layers(qwen2)
+    qwen2._no_split_modules = ["Qwen2DecoderLayer"]
     del qwen2.model.layers[2]
     pruned = r"_no_split_modules \['Qwen2DecoderLayer'\] names 2 modules and config.num_hidden_layers is 3"
     with pytest.raises(ModelLoadError, match=pruned):

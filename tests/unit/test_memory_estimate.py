@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from purrsight.errors import UserError
-from purrsight.estimate.command import parse_size
+from purrsight.estimate.command import parse_gpu_memory, parse_size
 from purrsight.estimate.memory import Footprint, footprint
 from purrsight.internals.torch_dispatch import LiveBytes
 from tests.helpers import REPO, tiny_config
@@ -140,3 +140,31 @@ def test_a_model_the_config_cannot_build_is_one_line_as_in_training(
     with pytest.raises(UserError, match=culprit) as raised:
         meta_model(config, path)
     assert "\n" not in str(raised.value)
+
+
+def test_fsdp_is_refused_with_one_gpu_and_fits_keeps_headroom(synthetic_dir: Path, tmp_path: Path) -> None:
+    """As training: fsdp with one process does not start; "fits" leaves 2 GB for what is not counted."""
+    from purrsight.estimate.memory import FSDP_ONE_PROCESS, HEADROOM
+
+    found = footprint(tiny_config(synthetic_dir, tmp_path))
+    alone, two = found.estimate(1), found.estimate(2)
+    assert alone.refused == {"fsdp": FSDP_ONE_PROCESS} and two.refused == {}
+    assert alone.verdict("fsdp", 10**12) == "refused" and alone.verdict("ddp", 10**12) == "fits"
+    total = two.per_gpu["ddp"].total
+    assert two.verdict("ddp", total + HEADROOM) == "fits"
+    assert two.verdict("ddp", total + HEADROOM - 1) == two.verdict("ddp", total) == "tight"
+    assert two.verdict("ddp", total - 1) == "does not fit"
+    with pytest.raises(UserError, match=r"^--gpu-memory 0GB: a GPU's memory is more than nothing"):
+        parse_gpu_memory("0GB")
+
+
+def test_a_model_fsdp_cannot_shard_is_refused_in_the_estimate_as_in_training(synthetic_dir: Path, tmp_path: Path) -> None:
+    """training/fsdp.py's decoder-layer search, shared: BioGPT declares no _no_split_modules."""
+    import json
+
+    config = tiny_config(synthetic_dir, tmp_path, **{"model.llm.lora.target_modules": "[q_proj, v_proj]"})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "biogpt", **{k: v for k, v in NEOX.items() if k != "model_type"}}))
+    result = footprint(config, path).estimate(8)
+    assert result.refused["fsdp"].startswith("distributed.strategy=fsdp finds no decoder layers to shard one by one in BioGpt")
+    assert result.verdict("fsdp", 10**12) == "refused" and result.verdict("ddp", 10**12) == "fits"
