@@ -103,7 +103,7 @@ ray_cluster_up() {
       --slot "${index}" --name "${RAY_NODE_NAMES[index]}" --hint "${RAY_NODE_HINTS[index]}" --head "${head}" \
       --gpus "${RAY_GPUS_PER_NODE}" --gpu-source "${RAY_GPU_SOURCE}" --log-dir "${RAY_LOG_DIR}" \
       --teardown-file "${RAY_LOG_DIR}/.teardown" --stop-grace "$((RAY_JOB_STOP_WAIT_TIME_S + RAY_TEARDOWN_S))" \
-      >"${RAY_LOG_DIR}/${RAY_NODE_NAMES[index]}.log" 2>&1 &
+      >>"${RAY_LOG_DIR}/${RAY_NODE_NAMES[index]}.log" 2>&1 & # appended: a requeued run keeps the first's
     RAY_STEP_PIDS+=($!)
     watch+=(--watch "${RAY_NODE_NAMES[index]}=$!")
   done

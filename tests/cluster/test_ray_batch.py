@@ -43,11 +43,12 @@ def temp_prefix(job: str) -> str:
     return f"/tmp/prs-{job}-"  # each node's Ray temp dir: /tmp/prs-<job>-<slot>[-<suffix>]
 
 
-def ray_tokens(*log_dirs: Path) -> list[str]:
-    """The tokens the jobs made for their Ray (0600 files under their log folders), while they exist."""
+def ray_tokens(*folders: Path) -> list[str]:
+    """The tokens the jobs made for their Ray (0600 files under their log folders: ``folder/logs``
+    or, for jobs submitted from subfolders, ``folder/*/logs``), while they exist."""
     found = []
-    for folder in log_dirs:
-        for path in folder.glob("ray-*/.auth-token"):
+    for folder in folders:
+        for path in [*folder.glob("logs/ray-*/.auth-token"), *folder.glob("*/logs/ray-*/.auth-token")]:
             try:
                 found.append(path.read_text())
             except OSError:
@@ -61,7 +62,7 @@ def watch_secrets(*folders: Path, jobs: list[str]) -> SecretWatch:
     def roots() -> list[Path]:
         return [*folders, *(path for job in jobs for path in Path("/tmp").glob(f"prs-{job}-*"))]
 
-    return SecretWatch(lambda: [*SECRETS.values(), *ray_tokens(*(folder / "logs" for folder in folders))], roots)
+    return SecretWatch(lambda: [*SECRETS.values(), *ray_tokens(*folders)], roots)
 
 
 def ray_processes_seen(job: str) -> dict[int, str]:
