@@ -27,7 +27,7 @@ from purrsight.data.index import MEDIA_FIELDS, REQUIRED_TEXT_FIELDS, RecordTable
 def records(count: int) -> list[dict[str, Any]]:
     prompt = "What colour is the cat on the left of the picture?"
     return [
-        {"id": f"s{i:07d}", "prompt": prompt, "response": "Red.", "image": f"images/{i % 1000}.jpg", "audio": None, "line": i + 1}
+        {"id": f"s{i:07d}", "prompt": prompt, "response": "Red.", "image": f"images/{i % 1000}.jpg", "audio": None, "line": i + 1, "turns": None, "problem": None}
         for i in range(count)
     ]
 
@@ -36,7 +36,8 @@ def from_datasets(rows: list[dict[str, Any]]) -> Any:
     import datasets
 
     features = {field: datasets.Value("string") for field in (*REQUIRED_TEXT_FIELDS, *MEDIA_FIELDS)}
-    return datasets.Dataset.from_list(rows, features=datasets.Features({**features, "line": datasets.Value("int32")}))
+    extra = {"line": datasets.Value("int32"), "turns": datasets.Value("string"), "problem": datasets.Value("string")}
+    return datasets.Dataset.from_list(rows, features=datasets.Features({**features, **extra}))
 
 
 def first_table_seconds(build: str, repeats: int) -> float:
