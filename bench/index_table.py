@@ -27,7 +27,8 @@ from purrsight.data.index import MEDIA_FIELDS, REQUIRED_TEXT_FIELDS, RecordTable
 def records(count: int) -> list[dict[str, Any]]:
     prompt = "What colour is the cat on the left of the picture?"
     return [
-        {"id": f"s{i:07d}", "prompt": prompt, "response": "Red.", "image": f"images/{i % 1000}.jpg", "audio": None, "line": i + 1, "turns": None, "problem": None}
+        {"id": f"s{i:07d}", "prompt": prompt, "response": "Red.", "image": f"images/{i % 1000}.jpg", "audio": None, "line": i + 1}
+        | {"turns": None, "problem": None}  # a conversation's turns, a record's problem: none here
         for i in range(count)
     ]
 
