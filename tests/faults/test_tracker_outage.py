@@ -397,7 +397,10 @@ def test_a_start_with_points_left_asks_a_slow_server_nothing_and_the_sender_asks
         relay.close()
         kill_server(server)
     assert not [line for line in at_start if "/metrics/get-history" in line], at_start
-    assert start_s < 3 * relay.delay_s + 2, f"the start took {start_s:.1f} s: {at_start}"
+    # Three requests at most (the run, its update), each answered 2 s late; 5 s more for a loaded
+    # 2-core machine (a fresh-clone CI run took 8.4 s). Asking for the histories was 3 more requests.
+    assert len(at_start) <= 3, at_start
+    assert start_s < 3 * relay.delay_s + 5, f"the start took {start_s:.1f} s: {at_start}"
     read = sum(size for path, size in relay.answered.items() if "/metrics/get-history" in path)
     assert 0 < read < 100_000, relay.answered  # a whole history of 3,200 points is some 300 KB a metric
     assert sorted(point.step for point in points) == list(range(1, 3201)), missing_or_repeated([p.step for p in points], 3200)
