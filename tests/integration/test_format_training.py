@@ -10,20 +10,16 @@ out), then epoch 1 whole (7 micro-batches, 5 left out). Numbers that do not divi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from purrsight.datasets.prepare_job import prepare_set
 from tests.format_sets import Item, write_llava, write_parquet, write_tars
-from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, tiny_config, tiny_overrides
+from tests.helpers import tiny_config, tiny_overrides
+from tests.integration.test_prepared_training import run_probe
 
-PROBE = REPO / "tests" / "integration" / "ddp_probe.py"
 SAMPLES = 47
 
 
@@ -34,20 +30,6 @@ def synthetic_items(synthetic_dir: Path) -> list[Item]:
         media = {k: synthetic_dir / record[k] if record.get(k) else None for k in ("image", "audio")}
         items.append(Item(record["id"], record["prompt"], record["response"], media["image"], media["audio"]))
     return items
-
-
-def run_probe(ranks: int, out: Path, overrides: list[str], resume: str | None = None) -> list[dict[str, Any]]:
-    launch = [sys.executable]
-    if ranks > 1:
-        launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1"]
-        launch += ["--master-port", str(free_port())]
-    env = {**python_env(), "OMP_NUM_THREADS": "1", **({"PURRSIGHT_RESUME": resume} if resume else {})}
-    done = subprocess.run(
-        [*launch, str(PROBE), str(out), str(DEFAULT_CONFIG), *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(ranks)]
 
 
 @pytest.mark.parametrize("fmt", ["webdataset", "parquet", "llava"])
@@ -74,9 +56,9 @@ def test_each_format_trains_on_two_ranks_and_resumes_on_three_with_every_sample_
             checkpoint__every_n_steps=4, checkpoint__keep_last=10, data__num_workers=1, run__deterministic="true", **extra,
         )  # fmt: skip
 
-    two = run_probe(2, tmp_path / "run", overrides(3, 4))
+    _, two = run_probe(2, tmp_path / "run", overrides(3, 4))
     checkpoint = tmp_path / "run" / "phase2-tiny" / "checkpoints" / "step-00000004.ckpt"
-    three = run_probe(3, tmp_path / "run", overrides(2, 14), resume=str(checkpoint))
+    _, three = run_probe(3, tmp_path / "run", overrides(2, 14), resume=str(checkpoint))
 
     every = {item.id for item in items}
     for epoch, runs in ((0, two + three), (1, three)):

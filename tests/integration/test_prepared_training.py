@@ -68,6 +68,12 @@ def probed_run(
         run__deterministic="true",
         **extra,
     )
+    return run_probe(ranks, out, overrides, resume)
+
+
+def run_probe(ranks: int, out: Path, overrides: list[str], resume: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """ddp_probe.py with ``overrides`` on ``ranks`` processes (torchrun; a plain process for one):
+    its log and each rank's record."""
     launch = [sys.executable]
     if ranks > 1:
         launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1"]
