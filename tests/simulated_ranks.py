@@ -98,6 +98,7 @@ class Record:
     windows: list[tuple[int, int, bool, bool]] = field(default_factory=list)  # (epoch, size, epoch's last, first of the fit)
     validated_at: list[tuple[int, bool]] = field(default_factory=list)  # (optimizer step, inside a window)
     logged: list[tuple[int, float]] = field(default_factory=list)  # (logger's step, the step the point belongs to)
+    saved: list[tuple[int, int | None]] = field(default_factory=list)  # (checkpoint's step, the newest step logged then)
     gradient_errors: list[float] = field(default_factory=list)  # |applied gradient - mean over the window|
     positions_disagree: list[str] = field(default_factory=list)
     final_step: int = 0
@@ -182,6 +183,8 @@ class OneWeight(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        logged_through = self.record.logged[-1][0] if self.record.logged else None
+        self.record.saved.append((self.trainer.global_step, logged_through))
         positions = [view.position() for view in self.job.views]
         if any(p != positions[0] for p in positions):
             self.record.positions_disagree.append(repr(positions))

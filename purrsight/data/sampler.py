@@ -126,6 +126,7 @@ class GlobalPositionSampler(Sampler[int]):
             )
         self._pending = (epoch, consumed)
 
+
 # ---------------------------------------------------------------- length-grouped batches
 #
 # Length-grouped batches (``data.group_by_length``): samples of similar length in one batch.

@@ -6,13 +6,15 @@ change of world size or batch shape that count must be derived again from our da
 (data_position.py); Lightning has no public way to set it, so a resume rewrites the counters
 in the checkpoint's loop state before Lightning restores them.
 
-Two more of the epoch loop's private parts are ours to set:
+More of the loops' private parts are ours to set:
 
 - the count its loggers take as the step (``_batches_that_stepped``): Lightning never rewrites it
   on a resume whose first window is partial, and it stayed one behind the optimizer step for good;
 - its decision to validate (``_should_check_val_fx``): Lightning counts micro-batches
   (``val_check_interval``), which after a partial window falls inside a window, and it validates
-  whenever ``should_stop`` is set, so a stop signal ran a whole validation pass before the exit.
+  whenever ``should_stop`` is set, so a stop signal ran a whole validation pass before the exit;
+- when the logger connector hands a step's metrics to the loggers (``update_train_step_metrics``):
+  after every ``on_train_batch_end`` hook, where checkpoints are written (``log_step_now``).
 
 ``check_layout`` runs when the trainer is built, so a Lightning upgrade that moves any of them
 stops the start with one line instead of resuming with a wrong count.
@@ -44,6 +46,7 @@ def _layout_error(where: str) -> LightningLayoutError:
 
 
 EPOCH_LOOP_PARTS = ("_batches_that_stepped", "_should_check_val_fx", "_should_check_val_epoch", "_should_accumulate")
+LOGGER_CONNECTOR_STEP = "update_train_step_metrics"
 
 
 def check_layout(trainer: pl.Trainer) -> None:
@@ -55,6 +58,11 @@ def check_layout(trainer: pl.Trainer) -> None:
     if missing:
         raise LightningLayoutError(
             f"pytorch_lightning {pl.__version__}'s training epoch loop has no {', '.join(missing)}, which PurrSight sets; "
+            "install the version requirements.txt names"
+        )
+    if not callable(getattr(trainer._logger_connector, LOGGER_CONNECTOR_STEP, None)):
+        raise LightningLayoutError(
+            f"pytorch_lightning {pl.__version__}'s logger connector has no {LOGGER_CONNECTOR_STEP}, which PurrSight calls; "
             "install the version requirements.txt names"
         )
 
@@ -86,6 +94,24 @@ def end_validation_now() -> None:
     installed version.
     """
     raise StopIteration
+
+
+def log_step_now(trainer: pl.Trainer) -> None:
+    """Hand this optimizer step's metrics to the loggers now, before its checkpoint is written.
+
+    Lightning logs a step's metrics after every ``on_train_batch_end`` hook, and the checkpoint is
+    written in one: a process killed between the two (SIGKILL, the OOM killer, a node's death) left
+    a checkpoint of a step that neither the loggers nor the tracker queue on disk had, and the
+    resume, which starts after that step, never logged it. Lightning's own call for this batch is
+    then skipped (the method is shadowed once on the instance), so no logger gets the step twice.
+    """
+    connector = trainer._logger_connector
+    getattr(connector, LOGGER_CONNECTOR_STEP)()
+
+    def skip_this_batch() -> None:
+        delattr(connector, LOGGER_CONNECTOR_STEP)  # the class's method again from the next batch on
+
+    setattr(connector, LOGGER_CONNECTOR_STEP, skip_this_batch)
 
 
 def set_logged_step(trainer: pl.Trainer) -> None:

@@ -25,7 +25,7 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from purrsight.atomic_file import publish, stale_temp_files
 from purrsight.distributed.stop_vote import StopRequest, StopVote
 from purrsight.errors import UserError
-from purrsight.internals.lightning_loops import end_validation_now
+from purrsight.internals.lightning_loops import end_validation_now, log_step_now
 from purrsight.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
 
 log = logging.getLogger(__name__)
@@ -135,6 +135,7 @@ class CheckpointSaver(pl.Callback):
         last = trainer.max_steps > 0 and step >= trainer.max_steps
         due = step != self.last_saved_step and (step % self.every_n_steps == 0 or last)
         if (stop or due) and step != self.last_saved_step:
+            log_step_now(trainer)  # the step's metrics are with the loggers (and on disk) before its checkpoint
             self.save(trainer)
         if stop:
             self.stopped_by_signal = self.stop.signum or signal.SIGTERM
@@ -151,9 +152,7 @@ class CheckpointSaver(pl.Callback):
         if self._stop_agreed and not trainer.should_stop:
             trainer.should_stop = True  # also tells the module and the progress lines that this pass was cut
             if trainer.is_global_zero:
-                log.warning(
-                    "stop while validating step %d: the pass ends here, its metrics are not logged", trainer.global_step
-                )
+                log.warning("stop while validating step %d: the pass ends here, its metrics are not logged", trainer.global_step)
             end_validation_now()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -92,13 +92,19 @@ def samples_by_epoch(*records: Record) -> dict[int, list[int]]:
 
 def check_windows(record: Record, accumulation: int, first_may_be_partial: bool, validated: list[int]) -> None:
     """Windows whole but an epoch's last (and the first after a change); each step the mean of its
-    window; the logged step the optimizer step; validation right after exactly the steps named."""
+    window; the logged step the optimizer step, each once and before its checkpoint; validation right
+    after exactly the steps named."""
     for epoch, taken, epoch_last, first_of_fit in record.windows:
         assert 1 <= taken <= accumulation, (epoch, taken)
         partial_allowed = epoch_last or (first_of_fit and first_may_be_partial)
         assert taken == accumulation or partial_allowed, f"a window of {taken} in epoch {epoch}"
     assert max(record.gradient_errors, default=0.0) < 1e-9  # each step's gradient: the mean over its window
     assert all(step == belongs for step, belongs in record.logged), record.logged
+    logged_steps = [step for step, _ in record.logged]
+    assert logged_steps == sorted(set(logged_steps)), logged_steps  # each step handed to the loggers once
+    # A checkpoint is written after its step's metrics reached the loggers: a kill between the two
+    # left a step that the resume (starting after it) never logged.
+    assert all(through is None or through == step for step, through in record.saved), record.saved
     assert [step for step, _ in record.validated_at] == validated
     assert not any(inside for _, inside in record.validated_at)
     assert not record.positions_disagree
