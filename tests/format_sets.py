@@ -21,6 +21,16 @@ class Item:
     caption_only: bool = False  # tar / Parquet: a caption (the response) and no prompt
 
 
+def items_of(data: Path, count: int | None = None) -> list[Item]:
+    """The first ``count`` samples of a generated set's train.jsonl (purrsight/data/synthetic.py) as Items."""
+    items = []
+    for line in (data / "train.jsonl").read_text().splitlines()[:count]:
+        record = json.loads(line)
+        media = {k: data / record[k] if record.get(k) else None for k in ("image", "audio")}
+        items.append(Item(record["id"], record["prompt"], record["response"], media["image"], media["audio"]))
+    return items
+
+
 def write_ours(folder: Path, items: list[Item]) -> Path:
     path = folder / "ours.jsonl"
     lines = []
@@ -32,17 +42,24 @@ def write_ours(folder: Path, items: list[Item]) -> Path:
     return path
 
 
-def _marked(item: Item) -> str:
-    return ("<image>\n" if item.image else "") + ("<audio>\n" if item.audio else "") + item.prompt
+def marked(item: Item, where: str = "front") -> str:
+    """The prompt with LLaVA's placeholders: in front, as llava_instruct_150k.json writes them, or
+    ``where="varied"``: in front, inside or after the prompt, by the sample's number."""
+    placeholders = [p for p, media in (("<image>", item.image), ("<audio>", item.audio)) if media]
+    if where == "front" or not placeholders:
+        return "".join(p + "\n" for p in placeholders) + item.prompt
+    words = item.prompt.split(" ")
+    cut = (int("".join(filter(str.isdigit, item.id)) or 0) % 3) * len(words) // 2  # 0, the middle, the end
+    return " ".join([*words[:cut], *placeholders, *words[cut:]])
 
 
-def write_llava(folder: Path, items: list[Item]) -> Path:
+def write_llava(folder: Path, items: list[Item], where: str = "front") -> Path:
     """A top-level JSON array, as llava_instruct_150k.json is."""
     records = []
     for item in items:
         record: dict[str, object] = {
             "id": item.id,
-            "conversations": [{"from": "human", "value": _marked(item)}, {"from": "gpt", "value": item.response}],
+            "conversations": [{"from": "human", "value": marked(item, where)}, {"from": "gpt", "value": item.response}],
         }
         record.update({k: str(v) for k, v in (("image", item.image), ("audio", item.audio)) if v is not None})
         records.append(record)
@@ -51,11 +68,11 @@ def write_llava(folder: Path, items: list[Item]) -> Path:
     return path
 
 
-def write_messages(folder: Path, items: list[Item]) -> Path:
+def write_messages(folder: Path, items: list[Item], where: str = "front") -> Path:
     path = folder / "messages.jsonl"
     with path.open("w") as handle:
         for item in items:
-            messages = [{"role": "user", "content": _marked(item)}, {"role": "assistant", "content": item.response}]
+            messages = [{"role": "user", "content": marked(item, where)}, {"role": "assistant", "content": item.response}]
             record = {
                 "id": item.id,
                 "messages": messages,

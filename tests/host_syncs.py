@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from purrsight.config import load_config
 from purrsight.data.synthetic import generate
 from purrsight.training.run import train
+from tests.format_sets import items_of, write_llava
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "config" / "train_config.yaml"
@@ -76,6 +77,7 @@ class HostSyncCounter(TorchFunctionMode):
         super().__init__()
         self.active = False
         self.calls: Counter[tuple[str, str]] = Counter()
+        self.batch_keys: set[str] = set()  # the counted step's batch: what the step was given
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         if self.active:
@@ -108,6 +110,8 @@ class CountStep(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.counter.active = batch_idx == self.batch_idx
+        if self.counter.active:
+            self.counter.batch_keys = set(batch)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.counter.active = False
@@ -139,14 +143,20 @@ def count_step(
 ) -> HostSyncCounter:
     """Train the tiny default config for ``steps`` steps in this process and count step ``step``
     (1-based), inside a one-rank gloo process group so the collectives of a multi-rank run (the
-    stop vote) run too. ``step`` should be no logging, telemetry, checkpoint or validation step."""
+    stop vote) run too. ``step`` should be no logging, telemetry, checkpoint or validation step.
+
+    The training set is the generated one as a LLaVA file with its placeholders in front of, inside
+    and after the prompts, in length-grouped batches: the step places the media in the text
+    (PurrSightModel.build_inputs' widest path)."""
     data = generate(work / "data", 64, 8, 0)
+    train_index = write_llava(work / "data", items_of(data), where="varied")
     config = load_config(
         DEFAULT_CONFIG,
         [
             f"run.output_dir={work / 'runs'}",
             f"data.synthetic_dir={data}",
-            f"data.train_index={data / 'train.jsonl'}",
+            f"data.train_index={train_index}",
+            "data.group_by_length=true",
             f"data.val_index={data / 'val.jsonl'}",
             "data.batch_size=4",
             "data.num_workers=1",  # the collator runs in a loader worker, outside the counted thread

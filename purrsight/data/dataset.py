@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +28,7 @@ class Sample:
     image: torch.Tensor | None  # the decoder's stored form: uint8 pixels (normalised on the device) or float32
     audio: torch.Tensor | None
     skipped: int  # bad samples replaced to produce this one
+    media_at: dict[str, int] = field(default_factory=dict)  # modality -> token index its media go before (data/text.py)
 
 
 class MultiModalDataset(Dataset[Sample]):
@@ -81,7 +82,7 @@ class MultiModalDataset(Dataset[Sample]):
             audio = self._clip(record["audio"])
         except (SampleError, PromptTooLongError) as err:
             raise SampleError(f"{self.index.path}:{record['line']} (id {record['id']!r}): {err}") from None
-        return Sample(record["id"], text.input_ids, text.labels, image, audio, skipped=0)
+        return Sample(record["id"], text.input_ids, text.labels, image, audio, skipped=0, media_at=text.media_at)
 
     def __getitem__(self, i: int) -> Sample:
         if self.on_bad_sample == "error":
@@ -147,13 +148,17 @@ class Collator:
             "ids": [s.id for s in samples],
         }
         padded = min(lengths) < longest
-        for modality, blank in (("image", self.blank_image), ("audio", self.blank_audio)):
-            if blank is None:
-                continue
+        enabled = [(m, blank) for m, blank in (("image", self.blank_image), ("audio", self.blank_audio)) if blank is not None]
+        for modality, blank in enabled:
             items = [getattr(s, modality) for s in samples]
             batch[modality], batch[f"has_{modality}"], batch[f"{modality}_rows"] = self._stack_media(items, blank)
             padded = padded or any(item is None for item in items)  # an absent modality's prefix is masked
         batch["padded"] = padded  # False: no position is masked, the LLM may attend without a mask
+        # Where each enabled modality's media go in each sample's text; only when one is not in front
+        # (0), so a batch of placeholder-free samples takes the model's plain concatenation.
+        media_at = [[s.media_at.get(m, 0) if getattr(s, m) is not None else 0 for m, _ in enabled] for s in samples]
+        if enabled and any(any(row) for row in media_at):
+            batch["media_at"] = torch.tensor(media_at, dtype=torch.long)
         return batch
 
 

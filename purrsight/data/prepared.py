@@ -31,13 +31,24 @@ def shard_schema() -> Any:
             ("image", pa.binary()),  # the ImageDecoder's stored form (uint8 or float32), C-contiguous
             ("image_shape", pa.list_(pa.int32())),
             ("audio", pa.binary()),  # the clip at the encoder's rate, float32
+            # The token index the media go before (data/text.py); null: in front. Absent from sets
+            # prepared before placeholders were read: their media are in front.
+            ("image_at", pa.int32()),
+            ("audio_at", pa.int32()),
         ]
     )
 
 
 def sample_row(
-    sample_id: str, line: int, input_ids: list[int], labels: list[int], image: torch.Tensor | None, audio: np.ndarray | None
+    sample_id: str,
+    line: int,
+    input_ids: list[int],
+    labels: list[int],
+    image: torch.Tensor | None,
+    audio: np.ndarray | None,
+    media_at: dict[str, int] | None = None,
 ) -> dict[str, Any]:
+    media_at = media_at or {}
     return {
         "id": sample_id,
         "line": line,
@@ -46,6 +57,8 @@ def sample_row(
         "image": None if image is None else image.contiguous().numpy().tobytes(),
         "image_shape": None if image is None else list(image.shape),
         "audio": None if audio is None else np.ascontiguousarray(audio, dtype=np.float32).tobytes(),
+        "image_at": media_at.get("image"),
+        "audio_at": media_at.get("audio"),
     }
 
 
@@ -130,6 +143,8 @@ class PreparedSplit(Dataset[Sample]):
             image = torch.frombuffer(bytearray(picture.as_buffer()), dtype=self.image_dtype).reshape(*shape)
         if self.audio is not None and clip.is_valid:
             audio = self.audio.features(np.frombuffer(clip.as_buffer(), dtype=np.float32))
+        stored_at = {m: columns[f"{m}_at"][row].as_py() for m in ("image", "audio") if f"{m}_at" in columns}
+        media_at = {m: at for m, at in stored_at.items() if at is not None}
         return Sample(
             columns["id"][row].as_py(),
             columns["input_ids"][row].values.to_numpy().tolist(),
@@ -137,4 +152,5 @@ class PreparedSplit(Dataset[Sample]):
             image,
             audio,
             skipped=0,
+            media_at=media_at,
         )

@@ -14,21 +14,49 @@ space, as the single turn's response does). A sample of one user and one assista
 encoded exactly as a prompt and response (the same tokens either way). ``data.max_length`` cuts
 the conversation's tail; a first user turn that leaves no room for the first answer is refused as
 a prompt too long, as in the single-turn case.
+
+Media placeholders (``<image>``, ``<audio>``, in any format's text) say where the sample's media go.
+The text is tokenized in pieces split at them, as LLaVA's ``tokenizer_image_token`` does (a chat
+template's rendering is split the same way): each placeholder, with one line break beside it, is
+taken out, and ``EncodedText.media_at`` holds the index of the token its media go before
+(PurrSightModel places the projected media there). A sample without one has its media in front
+of the text, as before placeholders were read; one cut off by ``data.max_length`` goes at the end.
+Without placeholders the tokens are the same as one pass over the whole text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from purrsight.data.formats.records import PLACEHOLDERS
 from purrsight.labels import IGNORE_INDEX
+
+_MODALITY_OF = {placeholder: modality for modality, placeholder in PLACEHOLDERS.items()}
+_ANY = "|".join(re.escape(p) for p in PLACEHOLDERS.values())
+# A placeholder with the line break LLaVA puts after it (or, at a text's end, before it).
+_PLACEHOLDER = re.compile(f"({_ANY})\n|\n({_ANY})(?!\n)|({_ANY})")
 
 
 @dataclass(frozen=True)
 class EncodedText:
     input_ids: list[int]
     labels: list[int]
+    media_at: dict[str, int] = field(default_factory=dict)  # modality -> the token index its media go before
+
+
+def split_at_placeholders(text: str) -> Iterator[tuple[str | None, str]]:
+    """``text`` as (None, piece) and (modality, placeholder) parts, in order; the line break beside
+    each placeholder is dropped with it."""
+    start = 0
+    for found in _PLACEHOLDER.finditer(text):
+        yield None, text[start : found.start()]
+        placeholder = next(group for group in found.groups() if group)
+        yield _MODALITY_OF[placeholder], placeholder
+        start = found.end()
+    yield None, text[start:]
 
 
 class PromptTooLongError(ValueError):
@@ -41,62 +69,72 @@ class TextEncoder:
         self.max_length = max_length
         self.use_chat_template = bool(getattr(tokenizer, "chat_template", None))
 
-    def _split(self, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    def _tokens(self, text: str, media_at: dict[str, int], start: int) -> list[int]:
+        """``text``'s token ids, placeholders taken out; where each stood (counted from ``start``) is
+        put in ``media_at`` (the first of a modality's, should a text hold two)."""
+        ids: list[int] = []
+        for modality, piece in split_at_placeholders(text):
+            if modality is not None:
+                media_at.setdefault(modality, start + len(ids))
+            elif piece:
+                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return ids
+
+    def _split(self, prompt: str, response: str) -> tuple[list[int], list[int], dict[str, int]]:
         tok = self.tokenizer
+        media_at: dict[str, int] = {}
         if self.use_chat_template:
             user = [{"role": "user", "content": prompt}]
-            prompt_ids = list(tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True, return_dict=False))
-            full = list(
-                tok.apply_chat_template([*user, {"role": "assistant", "content": response}], tokenize=True, return_dict=False)
-            )
+            prompt_ids = self._render(user, generation_prompt=True, media_at={})
+            full = self._render([*user, {"role": "assistant", "content": response}], generation_prompt=False, media_at=media_at)
             if full[: len(prompt_ids)] == prompt_ids:
-                return prompt_ids, full[len(prompt_ids) :]
+                return prompt_ids, full[len(prompt_ids) :], media_at
             # A template that renders the prompt differently once an answer follows: fall
             # back to the plain pieces rather than mislabel tokens.
+            media_at = {}
         prefix = [tok.bos_token_id] if tok.bos_token_id is not None else []
-        prompt_ids = prefix + tok(prompt, add_special_tokens=False)["input_ids"]
+        prompt_ids = prefix + self._tokens(prompt, media_at, len(prefix))
         suffix = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        response_ids = tok(" " + response, add_special_tokens=False)["input_ids"] + suffix
-        return prompt_ids, response_ids
+        response_ids = self._tokens(" " + response, media_at, len(prompt_ids)) + suffix
+        return prompt_ids, response_ids, media_at
 
     def prompt_length(self, prompt: str) -> int:
         return len(self._split(prompt, "x")[0])
 
     def __call__(self, prompt: str, response: str) -> EncodedText:
-        prompt_ids, response_ids = self._split(prompt, response)
+        prompt_ids, response_ids, media_at = self._split(prompt, response)
         if len(prompt_ids) >= self.max_length:
             raise PromptTooLongError(
                 f"prompt is {len(prompt_ids)} tokens, data.max_length is {self.max_length}: no room for the response"
             )
         response_ids = response_ids[: self.max_length - len(prompt_ids)]  # truncate the answer's tail
-        return EncodedText(
-            input_ids=prompt_ids + response_ids,
-            labels=[IGNORE_INDEX] * len(prompt_ids) + response_ids,
-        )
+        return _encoded(prompt_ids + response_ids, [IGNORE_INDEX] * len(prompt_ids) + response_ids, media_at)
 
-    def _render(self, turns: Sequence[tuple[str, str]], generation_prompt: bool) -> list[int]:
-        messages = [{"role": role, "content": text} for role, text in turns]
-        rendered = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
-        )
-        return list(rendered)
+    def _render(self, turns: Sequence[Any], generation_prompt: bool, media_at: dict[str, int]) -> list[int]:
+        """The chat template's rendering, tokenized as ``apply_chat_template(tokenize=True)`` does (the
+        string without special tokens added) but in pieces split at the placeholders."""
+        messages = [turn if isinstance(turn, dict) else {"role": turn[0], "content": turn[1]} for turn in turns]
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        return self._tokens(str(rendered), media_at, 0)
 
-    def _templated_turns(self, turns: Sequence[tuple[str, str]]) -> tuple[list[int], list[tuple[int, int]]] | None:
+    def _templated_turns(
+        self, turns: Sequence[tuple[str, str]], media_at: dict[str, int]
+    ) -> tuple[list[int], list[tuple[int, int]]] | None:
         """(token ids, the [start, end) spans of the assistant turns) through the chat template; None
         when a partial rendering is not a prefix of the whole (a template that rewrites earlier turns)."""
-        full = self._render(turns, generation_prompt=False)
+        full = self._render(turns, generation_prompt=False, media_at=media_at)
         spans = []
         for i, (role, _) in enumerate(turns):
             if role != "assistant":
                 continue
-            before = self._render(turns[:i], generation_prompt=True) if i else []
-            through = self._render(turns[: i + 1], generation_prompt=False)
+            before = self._render(turns[:i], generation_prompt=True, media_at={}) if i else []
+            through = self._render(turns[: i + 1], generation_prompt=False, media_at={})
             if full[: len(before)] != before or full[: len(through)] != through:
                 return None
             spans.append((len(before), len(through)))
         return full, spans
 
-    def _plain_turns(self, turns: Sequence[tuple[str, str]]) -> tuple[list[int], list[tuple[int, int]]]:
+    def _plain_turns(self, turns: Sequence[tuple[str, str]], media_at: dict[str, int]) -> tuple[list[int], list[tuple[int, int]]]:
         tok = self.tokenizer
         ids = [tok.bos_token_id] if tok.bos_token_id is not None else []
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
@@ -105,19 +143,26 @@ class TextEncoder:
         for role, text in turns:
             if role == "assistant":
                 start = len(ids)
-                ids += tok(" " + text, add_special_tokens=False)["input_ids"] + eos
+                ids += self._tokens(" " + text, media_at, len(ids)) + eos
                 spans.append((start, len(ids)))
             else:  # after another user or system turn, a space joins them; after an answer, a fresh start
-                ids += tok(text if previous == "assistant" else " " + text, add_special_tokens=False)["input_ids"]
+                ids += self._tokens(text if previous == "assistant" else " " + text, media_at, len(ids))
             previous = role
         return ids, spans
+
+    def _turn_ids(self, turns: Sequence[tuple[str, str]], media_at: dict[str, int]) -> tuple[list[int], list[tuple[int, int]]]:
+        found = self._templated_turns(turns, media_at) if self.use_chat_template else None
+        if found is None:
+            media_at.clear()  # positions of a template's rendering that was given up
+            return self._plain_turns(turns, media_at)
+        return found
 
     def encode_turns(self, turns: Sequence[tuple[str, str]]) -> EncodedText:
         """Token ids and labels of a conversation: the loss on assistant turns only (module docstring)."""
         if len(turns) == 2 and turns[0][0] == "user" and turns[1][0] == "assistant":
             return self(turns[0][1], turns[1][1])
-        found = self._templated_turns(turns) if self.use_chat_template else None
-        ids, spans = found if found is not None else self._plain_turns(turns)
+        media_at: dict[str, int] = {}
+        ids, spans = self._turn_ids(turns, media_at)
         if not spans:
             raise PromptTooLongError("no assistant turn: nothing to train on")
         if spans[0][0] >= self.max_length:
@@ -128,12 +173,16 @@ class TextEncoder:
         labels = [IGNORE_INDEX] * len(ids)
         for start, end in spans:
             labels[start:end] = ids[start:end]
-        return EncodedText(input_ids=ids[: self.max_length], labels=labels[: self.max_length])
+        return _encoded(ids[: self.max_length], labels[: self.max_length], media_at)
 
     def first_prompt_length(self, turns: Sequence[tuple[str, str]]) -> int:
         """Tokens before the first answer (what must fit within data.max_length)."""
         if len(turns) == 2 and turns[0][0] == "user" and turns[1][0] == "assistant":
             return self.prompt_length(turns[0][1])
-        found = self._templated_turns(turns) if self.use_chat_template else None
-        _, spans = found if found is not None else self._plain_turns(turns)
+        _, spans = self._turn_ids(turns, {})
         return spans[0][0] if spans else 0
+
+
+def _encoded(ids: list[int], labels: list[int], media_at: dict[str, int]) -> EncodedText:
+    """Media whose placeholder the cut left out go after the last token kept."""
+    return EncodedText(ids, labels, {modality: min(at, len(ids)) for modality, at in media_at.items()})

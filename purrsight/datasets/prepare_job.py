@@ -195,7 +195,7 @@ def _prepare_shard(task: ShardTask, out: Path) -> ShardResult:
                 bad.append({"where": record.where, "error": str(err)})
                 continue
             if not (bad and refuse_bad):  # once refused, the rest is decoded only to list its bad samples
-                yield sample_row(record.id, record.line, encoded.input_ids, encoded.labels, pixels, wave)
+                yield sample_row(record.id, record.line, encoded.input_ids, encoded.labels, pixels, wave, encoded.media_at)
         if bad and refuse_bad:
             raise _ShardRefusedError  # leaves the write: its temp file is removed, nothing is published
 

@@ -1,5 +1,10 @@
 """The assembled Phase 2 model: [image prefix][audio prefix][prompt][response] -> LLM.
 
+Where a sample's text had a media placeholder (``<image>``, ``<audio>``: data/text.py), that
+modality's projected tokens go there instead of in front: the collator hands the token index as
+``media_at`` and ``place_media`` moves every position to its place with one scatter, whose
+indices are computed on the device from that small tensor (no host synchronisation).
+
 Missing modalities. A batch always carries a tensor per enabled modality plus a
 ``has_<modality>`` mask; a sample without an image gets a blank image. Its projected
 prefix is multiplied by 0 and masked out of attention and the loss, so it cannot affect
@@ -113,11 +118,17 @@ class PurrSightModel(nn.Module):
             embeds.append(prefix.to(text.dtype))
             masks.append(present.long()[:, None].expand(-1, prefix.shape[1]))
             labels.append(torch.full(prefix.shape[:2], IGNORE_INDEX, device=text.device, dtype=torch.long))
+        embeds_all = torch.cat([*embeds, text], dim=1)
         keys = torch.cat([*masks, batch["attention_mask"]], dim=1)
+        labels_all = torch.cat([*labels, batch["labels"]], dim=1)
+        media_at = batch.get("media_at")
+        if media_at is not None:
+            to = media_destinations([prefix.shape[1] for prefix in embeds], text.shape[1], media_at)
+            embeds_all, keys, labels_all = (place_media(part, to) for part in (embeds_all, keys, labels_all))
         return {
-            "inputs_embeds": torch.cat([*embeds, text], dim=1),
+            "inputs_embeds": embeds_all,
             "attention_mask": self.attention_mask(keys, bool(batch.get("padded", True))),
-            "labels": torch.cat([*labels, batch["labels"]], dim=1),
+            "labels": labels_all,
         }
 
     def attention_mask(self, keys: torch.Tensor, padded: bool) -> torch.Tensor | None:
@@ -145,3 +156,33 @@ class PurrSightModel(nn.Module):
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
+
+
+def media_destinations(prefix_lengths: list[int], text_length: int, media_at: torch.Tensor) -> torch.Tensor:
+    """(batch, length): where each position of ``[prefix 0][prefix 1]...[text]`` goes in the sequence.
+
+    ``media_at`` (batch, modalities): the text token each modality's prefix goes before; 0 puts it
+    in front, where modalities at one index keep their order. A text token moves right by every
+    prefix placed at or before it; a prefix starts at its index plus the prefixes placed before it.
+    """
+    device = media_at.device
+    token = torch.arange(text_length, device=device)
+    text_to = token[None, :].expand(media_at.shape[0], -1).clone()
+    prefix_to = []
+    for m, length in enumerate(prefix_lengths):
+        text_to += (media_at[:, m, None] <= token[None, :]).long() * length
+        start = media_at[:, m].clone()
+        for other, other_length in enumerate(prefix_lengths):
+            if other != m:
+                ahead = media_at[:, other] < media_at[:, m]
+                if other < m:
+                    ahead = ahead | (media_at[:, other] == media_at[:, m])
+                start += ahead.long() * other_length
+        prefix_to.append(start[:, None] + torch.arange(length, device=device)[None, :])
+    return torch.cat([*prefix_to, text_to], dim=1)
+
+
+def place_media(part: torch.Tensor, to: torch.Tensor) -> torch.Tensor:
+    """``part`` (batch, length, ...) with position i moved to ``to[:, i]`` (a permutation per row)."""
+    index = to.view(*to.shape, *([1] * (part.dim() - 2))).expand_as(part)
+    return torch.zeros_like(part).scatter(1, index, part)

@@ -73,7 +73,8 @@ def test_two_ranks_with_nccl(synthetic_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_a_training_step_on_a_gpu_never_synchronises(tmp_path: Path) -> None:
     """CUDA's sync debug mode set to error for step 12 of a bf16 run on one GPU (the stop vote in
-    a one-rank gloo group): any call that makes the host wait for the device fails the run.
+    a one-rank gloo group): any call that makes the host wait for the device fails the run. The
+    data: a LLaVA file in length-grouped batches, media placed at their placeholders.
     On CUDA the optimizer is the fused AdamW, whose step counters stay on the device."""
     code = (
         "import sys, torch; from pathlib import Path; "
@@ -82,7 +83,7 @@ def test_a_training_step_on_a_gpu_never_synchronises(tmp_path: Path) -> None:
         "opt, _ = build_optimizer([torch.nn.Parameter(torch.ones(2, device='cuda'))], OptimConfig(), 10); "
         "assert opt.defaults['fused'], 'AdamW is not fused on CUDA'; "
         "counter = count_step(Path(sys.argv[1]), 14, 12, ['trainer.precision=bf16-mixed'], [CudaSyncsFail(11)]); "
-        "print(counter.report())"
+        "assert 'media_at' in counter.batch_keys, counter.batch_keys; print(counter.report())"
     )
     env = {**with_repo(gpu_env()), "CUDA_VISIBLE_DEVICES": "0"}
     done = subprocess.run(

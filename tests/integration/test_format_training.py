@@ -1,5 +1,7 @@
 """Each input format trained on real ranks (torchrun, gloo) and resumed on another world size, every
-sample once per epoch: WebDataset tars and Parquet shards through `prepare`, a LLaVA file directly.
+sample once per epoch: WebDataset tars and Parquet shards through `prepare`, LLaVA and messages files
+directly, their placeholders in front of, inside and after the prompt (the model places the media
+there: batches carry ``media_at``).
 
 47 samples of the synthetic set (tests/format_sets.py writes them with tarfile, pyarrow.parquet,
 json). 2 ranks x 3 samples: 7 micro-batches an epoch, 5 samples left out; the step-4 checkpoint
@@ -9,43 +11,34 @@ out), then epoch 1 whole (7 micro-batches, 5 left out). Numbers that do not divi
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from purrsight.datasets.prepare_job import prepare_set
-from tests.format_sets import Item, write_llava, write_parquet, write_tars
+from tests.format_sets import items_of, write_llava, write_messages, write_parquet, write_tars
 from tests.helpers import tiny_config, tiny_overrides
 from tests.integration.test_prepared_training import run_probe
 
 SAMPLES = 47
 
 
-def synthetic_items(synthetic_dir: Path) -> list[Item]:
-    items = []
-    for line in (synthetic_dir / "train.jsonl").read_text().splitlines()[:SAMPLES]:
-        record = json.loads(line)
-        media = {k: synthetic_dir / record[k] if record.get(k) else None for k in ("image", "audio")}
-        items.append(Item(record["id"], record["prompt"], record["response"], media["image"], media["audio"]))
-    return items
-
-
-@pytest.mark.parametrize("fmt", ["webdataset", "parquet", "llava"])
+@pytest.mark.parametrize("fmt", ["webdataset", "parquet", "llava", "messages"])
 def test_each_format_trains_on_two_ranks_and_resumes_on_three_with_every_sample_once_per_epoch(
     fmt: str, synthetic_dir: Path, tmp_path: Path
 ) -> None:
-    items = synthetic_items(synthetic_dir)
+    items = items_of(synthetic_dir, SAMPLES)
     data = tmp_path / "data"
     data.mkdir()
     index = {
         "webdataset": lambda: write_tars(data, items, per_shard=10),
         "parquet": lambda: write_parquet(data, items, per_file=20, row_group=7),
-        "llava": lambda: str(write_llava(data, items)),
+        "llava": lambda: str(write_llava(data, items, where="varied")),
+        "messages": lambda: str(write_messages(data, items, where="varied")),
     }[fmt]()
     extra: dict[str, object] = {"data__train_index": index, "data__val_index": "null"}
-    if fmt != "llava":  # shards train from a prepared set; a LLaVA file trains raw, as our JSONL does
+    if fmt in ("webdataset", "parquet"):  # shards train from a prepared set; JSON files train raw, as our JSONL does
         config = tiny_config(synthetic_dir, tmp_path, **extra)
         assert prepare_set(config, tmp_path / "set", processes=2, part=(0, 1), shard_size=8) is not None
         extra["data__prepared"] = tmp_path / "set"

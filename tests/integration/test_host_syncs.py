@@ -27,7 +27,8 @@ def test_the_counter_sees_the_patterns_that_stall_a_gpu() -> None:
 def test_a_training_step_makes_no_host_synchronisation(tmp_path: Path) -> None:
     """Step 12 of the tiny run (no logging, telemetry, checkpoint or validation at it), with the
     stop vote running in a one-rank gloo group: forward, backward, optimizer step and every
-    per-step hook make no call that would wait for a GPU."""
+    per-step hook make no call that would wait for a GPU, media placed at their placeholders too."""
     counter = count_step(tmp_path, steps=14, step=12, overrides=[])
+    assert "media_at" in counter.batch_keys, counter.batch_keys  # the step placed media in the text
     assert counter.total() > 0, "nothing counted: the counting window missed the step"  # the optimizer's counters at least
     assert not counter.device_reads(), "host synchronisations in a training step:\n" + counter.report()

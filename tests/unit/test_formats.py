@@ -31,7 +31,7 @@ from purrsight.data.text import TextEncoder
 from purrsight.datasets.prepare_job import prepare_set, survey
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.llm import load_tokenizer
-from tests.format_sets import Item, write_llava, write_messages, write_ours, write_parquet, write_tars
+from tests.format_sets import Item, marked, write_llava, write_messages, write_ours, write_parquet, write_tars
 from tests.helpers import DEFAULT_CONFIG, REPO, python_env, tiny_config, tiny_overrides
 
 PHOTO = Path(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))
@@ -101,7 +101,17 @@ def test_each_format_prepares_into_the_rows_our_jsonl_gives(
     assert manifest is not None and manifest["sources"]["train"]["format"] == fmt
     written = {p for p in set(tmp_path.rglob("*")) - before if not p.is_relative_to(tmp_path / "set")}
     assert written == set(), f"files unpacked outside the prepared set: {sorted(written)}"
-    assert prepared_rows(tmp_path / "set") == ours_prepared
+    rows = prepared_rows(tmp_path / "set")
+    at_columns = ("image_at", "audio_at")
+    assert {i: {k: v for k, v in row.items() if k not in at_columns} for i, row in rows.items()} == {
+        i: {k: v for k, v in row.items() if k not in at_columns} for i, row in ours_prepared.items()
+    }
+    # LLaVA and messages put "<image>\n<audio>\n" before the prompt: the media go right after <bos>,
+    # where the placeholders stood; tars and Parquet have no text to place them in: in front.
+    placed = 1 if fmt in ("llava", "messages") else None
+    for i, row in rows.items():
+        for column in at_columns:
+            assert row[column] == (placed if ours_prepared[i][column.removesuffix("_at")] is not None else None), (i, column)
 
 
 def test_a_multi_turn_conversation_trains_on_its_assistant_turns_only(synthetic_dir: Path) -> None:
@@ -210,13 +220,15 @@ def test_a_bad_index_is_one_line_naming_the_culprit_and_exit_2(synthetic_dir: Pa
 
 def test_llava_and_messages_files_train_directly_from_the_raw_index(tmp_path: Path) -> None:
     """read_index (the raw path's scan) takes LLaVA and messages files: one user and one assistant turn
-    as prompt and response (our JSONL's records), longer conversations kept whole as turns."""
+    as prompt and response (our JSONL's records, the placeholders kept for the text encoder to place
+    the media), longer conversations kept whole as turns."""
     items = real_items(4)
     ours = read_index(write_ours(tmp_path, items))
     for path in (write_llava(tmp_path, items), write_messages(tmp_path, items)):
         records = read_index(path)
         assert [{k: r[k] for k in ("id", "prompt", "response", "image", "audio")} for r in records] == [
-            {k: o[k] for k in ("id", "prompt", "response", "image", "audio")} for o in ours
+            {**{k: o[k] for k in ("id", "response", "image", "audio")}, "prompt": marked(item)}
+            for o, item in zip(ours, items, strict=True)
         ]
     turns = [
         {"from": "human", "value": "a"},

@@ -104,11 +104,6 @@ class Record:
         return None
 
 
-def strip_placeholder(text: str, placeholder: str) -> str:
-    """The text without ``placeholder`` and the line break LLaVA puts beside it."""
-    return text.replace(placeholder + "\n", "").replace("\n" + placeholder, "").replace(placeholder, "").strip()
-
-
 def conversation_problem(turns: list[Turn], media: dict[str, bool]) -> str | None:
     """Why ``turns`` cannot train (None when they can); ``media``: modality -> the sample has it."""
     if not any(role == ASSISTANT for role, _ in turns):
@@ -123,14 +118,10 @@ def conversation_problem(turns: list[Turn], media: dict[str, bool]) -> str | Non
 
 
 def finish_turns(turns: list[Turn]) -> list[Turn]:
-    """Placeholders removed (the media go in the model's prefix) and turns after the last assistant dropped."""
-    cleaned = []
-    for role, text in turns:
-        for placeholder in PLACEHOLDERS.values():
-            text = strip_placeholder(text, placeholder) if placeholder in text else text
-        cleaned.append((role, text))
-    last = max((i for i, (role, _) in enumerate(cleaned) if role == ASSISTANT), default=-1)
-    return cleaned[: last + 1]
+    """Turns after the last assistant dropped (nothing there to train). Placeholders stay: the text
+    encoder takes them out and puts the media where they stood (data/text.py)."""
+    last = max((i for i, (role, _) in enumerate(turns) if role == ASSISTANT), default=-1)
+    return turns[: last + 1]
 
 
 def conversation_record(
