@@ -106,7 +106,8 @@ fi
 # could still hold several long ones while the other sat idle. mypy follows the cluster tests
 # in the same background branch: they end minutes before the workers do, and the workers' last
 # tests leave a core free. Extra arguments go to both pytest runs; PYTEST_WORKERS=0 runs the
-# rest serially too.
+# rest serially too. Both list their slowest tests (--durations): the suite's time, in CI's
+# output, has names to it.
 if ((QUICK)); then
   log "python tests: pytest, quick tier (-m 'not slow and not root'), ${WORKERS} workers"
   exec python -m pytest -n "${WORKERS}" -m "not slow and not root" "$@"
@@ -136,7 +137,7 @@ bats_then_cluster_tests_then_mypy() {
   bats tests/shell >"${bats_output}" 2>&1 || status=$?
   echo "${status}" >"${bats_output}.status"
   status=0
-  run_pytest -m serial "$@" >"${serial_output}" 2>&1 || status=$?
+  run_pytest -m serial --durations=10 "$@" >"${serial_output}" 2>&1 || status=$?
   echo "${status}" >"${serial_output}.status"
   status=0
   mypy --cache-dir "${mypy_cache}" purrsight train_phase2.py bench >"${mypy_output}" 2>&1 || status=$?
@@ -147,7 +148,7 @@ bats_then_cluster_tests_then_mypy "$@" &
 background_pid=$!
 log "python tests: pytest -m 'not serial', ${WORKERS} workers"
 status=0
-run_pytest -n "${WORKERS}" --dist worksteal -m "not serial" "$@" || status=$?
+run_pytest -n "${WORKERS}" --dist worksteal -m "not serial" --durations=15 "$@" || status=$?
 wait "${background_pid}" || true
 log "shell tests: bats"
 cat "${bats_output}"
