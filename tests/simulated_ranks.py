@@ -99,6 +99,7 @@ class Record:
     validated_at: list[tuple[int, bool]] = field(default_factory=list)  # (optimizer step, inside a window)
     logged: list[tuple[int, float]] = field(default_factory=list)  # (logger's step, the step the point belongs to)
     saved: list[tuple[int, int | None]] = field(default_factory=list)  # (checkpoint's step, the newest step logged then)
+    late: list[tuple[int, float]] = field(default_factory=list)  # (logger's step, LateMetric's value: the step)
     gradient_errors: list[float] = field(default_factory=list)  # |applied gradient - mean over the window|
     positions_disagree: list[str] = field(default_factory=list)
     final_step: int = 0
@@ -125,6 +126,16 @@ class _Recorder(Logger):
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if "belongs_to_step" in metrics and step is not None:
             self.record.logged.append((step, float(metrics["belongs_to_step"])))
+        if "late_step" in metrics and step is not None:
+            self.record.late.append((step, float(metrics["late_step"])))
+
+
+class LateMetric(pl.Callback):
+    """Logs the step in on_train_batch_end after the saver's hook, as Telemetry's perf/* are: at a
+    checkpoint's step too it must reach the loggers, with its own step's value."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        pl_module.log("late_step", float(trainer.global_step), on_step=True, batch_size=1)
 
 
 class RecordingLogger(RunStepNumbering, _Recorder):
@@ -269,7 +280,7 @@ def fit(
         enable_model_summary=False,
         log_every_n_steps=1,
         logger=RecordingLogger(record),
-        callbacks=[CheckpointSaver(checkpoints, every_n_steps=10**6, keep_last=2), FitStepNumbering(), StepWindows()],
+        callbacks=[CheckpointSaver(checkpoints, every_n_steps=4, keep_last=2), FitStepNumbering(), StepWindows(), LateMetric()],
         default_root_dir=str(folder),
     )
     validate_at_optimizer_steps(trainer, val_every)

@@ -14,7 +14,7 @@ More of the loops' private parts are ours to set:
   (``val_check_interval``), which after a partial window falls inside a window, and it validates
   whenever ``should_stop`` is set, so a stop signal ran a whole validation pass before the exit;
 - when the logger connector hands a step's metrics to the loggers (``update_train_step_metrics``):
-  after every ``on_train_batch_end`` hook, where checkpoints are written (``log_step_now``).
+  after every ``on_train_batch_end`` hook, where checkpoints are written (``log_step_then``).
 
 ``check_layout`` runs when the trainer is built, so a Lightning upgrade that moves any of them
 stops the start with one line instead of resuming with a wrong count.
@@ -22,6 +22,7 @@ stops the start with one line instead of resuming with a wrong count.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
@@ -96,17 +97,20 @@ def end_validation_now() -> None:
     raise StopIteration
 
 
-def log_step_now(trainer: pl.Trainer) -> None:
-    """Hand this optimizer step's metrics to the loggers now, before its checkpoint is written.
+def log_step_then(trainer: pl.Trainer, action: Callable[[], Any]) -> None:
+    """Hand this optimizer step's metrics to the loggers now, then run ``action`` (a checkpoint's write).
 
-    Lightning logs a step's metrics after every ``on_train_batch_end`` hook, and the checkpoint is
+    Lightning logs a step's metrics after every ``on_train_batch_end`` hook, and checkpoints are
     written in one: a process killed between the two (SIGKILL, the OOM killer, a node's death) left
     a checkpoint of a step that neither the loggers nor the tracker queue on disk had, and the
-    resume, which starts after that step, never logged it. Lightning's own call for this batch is
-    then skipped (the method is shadowed once on the instance), so no logger gets the step twice.
+    resume, which starts after that step, never logged it. Called from the last callback's hook
+    (runs/checkpoint_saver.py: SaveAtStepEnd), so every callback's metrics are in. Lightning's own
+    call for this batch is then skipped (the method shadowed once on the instance), so no logger
+    gets the step twice; if ``action`` raises, nothing is shadowed and the fit ends with its error.
     """
     connector = trainer._logger_connector
     getattr(connector, LOGGER_CONNECTOR_STEP)()
+    action()
 
     def skip_this_batch() -> None:
         delattr(connector, LOGGER_CONNECTOR_STEP)  # the class's method again from the next batch on

@@ -109,6 +109,9 @@ class ReportCheckpointsToRay(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.reported_step = trainer.global_step  # a resumed start is reported already
+        saver = checkpoint_saver(trainer)
+        if self._report_new not in saver.after_save:
+            saver.after_save.append(self._report_new)  # right after each save, wherever it happens
 
     def _report_new(self, trainer: pl.Trainer) -> None:
         saver = checkpoint_saver(trainer)
@@ -125,9 +128,6 @@ class ReportCheckpointsToRay(pl.Callback):
         else:
             ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
         self.reported_step = step
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._report_new(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._report_new(trainer)

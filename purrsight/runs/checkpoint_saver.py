@@ -14,6 +14,7 @@ import logging
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from purrsight.atomic_file import publish, stale_temp_files
 from purrsight.distributed.stop_vote import StopRequest, StopVote
 from purrsight.errors import UserError
-from purrsight.internals.lightning_loops import end_validation_now, log_step_now
+from purrsight.internals.lightning_loops import end_validation_now, log_step_then
 from purrsight.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,16 @@ class CheckpointWriteError(UserError):
 
 
 class CheckpointSaver(pl.Callback):
-    """Saves every N optimizer steps, at the end, and when a stop signal arrives."""
+    """Saves every N optimizer steps, at the end, and when a stop signal arrives.
+
+    Two halves at a step's end. This callback, first in the trainer's list, takes the stop vote and
+    decides whether the step is saved (the later callbacks see ``should_stop``). The save itself
+    runs in ``SaveAtStepEnd``, which ``setup`` puts last: Lightning hands a step's metrics to the
+    loggers after every ``on_train_batch_end`` hook, so the save hands them over first, every
+    callback's included (lightning_loops.log_step_then), then writes. A checkpoint is on disk only
+    after its step's metrics are with the loggers and the tracker queue: a SIGKILL between the two
+    left a step that the resume, starting after it, never logged.
+    """
 
     def __init__(self, folder: Path, every_n_steps: int, keep_last: int, collective_timeout: timedelta | None = None) -> None:
         self.folder = folder
@@ -85,6 +95,9 @@ class CheckpointSaver(pl.Callback):
         self.stopped_by_signal: int | None = None
         self._stop_agreed = False
         self._step_before = -1  # the optimizer step count at the previous micro-batch's end
+        self._save_due = False  # decided in on_train_batch_end, written by SaveAtStepEnd
+        self.at_step_end = SaveAtStepEnd(self)
+        self.after_save: list[Callable[[pl.Trainer], None]] = []  # called on every rank after each save
         self.seconds_saving = 0.0  # wall time in saves, barrier included (the attempt ledger reports it)
 
     def save(self, trainer: pl.Trainer) -> Path:
@@ -105,7 +118,13 @@ class CheckpointSaver(pl.Callback):
             log.info("checkpoint saved: %s (step %d)", path, step)
         self.last_saved_step, self.last_saved_path = step, path
         self.seconds_saving += time.monotonic() - started
+        for listener in self.after_save:
+            listener(trainer)
         return path
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.at_step_end not in trainer.callbacks:  # type: ignore[attr-defined]
+            trainer.callbacks.append(self.at_step_end)  # type: ignore[attr-defined]  # last: after every other hook
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and self.folder.is_dir():
@@ -133,13 +152,17 @@ class CheckpointSaver(pl.Callback):
         # epoch in its loop state, and a resume from that file (RESUME=auto with a larger
         # trainer.max_steps) started the next epoch, leaving the rest of this one out.
         last = trainer.max_steps > 0 and step >= trainer.max_steps
-        due = step != self.last_saved_step and (step % self.every_n_steps == 0 or last)
-        if (stop or due) and step != self.last_saved_step:
-            log_step_now(trainer)  # the step's metrics are with the loggers (and on disk) before its checkpoint
-            self.save(trainer)
+        due = step % self.every_n_steps == 0 or last
+        self._save_due = (stop or due) and step != self.last_saved_step  # written by SaveAtStepEnd
         if stop:
             self.stopped_by_signal = self.stop.signum or signal.SIGTERM
             trainer.should_stop = True
+
+    def save_due(self, trainer: pl.Trainer) -> None:
+        """SaveAtStepEnd: write the checkpoint decided at this step's end, its metrics logged first."""
+        if self._save_due:
+            self._save_due = False
+            log_step_then(trainer, lambda: self.save(trainer))
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """A stop during a validation pass ends the pass: it could take minutes at real size, past a
@@ -170,3 +193,14 @@ class CheckpointSaver(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.stop.restore()
+
+
+class SaveAtStepEnd(pl.Callback):
+    """The saver's second half, last among the trainer's callbacks (CheckpointSaver.setup puts it
+    there): every other callback has logged this step's metrics when it saves."""
+
+    def __init__(self, saver: CheckpointSaver) -> None:
+        self.saver = saver
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.saver.save_due(trainer)

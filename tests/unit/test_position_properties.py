@@ -105,6 +105,8 @@ def check_windows(record: Record, accumulation: int, first_may_be_partial: bool,
     # A checkpoint is written after its step's metrics reached the loggers: a kill between the two
     # left a step that the resume (starting after it) never logged.
     assert all(through is None or through == step for step, through in record.saved), record.saved
+    # ... with every callback's metrics of that step (the saver writes after the last callback's hook).
+    assert record.late == record.logged, (record.late, record.logged)
     assert [step for step, _ in record.validated_at] == validated
     assert not any(inside for _, inside in record.validated_at)
     assert not record.positions_disagree
