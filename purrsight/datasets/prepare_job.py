@@ -51,6 +51,7 @@ from purrsight.data.prepared_manifest import (
 )
 from purrsight.data.text import PromptTooLongError, TextEncoder
 from purrsight.datasets.builder import build_decoders, preparation_settings, read_options, source_of
+from purrsight.datasets.duplicate_ids import IdHashes, duplicate_lines
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
 from purrsight.errors import SIGNAL_BASE
 
@@ -248,7 +249,8 @@ def parse_prepare_args(argv: list[str]) -> argparse.Namespace:
 def survey(spec: str, config: Config, options: ReadOptions, shard_size: int) -> Survey:
     """Read every record of ``spec``'s files once, text only (no media byte is read or decoded): count
     them, mark where each shard starts and list what cannot be read (up to MAX_LISTED_PROBLEMS, each
-    FILE:LINE). Memory: one entry per shard (and our JSONL's ids, for duplicates), whatever the set's size."""
+    FILE:LINE). Memory: one entry per shard, and 8 bytes per line of our JSONL for the duplicate-id
+    check (duplicate_ids.py), whatever the set's size."""
     try:
         files = expand(spec)
         fmt = detect(files, config.data.format, options.fields)
@@ -258,17 +260,15 @@ def survey(spec: str, config: Config, options: ReadOptions, shard_size: int) -> 
     chunks: list[tuple[str, int, int, int]] = []
     total = 0
     for path in files:
-        seen_ids: dict[str, int] | None = {} if fmt == "purrsight" else None
+        ids = IdHashes() if fmt == "purrsight" else None  # our JSONL's ids are unique per file
         current: list[Any] | None = None
         try:
             for offset, record in read_records(path, fmt, options=options, load_media=False):
                 if isinstance(record, RecordError):
                     problems.append(str(record))
-                elif seen_ids is not None and record.id in seen_ids:
-                    problems.append(f"{path}:{record.line}: duplicate id {record.id!r} (first on line {seen_ids[record.id]})")
                 else:
-                    if seen_ids is not None:
-                        seen_ids[record.id] = record.line
+                    if ids is not None:
+                        ids.add(record.id)
                     total += 1
                     current = current or [str(path), offset, record.line - 1, 0]
                     current[3] += 1
@@ -282,6 +282,15 @@ def survey(spec: str, config: Config, options: ReadOptions, shard_size: int) -> 
             problems.append(str(err))
         if current is not None:
             chunks.append((current[0], current[1], current[2], current[3]))
+        suspects = ids.suspects() if ids is not None else set()
+        if suspects:  # a second read, of the suspects' ids only
+            again = read_records(path, fmt, options=options, load_media=False)
+            records = ((r.id, r.line) for _, r in again if not isinstance(r, RecordError))
+            try:
+                for sample_id, line, first in duplicate_lines(records, suspects):
+                    problems.append(f"{path}:{line}: duplicate id {sample_id!r} (first on line {first})")
+            except RecordError:
+                pass  # where the first read stopped, listed by it
         if len(problems) >= MAX_LISTED_PROBLEMS:
             break
     if problems:

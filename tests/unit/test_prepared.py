@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from transformers import CLIPImageProcessor, SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
 
@@ -27,6 +29,7 @@ from purrsight.atomic_file import stale_temp_files
 from purrsight.config import Config
 from purrsight.data.prepared_manifest import MANIFEST_NAME, PLAN_NAME, PreparedSetError, read_manifest, tokenizer_digest
 from purrsight.datasets.builder import build_datasets, build_decoders
+from purrsight.datasets.duplicate_ids import IdHashes, duplicate_lines
 from purrsight.datasets.prepare_job import prepare_set
 from tests.helpers import REPO, fault_env, python_env, tiny_config
 from tests.unit.test_real_media import SPEECH, STEREO_VORBIS, png_16bit, sample_data
@@ -352,3 +355,22 @@ def test_the_tokenizer_digest_reads_the_tokenizer_not_the_weights_beside_it(synt
     assert tokenizer_digest(folder) == before
     (folder / "tokenizer_config.json").write_text((folder / "tokenizer_config.json").read_text().replace("<pad>", "<PAD>"))
     assert tokenizer_digest(folder) != before
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c", "d", "e", "f"]), max_size=30), st.booleans())
+def test_duplicate_ids_are_named_as_a_dict_of_every_id_names_them(ids: list[str], all_collide: bool) -> None:
+    """The survey's 8-bytes-a-line check (datasets/duplicate_ids.py) against the dict it replaced;
+    with every hash a suspect (as if all collided), the second read still names only true duplicates."""
+    hashes = IdHashes()
+    for sample_id in ids:
+        hashes.add(sample_id)
+    first: dict[str, int] = {}
+    expected = []
+    for line, sample_id in enumerate(ids, 1):
+        if sample_id in first:
+            expected.append((sample_id, line, first[sample_id]))
+        else:
+            first[sample_id] = line
+    suspects = {hash(i) for i in ids} if all_collide else hashes.suspects()
+    assert duplicate_lines(((i, line) for line, i in enumerate(ids, 1)), suspects) == expected
