@@ -17,11 +17,13 @@ a prompt too long, as in the single-turn case.
 
 Media placeholders (``<image>``, ``<audio>``, in any format's text) say where the sample's media go.
 The text is tokenized in pieces split at them, as LLaVA's ``tokenizer_image_token`` does (a chat
-template's rendering is split the same way): each placeholder, with one line break beside it, is
-taken out, and ``EncodedText.media_at`` holds the index of the token its media go before
-(PurrSightModel places the projected media there). A sample without one has its media in front
-of the text, as before placeholders were read; one cut off by ``data.max_length`` goes at the end.
-Without placeholders the tokens are the same as one pass over the whole text.
+template's rendering is split the same way): each placeholder is taken out, and
+``EncodedText.media_at`` holds the index of the token its media go before (PurrSightModel places
+the projected media there). The line break beside a placeholder leaves with it, from the sample's
+text only (never a chat template's), and ours joins turns with a space after any placeholders a
+turn starts with. A sample without one has its media in front of the text, as before placeholders
+were read; one cut off by ``data.max_length`` goes at the end. Without placeholders the tokens are
+the same as one pass over the whole text.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from purrsight.labels import IGNORE_INDEX
 
 _MODALITY_OF = {placeholder: modality for modality, placeholder in PLACEHOLDERS.items()}
 _ANY = "|".join(re.escape(p) for p in PLACEHOLDERS.values())
-# A placeholder with the line break LLaVA puts after it (or, at a text's end, before it).
-_PLACEHOLDER = re.compile(f"({_ANY})\n|\n({_ANY})(?!\n)|({_ANY})")
+_PLACEHOLDER = re.compile(f"({_ANY})")
+# A placeholder with the line break LLaVA puts after it (or, when none follows, before it).
+_WITH_BREAK = re.compile(f"({_ANY})\n|\n({_ANY})(?!\n)")
+_LEADING = re.compile(f"(?:{_ANY})+")
 
 
 @dataclass(frozen=True)
@@ -47,16 +51,27 @@ class EncodedText:
     media_at: dict[str, int] = field(default_factory=dict)  # modality -> the token index its media go before
 
 
+def drop_breaks(text: str) -> str:
+    """A sample's text with the line break beside each placeholder taken out (once per text: the
+    chat template's own line breaks are never touched)."""
+    return _WITH_BREAK.sub(lambda found: found.group(1) or found.group(2), text)
+
+
 def split_at_placeholders(text: str) -> Iterator[tuple[str | None, str]]:
-    """``text`` as (None, piece) and (modality, placeholder) parts, in order; the line break beside
-    each placeholder is dropped with it."""
+    """``text`` as (None, piece) and (modality, placeholder) parts, in order."""
     start = 0
     for found in _PLACEHOLDER.finditer(text):
         yield None, text[start : found.start()]
-        placeholder = next(group for group in found.groups() if group)
-        yield _MODALITY_OF[placeholder], placeholder
+        yield _MODALITY_OF[found.group(1)], found.group(1)
         start = found.end()
     yield None, text[start:]
+
+
+def joined(text: str) -> str:
+    """``text`` after a space (ours joins turns so), the space after any placeholders it starts
+    with: the word after them tokenizes as it would without them."""
+    leading = _LEADING.match(text)
+    return " " + text if leading is None else leading.group(0) + " " + text[leading.end() :]
 
 
 class PromptTooLongError(ValueError):
@@ -93,9 +108,9 @@ class TextEncoder:
             # back to the plain pieces rather than mislabel tokens.
             media_at = {}
         prefix = [tok.bos_token_id] if tok.bos_token_id is not None else []
-        prompt_ids = prefix + self._tokens(prompt, media_at, len(prefix))
+        prompt_ids = prefix + self._tokens(drop_breaks(prompt), media_at, len(prefix))
         suffix = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        response_ids = self._tokens(" " + response, media_at, len(prompt_ids)) + suffix
+        response_ids = self._tokens(joined(drop_breaks(response)), media_at, len(prompt_ids)) + suffix
         return prompt_ids, response_ids, media_at
 
     def prompt_length(self, prompt: str) -> int:
@@ -113,7 +128,8 @@ class TextEncoder:
     def _render(self, turns: Sequence[Any], generation_prompt: bool, media_at: dict[str, int]) -> list[int]:
         """The chat template's rendering, tokenized as ``apply_chat_template(tokenize=True)`` does (the
         string without special tokens added) but in pieces split at the placeholders."""
-        messages = [turn if isinstance(turn, dict) else {"role": turn[0], "content": turn[1]} for turn in turns]
+        pairs = [(turn["role"], turn["content"]) if isinstance(turn, dict) else turn for turn in turns]
+        messages = [{"role": role, "content": drop_breaks(text)} for role, text in pairs]
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
         return self._tokens(str(rendered), media_at, 0)
 
@@ -141,12 +157,13 @@ class TextEncoder:
         spans = []
         previous = "assistant"
         for role, text in turns:
+            text = drop_breaks(text)
             if role == "assistant":
                 start = len(ids)
-                ids += self._tokens(" " + text, media_at, len(ids)) + eos
+                ids += self._tokens(joined(text), media_at, len(ids)) + eos
                 spans.append((start, len(ids)))
             else:  # after another user or system turn, a space joins them; after an answer, a fresh start
-                ids += self._tokens(text if previous == "assistant" else " " + text, media_at, len(ids))
+                ids += self._tokens(text if previous == "assistant" else joined(text), media_at, len(ids))
             previous = role
         return ids, spans
 

@@ -109,7 +109,8 @@ class PurrSightModel(nn.Module):
         return inputs.float().mul_(self.pixel_scale).add_(self.pixel_offset)
 
     def build_inputs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor | None]:
-        """inputs_embeds, attention_mask and labels with the modality prefixes in front."""
+        """inputs_embeds, attention_mask and labels: the modality prefixes in front, or where the
+        batch's ``media_at`` places them."""
         text = self.llm.get_input_embeddings()(batch["input_ids"])
         embeds, masks, labels = [], [], []
         for modality in self.encoders:

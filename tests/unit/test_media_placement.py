@@ -3,6 +3,7 @@ encoder's positions, the collator's ``media_at``, and the model's placement agai
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from purrsight.data.dataset import Collator, Sample
-from purrsight.data.text import TextEncoder, split_at_placeholders
+from purrsight.data.text import TextEncoder, drop_breaks, split_at_placeholders
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.llm import load_tokenizer
 from purrsight.model.multimodal import media_destinations, place_media
@@ -25,11 +26,12 @@ TEMPLATE = (
 
 def test_placeholders_leave_the_text_with_their_line_break() -> None:
     def text(s: str) -> str:
-        return "".join(piece for modality, piece in split_at_placeholders(s) if modality is None)
+        return "".join(piece for modality, piece in split_at_placeholders(drop_breaks(s)) if modality is None)
 
     assert text("<image>\nwho is it") == text("who is it\n<image>") == "who is it"
     assert text("a\n<image>\nb") == "a\nb" and text("look <audio> here") == "look  here"
-    assert [m for m, _ in split_at_placeholders("<image>\n<audio>\nq") if m] == ["image", "audio"]
+    assert text("<image>who") == "who" and text("a\n\n<image>") == "a\n"  # one break, not every
+    assert [m for m, _ in split_at_placeholders(drop_breaks("<image>\n<audio>\nq")) if m] == ["image", "audio"]
 
 
 def test_the_media_go_before_the_token_the_placeholder_stood_before(synthetic_dir: Path) -> None:
@@ -71,6 +73,44 @@ def test_through_a_chat_template_the_media_go_inside_the_users_turn(synthetic_di
     assert encoded.media_at == {"image": len(head)} and encoded.input_ids[: len(head)] == head
     single = text("<image>\nwhat colour is the cat", "red")
     assert single.media_at == {"image": len(head)}
+    # Without its line break, or alone in the turn (a messages image-only turn): the template's own
+    # line break after the role stays (it ate it once), and the media still go right after it.
+    for content in ("<image>what colour is the cat", "<image>"):
+        alone = text.encode_turns([("user", content), ("assistant", "red")])
+        stripped = text.encode_turns([("user", content.removeprefix("<image>")), ("assistant", "red")])
+        assert alone.input_ids == stripped.input_ids and alone.media_at == {"image": len(head)}, content
+
+
+def test_ours_joins_a_turn_after_its_leading_placeholders(synthetic_dir: Path) -> None:
+    """A space joins turns in ours; a turn that starts with a placeholder gets it after the
+    placeholder, so the word after it is the same token as without one."""
+    text = TextEncoder(load_tokenizer(synthetic_dir / "tokenizer"), 200)
+    with_media = text.encode_turns([("system", "be brief"), ("user", "<image>\nwhat colour"), ("assistant", "<audio>red")])
+    without = text.encode_turns([("system", "be brief"), ("user", "what colour"), ("assistant", "red")])
+    assert with_media.input_ids == without.input_ids and with_media.labels == without.labels
+    assert set(with_media.media_at) == {"image", "audio"}
+
+
+def test_placeholders_are_checked_in_every_format(tmp_path: Path) -> None:
+    """Our JSONL's text means what LLaVA's does: a placeholder without its media, two of one kind, or
+    one in an answer make a bad sample (named), never a silently dropped word."""
+    from purrsight.data.formats.records import ReadOptions
+    from purrsight.data.formats.streams import read_records
+
+    (tmp_path / "a.png").write_bytes(b"")
+    lines = [
+        {"id": "fine", "prompt": "look <image> here", "response": "a cat", "image": "a.png"},
+        {"id": "nomedia", "prompt": "what does <image> show", "response": "x"},
+        {"id": "two", "prompt": "<image> and <image>", "response": "x", "image": "a.png"},
+        {"id": "answer", "prompt": "q", "response": "see <image>", "image": "a.png"},
+    ]
+    index = tmp_path / "ours.jsonl"
+    index.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    problems = {r.id: r.problem for _, r in read_records(index, "purrsight", options=ReadOptions()) if not isinstance(r, Exception)}
+    assert problems["fine"] is None
+    assert problems["nomedia"] == "<image> placeholder without its image"
+    assert problems["two"] == "2 <image> placeholders; a sample holds one image"
+    assert problems["answer"] == "<image> placeholder in an assistant turn (turn 2): media are read, never written"
 
 
 @st.composite
@@ -142,3 +182,25 @@ def test_the_collator_sends_media_at_only_when_a_sample_places_media() -> None:
     batch = collate([sample("a", True, {"image": 2}), sample("b", False, {"image": 1, "audio": 3})])
     assert batch["media_at"].tolist() == [[2, 0], [0, 0]]
     assert "media_at" not in Collator(0, None, None)([sample("a", False, {"image": 2})])
+
+
+def test_a_set_prepared_before_placement_has_its_media_in_front(synthetic_dir: Path, tmp_path: Path) -> None:
+    """Shards written before image_at/audio_at existed (the columns dropped here, as that version
+    wrote them) are read with the media in front; the set's other shards keep their positions."""
+    import pyarrow as pa
+
+    from purrsight.datasets.builder import build_datasets
+    from purrsight.datasets.prepare_job import prepare_set
+    from tests.format_sets import items_of, write_llava
+
+    index = write_llava(tmp_path, items_of(synthetic_dir, 6))
+    config = tiny_config(synthetic_dir, tmp_path, data__train_index=str(index), data__val_index="null")
+    assert prepare_set(config, tmp_path / "set", processes=1, part=(0, 1), shard_size=3) is not None
+    old = tmp_path / "set" / "train" / "shard-00000.arrow"
+    table = pa.ipc.open_stream(pa.BufferReader(old.read_bytes())).read_all().drop_columns(["image_at", "audio_at"])
+    with pa.OSFile(str(old), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    train = build_datasets(tiny_config(synthetic_dir, tmp_path, data__prepared=str(tmp_path / "set"), data__batch_size=2,
+                                       data__train_index=str(index), data__val_index="null"), 1).train  # fmt: skip
+    placed = [train[i].media_at for i in range(6)]  # type: ignore[index]
+    assert placed[:3] == [{}, {}, {}] and all(at and set(at.values()) == {1} for at in placed[3:]), placed

@@ -108,6 +108,10 @@ def conversation_problem(turns: list[Turn], media: dict[str, bool]) -> str | Non
     """Why ``turns`` cannot train (None when they can); ``media``: modality -> the sample has it."""
     if not any(role == ASSISTANT for role, _ in turns):
         return "no assistant turn: nothing to train on"
+    for number, (role, text) in enumerate(turns, 1):
+        found = [p for p in PLACEHOLDERS.values() if p in text]
+        if role == ASSISTANT and found:
+            return f"{found[0]} placeholder in an assistant turn (turn {number}): media are read, never written"
     for modality, present in media.items():
         count = sum(text.count(PLACEHOLDERS[modality]) for _, text in turns)
         if count and not present:
