@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from purrsight.data.formats.records import ASSISTANT, USER, conversation_problem
 from purrsight.errors import UserError
 
 if TYPE_CHECKING:
@@ -159,7 +160,10 @@ def read_index(
                     break
                 continue
             seen_ids[clean["id"]] = number
-            records.append({**clean, "line": number})  # decode errors in training name it too
+            # Placeholders mean here what they mean in LLaVA's text, checked alike (data/formats/plain.py).
+            media = {"image": clean["image"] is not None, "audio": clean["audio"] is not None}
+            problem = conversation_problem([(USER, clean["prompt"]), (ASSISTANT, clean["response"])], media)
+            records.append({**clean, "line": number, "problem": problem})  # decode errors in training name it too
     if problems:
         if max_problems == 1:
             raise IndexFileError(problems[0])

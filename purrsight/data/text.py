@@ -41,7 +41,7 @@ _ANY = "|".join(re.escape(p) for p in PLACEHOLDERS.values())
 _PLACEHOLDER = re.compile(f"({_ANY})")
 # A placeholder with the line break LLaVA puts after it (or, when none follows, before it).
 _WITH_BREAK = re.compile(f"({_ANY})\n|\n({_ANY})(?!\n)")
-_LEADING = re.compile(f"(?:{_ANY})+")
+_LEADING = re.compile(f"(?:(?:{_ANY})[ \t]*)+")  # placeholders a text starts with, and the blanks among them
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,9 @@ def joined(text: str) -> str:
     """``text`` after a space (ours joins turns so), the space after any placeholders it starts
     with: the word after them tokenizes as it would without them."""
     leading = _LEADING.match(text)
-    return " " + text if leading is None else leading.group(0) + " " + text[leading.end() :]
+    if leading is None:
+        return " " + text
+    return "".join(_PLACEHOLDER.findall(leading.group(0))) + " " + text[leading.end() :]
 
 
 class PromptTooLongError(ValueError):

@@ -282,13 +282,15 @@ def survey(spec: str, config: Config, options: ReadOptions, shard_size: int) -> 
             problems.append(str(err))
         if current is not None:
             chunks.append((current[0], current[1], current[2], current[3]))
-        suspects = ids.suspects() if ids is not None else set()
-        if suspects:  # a second read, of the suspects' ids only
+        suspects = ids.suspects() if ids is not None and len(problems) < MAX_LISTED_PROBLEMS else set()
+        if suspects:  # a second read, of the suspects' ids only; listed after the file's unreadable lines
             again = read_records(path, fmt, options=options, load_media=False)
             records = ((r.id, r.line) for _, r in again if not isinstance(r, RecordError))
             try:
                 for sample_id, line, first in duplicate_lines(records, suspects):
                     problems.append(f"{path}:{line}: duplicate id {sample_id!r} (first on line {first})")
+                    if len(problems) >= MAX_LISTED_PROBLEMS:
+                        break  # the generator stops, and the second read with it
             except RecordError:
                 pass  # where the first read stopped, listed by it
         if len(problems) >= MAX_LISTED_PROBLEMS:

@@ -155,6 +155,13 @@ class Telemetry(pl.Callback):
         if (step == 1 or (step and step % self.every_n_steps == 0)) and self._samples:
             self._sample(trainer, pl_module)
 
+    def after_save(self, trainer: pl.Trainer) -> None:
+        """A checkpoint written after this callback's step end (CheckpointSaver.after_save) is the
+        step's time, not the next batch's wait for data."""
+        now = time.perf_counter()
+        self._compute += now - self._batch_end
+        self._batch_end = now
+
     def _sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         now = time.perf_counter()
         window = max(now - self._window_start, 1e-9)

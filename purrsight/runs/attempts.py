@@ -268,11 +268,15 @@ class AttemptRecorder(pl.Callback):
         if first:
             self.attempt.first_step_at = now
         self.attempt.last_step, self.attempt.last_step_at = trainer.global_step, now
-        # Also after a checkpoint: a kill then loses no record of the steps that checkpoint keeps,
-        # however many of them fast steps fit into one heartbeat interval.
-        saved = float(self.seconds_saving()) != self.attempt.checkpoint_s
-        if first or saved or now - self._written >= HEARTBEAT_S:
+        if first or now - self._written >= HEARTBEAT_S:
             self._write(now)
+
+    def after_save(self, trainer: pl.Trainer) -> None:
+        """Written after every checkpoint (CheckpointSaver.after_save): a kill then loses no record of
+        the steps that checkpoint keeps, however many fast steps fit into one heartbeat interval."""
+        if self.attempt is not None:
+            self.attempt.last_step, self.attempt.last_step_at = trainer.global_step, time.time()
+            self._write(self.attempt.last_step_at)
 
     def end(self, how: str) -> None:
         """Record this attempt's end (finished, a stop signal, the watchdog, an error); rank 0 only."""

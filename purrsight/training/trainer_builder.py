@@ -138,21 +138,22 @@ def build_trainer(
     callbacks: list[pl.Callback] = [saver, FitStepNumbering(), StepWindows(), *(extra_callbacks or [])]
     if recorder is not None:
         callbacks.append(recorder)
+        saver.after_save.append(recorder.after_save)
     callbacks.append(Preflight(config.preflight))
     if config.profiler.enabled:
         callbacks.append(StepProfiler(run_dir / "profiler", config.profiler.start_step, config.profiler.end_step))
     telemetry = config.telemetry
     if telemetry.enabled:
         prefix = config.model.prefix_tokens * sum(getattr(config.model, f"{m}_encoder").enabled for m in ("image", "audio"))
-        callbacks.append(
-            Telemetry(
-                run_dir,
-                telemetry.every_n_steps,
-                telemetry.barrier_every,
-                telemetry.peak_tflops,
-                seq_len=config.data.max_length + prefix,
-            )
+        meter = Telemetry(
+            run_dir,
+            telemetry.every_n_steps,
+            telemetry.barrier_every,
+            telemetry.peak_tflops,
+            seq_len=config.data.max_length + prefix,
         )
+        callbacks.append(meter)
+        saver.after_save.append(meter.after_save)
     if config.distributed.progress_timeout_s is not None:
         on_fire = recorder.end if recorder is not None else None
         callbacks.append(ProgressWatchdog(config.distributed.progress_timeout_s, run_dir, generation, on_fire))

@@ -72,3 +72,26 @@ def test_a_timeline_killed_mid_write_leaves_the_last_whole_one(tmp_path: Path) -
     assert last.read_bytes() == b"the last whole picture"
     (torn,) = stale_temp_files(tmp_path, "attempts.png")  # what the report's next start removes
     assert torn.stat().st_size == 2000
+
+
+def test_the_attempt_record_is_written_right_after_each_checkpoint(tmp_path: Path) -> None:
+    """CheckpointSaver.after_save calls the recorder: the record on disk names the saved step and the
+    time spent saving at once, not at the next heartbeat (a kill in between lost them)."""
+    import json
+    from types import SimpleNamespace
+
+    from purrsight.runs.attempts import ATTEMPTS_DIR, AttemptRecorder
+
+    seconds = [0.0]
+    recorder = AttemptRecorder(tmp_path, 0, lambda: seconds[0])
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, world_size=1)
+    recorder.on_train_start(trainer, None)  # type: ignore[arg-type]
+    trainer.global_step, seconds[0] = 7, 1.5
+    recorder.on_train_batch_end(trainer)  # type: ignore[arg-type]  # the first step: written
+    trainer.global_step, seconds[0] = 8, 2.25
+    recorder.on_train_batch_end(trainer)  # type: ignore[arg-type]  # within the heartbeat: not written
+    (record,) = (tmp_path / ATTEMPTS_DIR).glob("attempt-*.json")
+    assert json.loads(record.read_text())["last_step"] == 7
+    recorder.after_save(trainer)  # type: ignore[arg-type]
+    written = json.loads(record.read_text())
+    assert written["last_step"] == 8 and written["checkpoint_s"] == 2.25

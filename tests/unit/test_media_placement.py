@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from purrsight.data.dataset import Collator, Sample
+from purrsight.data.index import read_index
 from purrsight.data.text import TextEncoder, drop_breaks, split_at_placeholders
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.llm import load_tokenizer
@@ -85,10 +86,11 @@ def test_ours_joins_a_turn_after_its_leading_placeholders(synthetic_dir: Path) -
     """A space joins turns in ours; a turn that starts with a placeholder gets it after the
     placeholder, so the word after it is the same token as without one."""
     text = TextEncoder(load_tokenizer(synthetic_dir / "tokenizer"), 200)
-    with_media = text.encode_turns([("system", "be brief"), ("user", "<image>\nwhat colour"), ("assistant", "<audio>red")])
     without = text.encode_turns([("system", "be brief"), ("user", "what colour"), ("assistant", "red")])
-    assert with_media.input_ids == without.input_ids and with_media.labels == without.labels
-    assert set(with_media.media_at) == {"image", "audio"}
+    for user, answer in (("<image>\nwhat colour", "<audio>red"), ("<image> <audio> what colour", "red")):
+        with_media = text.encode_turns([("system", "be brief"), ("user", user), ("assistant", answer)])
+        assert with_media.input_ids == without.input_ids and with_media.labels == without.labels, user
+        assert set(with_media.media_at) == {"image", "audio"}
 
 
 def test_placeholders_are_checked_in_every_format(tmp_path: Path) -> None:
@@ -107,6 +109,7 @@ def test_placeholders_are_checked_in_every_format(tmp_path: Path) -> None:
     index = tmp_path / "ours.jsonl"
     index.write_text("".join(json.dumps(line) + "\n" for line in lines))
     problems = {r.id: r.problem for _, r in read_records(index, "purrsight", options=ReadOptions()) if not isinstance(r, Exception)}
+    assert {r["id"]: r["problem"] for r in read_index(index)} == problems  # the raw path's scan: the same
     assert problems["fine"] is None
     assert problems["nomedia"] == "<image> placeholder without its image"
     assert problems["two"] == "2 <image> placeholders; a sample holds one image"

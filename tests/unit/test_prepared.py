@@ -374,3 +374,19 @@ def test_duplicate_ids_are_named_as_a_dict_of_every_id_names_them(ids: list[str]
             first[sample_id] = line
     suspects = {hash(i) for i in ids} if all_collide else hashes.suspects()
     assert duplicate_lines(((i, line) for line, i in enumerate(ids, 1)), suspects) == expected
+
+
+def test_the_surveys_duplicate_list_stops_at_its_cap(synthetic_dir: Path, tmp_path: Path) -> None:
+    """A million lines with one id repeated listed 50 duplicates before the hashes; after them too."""
+    from purrsight.data.formats.records import ReadOptions
+    from purrsight.data.index import IndexFileError
+    from purrsight.datasets.prepare_job import MAX_LISTED_PROBLEMS, survey
+
+    index = tmp_path / "same.jsonl"
+    index.write_text("".join(json.dumps({"id": "a", "prompt": "p", "response": "r"}) + "\n" for _ in range(200)))
+    config = tiny_config(synthetic_dir, tmp_path, data__train_index=str(index), data__val_index="null")
+    with pytest.raises(IndexFileError) as refused:
+        survey(str(index), config, ReadOptions(), 16)
+    lines = refused.value.lines()
+    assert len(lines) == MAX_LISTED_PROBLEMS + 1 and lines[0] == f"{index}:2: duplicate id 'a' (first on line 1)"
+    assert lines[-1].endswith(f"{MAX_LISTED_PROBLEMS} bad line(s) (the first {MAX_LISTED_PROBLEMS}; the scan stopped there)")
