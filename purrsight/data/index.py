@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from purrsight.data.formats.records import ASSISTANT, USER, conversation_problem
+from purrsight.data.formats.records import prompt_problem
 from purrsight.errors import UserError
 
 if TYPE_CHECKING:
@@ -160,9 +160,7 @@ def read_index(
                     break
                 continue
             seen_ids[clean["id"]] = number
-            # Placeholders mean here what they mean in LLaVA's text, checked alike (data/formats/plain.py).
-            media = {"image": clean["image"] is not None, "audio": clean["audio"] is not None}
-            problem = conversation_problem([(USER, clean["prompt"]), (ASSISTANT, clean["response"])], media)
+            problem = prompt_problem(clean["prompt"], clean["response"], clean["image"] is not None, clean["audio"] is not None)
             records.append({**clean, "line": number, "problem": problem})  # decode errors in training name it too
     if problems:
         if max_problems == 1:

@@ -101,9 +101,9 @@ class TextEncoder:
         tok = self.tokenizer
         media_at: dict[str, int] = {}
         if self.use_chat_template:
-            user = [{"role": "user", "content": prompt}]
+            user = [("user", prompt)]
             prompt_ids = self._render(user, generation_prompt=True, media_at={})
-            full = self._render([*user, {"role": "assistant", "content": response}], generation_prompt=False, media_at=media_at)
+            full = self._render([*user, ("assistant", response)], generation_prompt=False, media_at=media_at)
             if full[: len(prompt_ids)] == prompt_ids:
                 return prompt_ids, full[len(prompt_ids) :], media_at
             # A template that renders the prompt differently once an answer follows: fall
@@ -127,11 +127,10 @@ class TextEncoder:
         response_ids = response_ids[: self.max_length - len(prompt_ids)]  # truncate the answer's tail
         return _encoded(prompt_ids + response_ids, [IGNORE_INDEX] * len(prompt_ids) + response_ids, media_at)
 
-    def _render(self, turns: Sequence[Any], generation_prompt: bool, media_at: dict[str, int]) -> list[int]:
+    def _render(self, turns: Sequence[tuple[str, str]], generation_prompt: bool, media_at: dict[str, int]) -> list[int]:
         """The chat template's rendering, tokenized as ``apply_chat_template(tokenize=True)`` does (the
         string without special tokens added) but in pieces split at the placeholders."""
-        pairs = [(turn["role"], turn["content"]) if isinstance(turn, dict) else turn for turn in turns]
-        messages = [{"role": role, "content": drop_breaks(text)} for role, text in pairs]
+        messages = [{"role": role, "content": drop_breaks(text)} for role, text in turns]
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
         return self._tokens(str(rendered), media_at, 0)
 

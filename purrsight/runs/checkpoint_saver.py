@@ -136,13 +136,13 @@ class CheckpointSaver(pl.Callback):
         self.stop.install()
         self.vote.setup()
         self.last_saved_step = trainer.global_step  # a resumed run's start is already saved
-        self._step_before, self._stop_agreed, self._save_due = trainer.global_step, False, False
+        self._step_before, self._stop_agreed = trainer.global_step, False
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
         self._stop_agreed |= self.vote.exchange(self.stop.signum is not None)  # every micro-batch: a collective
         stepped, self._step_before = step != self._step_before, step
-        self._save_due = False
+        self._save_due = False  # decided anew at every micro-batch, whatever an earlier fit left
         if not stepped:
             # Mid-accumulation: a checkpoint here would count the micro-batches taken so far as
             # trained while their gradients are in no file; a stop waits for the step's end (at

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from purrsight.data.formats.json_values import iter_values
-from purrsight.data.formats.records import ASSISTANT, USER, Record, RecordError, conversation_problem
+from purrsight.data.formats.records import ASSISTANT, USER, Record, RecordError, prompt_problem
 from purrsight.data.index import IndexFileError, check_record
 
 
@@ -25,6 +25,5 @@ def plain_records(path: Path, offset: int, ordinal: int, media_root: Path) -> It
         turns = [(USER, clean["prompt"]), (ASSISTANT, clean["response"])]
         image = media_root / clean["image"] if clean["image"] else None
         audio = media_root / clean["audio"] if clean["audio"] else None
-        # Placeholders mean in our JSONL what they mean in LLaVA's (data/text.py), checked alike.
-        problem = conversation_problem(turns, {"image": image is not None, "audio": audio is not None})
+        problem = prompt_problem(clean["prompt"], clean["response"], image is not None, audio is not None)
         yield start, Record(clean["id"], number, f"{where} (id {clean['id']!r})", turns, image, audio, problem)

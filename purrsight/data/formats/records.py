@@ -121,6 +121,11 @@ def conversation_problem(turns: list[Turn], media: dict[str, bool]) -> str | Non
     return None
 
 
+def prompt_problem(prompt: str, response: str, has_image: bool, has_audio: bool) -> str | None:
+    """conversation_problem of our JSONL's one prompt and one response: placeholders checked alike."""
+    return conversation_problem([(USER, prompt), (ASSISTANT, response)], {"image": has_image, "audio": has_audio})
+
+
 def finish_turns(turns: list[Turn]) -> list[Turn]:
     """Turns after the last assistant dropped (nothing there to train). Placeholders stay: the text
     encoder takes them out and puts the media where they stood (data/text.py)."""
