@@ -39,7 +39,7 @@ install_system_packages() {
 # /usr/bin/python3 when it is recent enough and can make a venv, else python3 from PATH.
 # Why not simply python3: where that is pyenv's default build (libpython shared, no PGO or
 # LTO, as on this project's machines), a trainer's import and short run take 1.27x the CPU
-# time they take under Debian's python3.11 (bench/interpreters.py, bench/README.md). An existing .venv
+# time they take under Debian's python3.11 (bench/launch/interpreters.py, bench/results/launch.md). An existing .venv
 # keeps its interpreter: making it again would drop what its owner installed into it.
 base_python() {
   if [[ -n "${PYTHON:-}" ]]; then

@@ -7,7 +7,7 @@ interface and loopback: the master's address must be routed, the launcher picks 
 interface on that route, and gloo and the rendezvous store cross the bridge as they would
 cross a switch. Needs root and iproute2 (CI runs as root).
 
-Used by the network-cut and namespace-hosts tests and by bench/node_scaling.py.
+Used by the network-cut and namespace-hosts tests and by bench/scale/node_scaling.py.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class RecordTable:
     One buffer per column instead of a million dicts: loader workers forked from the trainer
     share it, where touching Python objects would copy their pages one reference count at a
     time. Plain pyarrow, in memory: no cache folder for many nodes to race on, and none of
-    `datasets`' import cost in every trainer process (bench/README.md, "The raw index in memory"; prepared
+    `datasets`' import cost in every trainer process (bench/results/data.md, "The raw index in memory"; prepared
     sets use `datasets`).
     """
 

@@ -4,7 +4,7 @@ Hugging Face's PIL image processors (SigLIP, CLIP, ViT and the like, when torchv
 installed: it is not with the CPU build of torch) run each picture through a generic
 pipeline: Pillow ``resize`` with the processor's filter, a centre crop, rescale, normalise.
 Around those few calls they convert PIL -> NumPy -> PIL -> NumPy, infer channel layouts and
-validate arguments, about half of a sample's decoding time (bench/README.md). A plan made
+validate arguments, about half of a sample's decoding time (bench/results/data.md). A plan made
 from the processor's own settings replays the same Pillow calls on the decoded picture, so
 the tower gets what it was trained on (tested equal to the processor's output to 1e-6).
 
@@ -28,7 +28,7 @@ def fused_normalisation(processor: Any | None) -> Normalisation | None:
     """(rescale factor, mean, std) of a processor that rescales, then normalises, as most do.
 
     Hugging Face's PIL backend does both steps in float64 NumPy: a quarter of the decoding
-    time of a 224-px sample (bench/README.md). Done here in float32 on the processor's
+    time of a 224-px sample (bench/results/data.md). Done here in float32 on the processor's
     resized uint8 output, the result equals the processor's to within 1e-6.
     """
     if processor is None or not (getattr(processor, "do_rescale", False) and getattr(processor, "do_normalize", False)):

@@ -1,6 +1,6 @@
 """The training and validation sets and their collator, as a config describes them.
 
-Free of Lightning: the DataModule wraps these, and bench/plain_ddp.py trains on the very
+Free of Lightning: the DataModule wraps these, and bench/launch/plain_ddp.py trains on the very
 same samples with a plain PyTorch loop.
 
 Checked once per job: rank 0 reads the indexes (or verifies the prepared set) and every

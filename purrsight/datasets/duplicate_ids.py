@@ -2,7 +2,7 @@
 
 A dict of every id to its line cost about 0.1 KiB a sample, and the survey's process kept that
 memory after the dict was freed (Python's allocator holds on to small-object pages), as did every
-decoding process forked after it: +113 MiB each at a million lines (bench/README.md, "The input
+decoding process forked after it: +113 MiB each at a million lines (bench/results/data.md, "The input
 formats at a million rows"). Here each id is kept as its 64-bit hash in one array; after the file,
 equal hashes are found by sorting, and only their ids are then looked up again by a second read
 of the file (duplicates are rare: a clean file is read once), so a hash collision is never

@@ -55,7 +55,7 @@ class StopVote:
     reads the previous step's result, which has long arrived: every rank calls the same
     collectives in the same order and reaches the same decision at the same step. A
     blocking vote each step cost about 3% of a small model's step time (a second
-    synchronisation point besides DDP's gradient all-reduce, bench/README.md).
+    synchronisation point besides DDP's gradient all-reduce, bench/results/launch.md).
 
     The flag lives in host memory and travels over gloo (the default group when it is gloo, a
     gloo side group beside NCCL): reading a flag reduced on the GPU would make the host wait

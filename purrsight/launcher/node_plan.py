@@ -180,7 +180,7 @@ def plan_node(args: argparse.Namespace, say: Say) -> tuple[Plan, int]:
         args.master_timeout,
         say,
     )
-    say(launcher_line(f"health checks took {time.monotonic() - started:.2f} s"))  # bench/node_scaling.py reads it
+    say(launcher_line(f"health checks took {time.monotonic() - started:.2f} s"))  # bench/scale/node_scaling.py reads it
     return plan, ExitCode.CLUSTER if failed else ExitCode.OK
 
 

@@ -6,7 +6,7 @@ time. Reads are exact: the byte range from each file's header, read with ``pread
 kernel's read-ahead off for the file (``POSIX_FADV_RANDOM``) and asked for that range alone
 (``POSIX_FADV_WILLNEED``). Through a memory map (safetensors' own slices) every page fault
 read the kernel's read-ahead window around it, 128 KiB to 8 MiB, which on a 0.5B base made each
-of two ranks read the whole base instead of its half (bench/README.md).
+of two ranks read the whole base instead of its half (bench/results/model.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Lightning's side of a Ray Train worker: Ray's ranks, a relayed stop, checkpoints reported to Ray.
 
 Imported by the worker function after it has logged its start, so that the start-up time
-spent importing Lightning is counted as ours, not Ray's (bench/ray_vs_torchrun.py).
+spent importing Lightning is counted as ours, not Ray's (bench/launch/ray_vs_torchrun.py).
 """
 
 from __future__ import annotations

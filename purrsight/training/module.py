@@ -86,7 +86,7 @@ class Phase2Module(pl.LightningModule):
         seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
         # Only the generators this process draws from: torch.manual_seed also queues a lazy
         # seeding of every other backend (XPU, ...), formatting a stack trace each time
-        # (1.4% of a tiny-model step, bench/README.md).
+        # (1.4% of a tiny-model step, bench/results/launch.md).
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)  # this process's GPU; CUDA is initialised by now
@@ -105,7 +105,7 @@ class Phase2Module(pl.LightningModule):
         loss, _, _ = self.model(batch)
         size = batch["input_ids"].shape[0]
         # Only on the steps the loggers and the progress line write: every self.log call
-        # costs about a millisecond of Lightning bookkeeping (bench/README.md). Not prog_bar:
+        # costs about a millisecond of Lightning bookkeeping (bench/results/launch.md). Not prog_bar:
         # Lightning turns progress-bar metrics into numbers at every step's end, which on a
         # GPU makes the host wait for the device each step (our bars read callback_metrics).
         if (self.trainer.global_step + 1) % self.config.logging.every_n_steps == 0:

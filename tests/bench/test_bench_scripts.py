@@ -1,7 +1,7 @@
 """The benchmark scripts still run (they are run by hand, so nothing else would notice them rot).
 
 These check that each script trains or loads and prints its table; they assert no speed:
-figures from a 2-core CI machine mean nothing, and bench/README.md holds the measured ones.
+figures from a 2-core CI machine mean nothing, and bench/results/ holds the measured ones.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.common import run_plain
-from bench.interpreters import child_cpu_s
+from bench.launch.interpreters import child_cpu_s
 from tests.helpers import run_python
 
 
@@ -23,7 +23,7 @@ def table_rows(output: str) -> list[list[str]]:
 
 def test_gpu_script_smoke_run_on_cpu() -> None:
     """--smoke builds the model through build_model and trains it on CPU: the GPU path minus CUDA."""
-    done = run_python(["-m", "bench.gpu_throughput", "--smoke"], timeout=300)
+    done = run_python(["-m", "bench.gpu.gpu_throughput", "--smoke"], timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = table_rows(done.stdout)
     assert [row[0] for row in rows] == ["16", "32"]
@@ -35,7 +35,7 @@ def test_data_pipeline_script_small_run() -> None:
     done = run_python(
         [
             "-m",
-            "bench.data_pipeline",
+            "bench.data.data_pipeline",
             "--samples",
             "6",
             "--large-samples",
@@ -70,7 +70,7 @@ def test_plain_ddp_loop_on_two_ranks(tmp_path: Path) -> None:
 
 def test_scaling_model_prints_its_tables(tmp_path: Path) -> None:
     """--trainable skips building the 0.8B-parameter model; the checkpoint write is still real."""
-    done = run_python(["-m", "bench.scaling_model", "--trainable", "2000000", "--checkpoint-dir", str(tmp_path)], timeout=300)
+    done = run_python(["-m", "bench.scale.scaling_model", "--trainable", "2000000", "--checkpoint-dir", str(tmp_path)], timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = table_rows(done.stdout.replace("| 100 Gb/s", "| 100").replace("| 200 Gb/s", "| 200").replace("| 400 Gb/s", "| 400"))
     assert [row[0] for row in rows] == ["100", "200", "400"]
@@ -80,7 +80,7 @@ def test_scaling_model_prints_its_tables(tmp_path: Path) -> None:
 
 
 def test_allreduce_model_matches_the_textbook_bandwidth_terms() -> None:
-    from bench.scaling_model import allreduce_time, young_daly
+    from bench.scale.scaling_model import allreduce_time, young_daly
 
     size, gbps = 1e9, 100
     line_rate = gbps * 1e9 / 8
@@ -100,7 +100,7 @@ def test_node_scaling_script_one_node(tmp_path: Path) -> None:
     40 steps: the kill (polled every 0.5 s once step 5 is reached) must land before the job's end;
     with 12, a fast machine finished first and the restart trained nothing to time (CI failure)."""
     done = run_python(
-        ["-m", "bench.node_scaling", "--nodes", "1", "--steps", "40", "--kill-after", "5", "--plot", str(tmp_path / "p.png")],
+        ["-m", "bench.scale.node_scaling", "--nodes", "1", "--steps", "40", "--kill-after", "5", "--plot", str(tmp_path / "p.png")],
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -111,7 +111,7 @@ def test_node_scaling_script_one_node(tmp_path: Path) -> None:
 
 
 def test_index_table_script_small_run() -> None:
-    done = run_python(["-m", "bench.index_table", "--records", "2000", "--reads", "100", "--repeats", "1"], timeout=120)
+    done = run_python(["-m", "bench.data.index_table", "--records", "2000", "--reads", "100", "--repeats", "1"], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("RecordTable", "datasets"))]
     assert [row[0] for row in rows] == ["RecordTable", "datasets.from_list"], done.stdout
@@ -119,7 +119,7 @@ def test_index_table_script_small_run() -> None:
 
 
 def test_interpreters_script_counts_a_childs_cpu_and_names_a_failing_one() -> None:
-    """bench/interpreters.py's measure, on a child that burns a known share of CPU (the whole script
+    """bench/launch/interpreters.py's measure, on a child that burns a known share of CPU (the whole script
     trains under each interpreter: too long for a check that it runs)."""
     burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
     assert 0.3 <= child_cpu_s([sys.executable, "-c", burn], {}) < 3
@@ -129,7 +129,7 @@ def test_interpreters_script_counts_a_childs_cpu_and_names_a_failing_one() -> No
 
 def test_prepare_memory_script_small_run() -> None:
     """Two photos behind 16 lines, one shard size: the script prepares through the CLI and reads its memory."""
-    args = ["-m", "bench.prepare_memory", "--photos", "2", "--lines", "16", "--shard-sizes", "8"]
+    args = ["-m", "bench.data.prepare_memory", "--photos", "2", "--lines", "16", "--shard-sizes", "8"]
     done = run_python(args, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("| this tree")]
@@ -138,9 +138,9 @@ def test_prepare_memory_script_small_run() -> None:
 
 
 def test_the_model_memory_table_counts_known_sizes_and_fsdp_fits_what_ddp_cannot(tmp_path: Path) -> None:
-    """bench/model_memory.py's table, through train_phase2.py estimate on the meta device: the Qwen2.5
+    """bench/model/model_memory.py's table, through train_phase2.py estimate on the meta device: the Qwen2.5
     sizes as published, and the docs/SCALING.md verdicts on 8 GPUs of 80 GB."""
-    from bench.model_memory import GPU_MEMORY, GPUS, REPO, shapes
+    from bench.model.model_memory import GPU_MEMORY, GPUS, REPO, shapes
     from purrsight.config import load_config
     from purrsight.estimate.memory import footprint
 
@@ -157,7 +157,7 @@ def test_the_model_memory_table_counts_known_sizes_and_fsdp_fits_what_ddp_cannot
 
 
 def test_the_fsdp_memory_bench_reads_the_trainers_build_line() -> None:
-    import bench.fsdp_memory as fsdp_memory
+    import bench.model.fsdp_memory as fsdp_memory
 
     line = (
         "model built: frozen weights sharded over 2 ranks in 7 FSDP units; "

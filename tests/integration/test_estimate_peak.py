@@ -1,6 +1,6 @@
 """``train_phase2.py estimate`` against the peak a real training run holds on the CPU (issue 44, part 6).
 
-The 0.5B shape's comparison is bench/model_memory.py --check's (bench/README.md).
+The 0.5B shape's comparison is bench/model/model_memory.py --check's (bench/results/model.md).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.helpers import DEFAULT_CONFIG, REPO, tiny_overrides
 
 
 def test_the_estimate_is_near_the_peak_a_cpu_run_holds(synthetic_dir: Path, tmp_path: Path) -> None:
-    """The tiny default trained two steps on the CPU (bench/train_peak.py: glibc's bytes in use,
+    """The tiny default trained two steps on the CPU (bench/model/train_peak.py: glibc's bytes in use,
     read after every op of the steps, less the figure before the run) against the estimate for
     ddp at 32-true on one device. Margin: the estimate is at least the measured peak less 16 MiB
     (what the run keeps in malloc that is no tensor: Lightning, the loader, the tokenizer; 9 MiB
@@ -32,7 +32,7 @@ def test_the_estimate_is_near_the_peak_a_cpu_run_holds(synthetic_dir: Path, tmp_
         ).stdout
     )["per_gpu_bytes"]["ddp"]["total"]
     done = subprocess.run(
-        [sys.executable, "-m", "bench.train_peak", "--config", str(DEFAULT_CONFIG), *overrides],
+        [sys.executable, "-m", "bench.model.train_peak", "--config", str(DEFAULT_CONFIG), *overrides],
         cwd=REPO, capture_output=True, text=True, check=False,
     )  # fmt: skip
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("PEAK ")]

@@ -7,7 +7,7 @@ the mapping (training/optim.py). Here one real resume of the tiny default (train
 process of its own) from its own checkpoint, and one from the same checkpoint carrying 256 MiB it
 never uses: the second's peak RSS must not grow by that much, and after the restore neither
 process may still map its checkpoint. The 8-rank figures at the 7B preset's sizes are
-bench/resume_memory.py's (bench/README.md).
+bench/model/resume_memory.py's (bench/results/model.md).
 """
 
 from __future__ import annotations

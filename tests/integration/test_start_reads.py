@@ -2,11 +2,11 @@
 
 Two real ranks (torchrun, gloo) build the tiny default's model with its LLM from a 55 MB bf16
 folder in three files, through the trainer's sharded build, each rank from its own copy (a page
-cache of its own, as on separate nodes; bench/start_reads.py says why). A rank may read its rows
+cache of its own, as on separate nodes; bench/model/start_reads.py says why). A rank may read its rows
 of each tensor plus 5% of the base: the fingerprint's fixed sample (rank 0 alone), the files'
 headers, the tokenizer. Before version 3 of the fingerprint each rank sampled every tensor by
 strided rows, and read its rows through a memory map whose read-ahead pulled in its neighbours'
-(bench/README.md: the whole base on each rank). The 0.5B shape's figures are bench/README.md's.
+(bench/results/model.md: the whole base on each rank). The 0.5B shape's figures are bench/results/model.md's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.start_reads import measure, on_tmpfs, prepare
+from bench.model.start_reads import measure, on_tmpfs, prepare
 from tests.helpers import REPO
 
 ALLOWANCE = 0.05  # of the base, beyond the rank's shard

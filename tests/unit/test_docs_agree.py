@@ -6,6 +6,7 @@ import re
 import subprocess
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
@@ -173,3 +174,65 @@ def test_every_test_a_document_names_exists() -> None:
             elif function and not re.search(rf"def {function}\b", file.read_text()):
                 missing.append(f"{doc.name}: {path}::{function}")
     assert missing == []
+
+
+BENCH = REPO / "bench"
+BENCH_SHARED = {"__init__.py", "common.py"}  # not scripts: the package markers and the one shared module
+
+
+def bench_docs() -> list[Path]:
+    """The texts that show benchmark commands or link into bench/: the manual, the READMEs, bench's own pages."""
+    return [REPO / "README.md", REPO / "tests" / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(BENCH.rglob("*.md"))]
+
+
+def test_bench_readme_is_an_index() -> None:
+    """bench/README.md stays an index of the concerns; measured results belong in bench/results/<concern>.md."""
+    lines = (BENCH / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"bench/README.md has {len(lines)} lines (at most 150): move results to bench/results/"
+
+
+def test_every_bench_script_is_named_in_its_concerns_readme() -> None:
+    """Each script lives in a concern's folder (bench/<concern>/) whose README names it, with its question and command."""
+    unnamed = []
+    for script in sorted(BENCH.rglob("*.py")):
+        if script.name in BENCH_SHARED:
+            continue
+        readme = script.parent / "README.md"
+        if script.parent == BENCH:
+            unnamed.append(f"{script.relative_to(REPO)}: a script belongs in a concern's folder, bench/<concern>/")
+        elif not readme.is_file() or not re.search(rf"(?<!\w){re.escape(script.name)}", readme.read_text()):
+            unnamed.append(f"{script.relative_to(REPO)}: not named in {readme.relative_to(REPO)}")
+    assert unnamed == []
+
+
+def test_every_bench_command_in_the_docs_names_a_module_that_exists() -> None:
+    """`python -m bench.<concern>.<script>` in a doc (or a script's docstring) runs: a moved script left none behind."""
+    missing = []
+    for doc in [*bench_docs(), *sorted(BENCH.rglob("*.py"))]:
+        for module in re.findall(r"-m (bench(?:\.\w+)+)", doc.read_text()):
+            path = REPO.joinpath(*module.split("."))
+            if not (path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()):
+                missing.append(f"{doc.relative_to(REPO)}: {module}")
+    assert missing == []
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_into_bench_name_files_and_headings_that_exist() -> None:
+    """A link into bench/ (its results move between files) points at a file that exists, and at a heading of it."""
+    broken = []
+    for doc in bench_docs():
+        for target, anchor in re.findall(r"\]\(([^)#\s:]+)(?:#([^)\s]+))?\)", doc.read_text()):
+            path = (doc.parent / target).resolve()
+            if BENCH not in path.parents:
+                continue
+            if not path.exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target}")
+            elif anchor and path.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", path.read_text(), flags=re.MULTILINE)
+                if anchor not in {github_anchor(heading) for heading in headings}:
+                    broken.append(f"{doc.relative_to(REPO)}: {target}#{anchor}")
+    assert broken == []

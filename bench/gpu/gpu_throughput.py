@@ -1,0 +1,166 @@
+"""The real-size model on one GPU: tokens/s, MFU and peak memory at sequence lengths 512 and 1024.
+
+Builds config/qwen2.5-0.5b.yaml's model, randomly initialised from bench/common.py's
+config dicts, through build_model as training does (frozen SigLIP and wav2vec2 towers,
+projectors, LoRA r=16 on every linear layer, gradient checkpointing as configured), and
+trains it on random batches already on the GPU as the trainer's bf16-mixed does: frozen
+weights held in bf16, LoRA and projectors in fp32 under bf16 autocast; the trainer's AdamW
+(fused on GPUs) and gradient clipping, batch 8 per GPU, 5 s of audio and a 224-px image per
+sample. Loading data is left out (bench/data/data_pipeline.py). --compile compiles the LLM's decoder
+layers as trainer.compile=true does; the first step's time (compilation included) is reported.
+
+MFU = text tokens/s x FLOPs per token / peak, with telemetry's FLOPs count (LLM only; the
+frozen towers' forward adds about 2% at 1024 tokens) and its peak table.
+
+    .venv/bin/python -m bench.gpu.gpu_throughput            # on a GPU machine, from the repository root
+    .venv/bin/python -m bench.gpu.gpu_throughput model.llm.gradient_checkpointing=false data.batch_size=16
+    .venv/bin/python -m bench.gpu.gpu_throughput --compile  # trainer.compile=true
+    .venv/bin/python -m bench.gpu.gpu_throughput --smoke    # the tiny default on CPU: checks the script runs
+    .venv/bin/python -m bench.gpu.gpu_throughput --cpu --seq-lens 64 [--compile]  # the tiny default on CPU, timed
+
+Target: MFU >= 40% on an H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import REAL_CONFIG, SIGLIP_BASE_224, TINY_CONFIG, random_init_overrides, synthetic_tokenizer
+from purrsight.config import Config, load_config
+from purrsight.model.multimodal import PurrSightModel
+from purrsight.observability.flops import gpu_peak_tflops, model_flops_per_token
+from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
+from purrsight.training.optim import build_optimizer
+
+
+def random_batch(config: Config, model: PurrSightModel, batch: int, seq_len: int, device: torch.device) -> dict[str, Any]:
+    vocab = model.llm.get_input_embeddings().num_embeddings
+    image_size = SIGLIP_BASE_224["image_size"] if config.model.image_encoder.model_type == "siglip" else config.data.image_size
+    input_ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+    return {
+        "input_ids": input_ids,
+        "labels": input_ids.clone(),  # every token scored: the loss covers the whole sequence
+        "attention_mask": torch.ones_like(input_ids),
+        "image": torch.randn(batch, 3, image_size, image_size, device=device),
+        "has_image": torch.ones(batch, dtype=torch.bool, device=device),
+        "image_rows": torch.arange(batch, device=device),
+        "audio": torch.randn(batch, round(config.data.audio_sample_rate * config.data.audio_seconds), device=device),
+        "has_audio": torch.ones(batch, dtype=torch.bool, device=device),
+        "audio_rows": torch.arange(batch, device=device),
+        "padded": False,  # full-length rows, every modality: SDPA runs causal without a mask
+        "num_skipped": 0,
+        "num_samples": batch,
+        "num_tokens": batch * seq_len,
+        "ids": [str(i) for i in range(batch)],
+    }
+
+
+def measure(
+    config: Config, model: PurrSightModel, seq_len: int, batch: int, steps: int, warmup: int, device: torch.device
+) -> dict[str, float]:
+    trainable = model.trainable_parameters()
+    optimizer, _ = build_optimizer(trainable, config.optim, steps + warmup)
+    data = random_batch(config, model, batch, seq_len, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    clip = config.trainer.gradient_clip_val
+
+    def step() -> None:
+        with autocast:
+            loss, _, _ = model(data)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(trainable, clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    first = time.perf_counter()
+    step()
+    synchronize()
+    first_step_s = time.perf_counter() - first
+    for _ in range(warmup - 1):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens_per_s = batch * seq_len * steps / elapsed
+    prefix = config.model.prefix_tokens * 2
+    per_token = model_flops_per_token(model, seq_len + prefix) or 0.0
+    peak = config.telemetry.peak_tflops or gpu_peak_tflops()
+    return {
+        "seq_len": seq_len,
+        "step_s": elapsed / steps,
+        "first_step_s": first_step_s,
+        "tokens_per_s": tokens_per_s,
+        "mfu": per_token * tokens_per_s / (peak * 1e12) if peak else float("nan"),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. data.batch_size=16")
+    parser.add_argument("--compile", action="store_true", help="compile the decoder layers (trainer.compile=true)")
+    parser.add_argument("--smoke", action="store_true", help="tiny default on CPU, 2 steps: checks the script, measures nothing")
+    parser.add_argument("--cpu", action="store_true", help="tiny default on CPU, timed (compile's gain where no GPU is)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.cpu, args.seq_lens, args.steps, args.warmup = True, [16, 32], 2, 1
+    elif not args.cpu and not torch.cuda.is_available():
+        raise SystemExit("bench.gpu.gpu_throughput: no CUDA device; run it on a GPU machine (or --cpu / --smoke on CPU)")
+    device = torch.device("cpu" if args.cpu else "cuda")
+
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+        tokenizer = synthetic_tokenizer(Path(tmp) / "synthetic")
+        overrides = [f"model.llm.tokenizer={tokenizer}"] if args.cpu else random_init_overrides(tokenizer)
+        overrides += args.overrides
+        config = load_config(TINY_CONFIG if args.cpu else REAL_CONFIG, overrides, check_paths=False)
+        frozen = frozen_dtype("bf16-mixed" if device.type == "cuda" else "32-true")
+        model = build_model(config, frozen).model.to(device)
+    if args.compile:
+        compile_decoder_layers(model)
+    model.train()
+    results = [measure(config, model, seq, config.data.batch_size, args.steps, args.warmup, device) for seq in args.seq_lens]
+
+    name = (
+        torch.cuda.get_device_name(0)
+        if device.type == "cuda"
+        else "CPU, tiny default" + (" (smoke run: figures mean nothing)" if args.smoke else "")
+    )
+    llm = sum(p.numel() for p in model.llm.parameters()) / 1e6
+    print(f"device: {name}; torch {torch.__version__}; {datetime.date.today()}")
+    print(
+        f"LLM {llm:.0f}M parameters; batch {config.data.batch_size}; compile {args.compile}; "
+        f"{args.steps} timed steps after {args.warmup} warm-up\n"
+    )
+    print("| seq len | first step (s) | step (s) | tokens/s | MFU | peak memory (GiB) |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['seq_len']} | {r['first_step_s']:.2f} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} "
+            f"| {r['peak_mem_gib']:.1f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Launch and the stack's own cost: start-up and samples/s against plain torchrun, Ray, SLURM, trackers, interpreters."""
