@@ -76,10 +76,16 @@ install_python_packages() {
 }
 
 QUICK=0
+# Each pytest run writes its tier's durations here (tests/suite_budget.py); the run ends by
+# checking them against tests/README.md's budget table, so growth fails the change that made it.
+readonly DURATIONS_DIR="${DURATIONS_DIR:-.test-durations}"
 if [[ "${1:-}" == --quick ]]; then
   QUICK=1
   shift
 fi
+# Extra pytest arguments select a part of a tier: its time says nothing of the tier's budget.
+WHOLE_TIER=$(($# == 0))
+readonly WHOLE_TIER
 
 install_system_packages
 install_python_packages
@@ -108,9 +114,17 @@ fi
 # tests leave a core free. Extra arguments go to both pytest runs; PYTEST_WORKERS=0 runs the
 # rest serially too. Both list their slowest tests (--durations): the suite's time, in CI's
 # output, has names to it.
+rm -rf "${DURATIONS_DIR}"
 if ((QUICK)); then
   log "python tests: pytest, quick tier (-m 'not slow and not root'), ${WORKERS} workers"
-  exec python -m pytest -n "${WORKERS}" -m "not slow and not root" "$@"
+  status=0
+  PURRSIGHT_TIER=quick PURRSIGHT_DURATIONS="${DURATIONS_DIR}/quick.json" \
+    python -m pytest -n "${WORKERS}" -m "not slow and not root" "$@" || status=$?
+  if ((WHOLE_TIER)); then
+    log "time against the budget (tests/README.md)"
+    python -m tests.suite_budget "${DURATIONS_DIR}/quick.json" || status=1
+  fi
+  exit "${status}"
 fi
 
 # pytest's exit code, where 5 (no test selected, e.g. `tests/unit` has no `serial` test) is 0.
@@ -137,7 +151,8 @@ bats_then_cluster_tests_then_mypy() {
   bats tests/shell >"${bats_output}" 2>&1 || status=$?
   echo "${status}" >"${bats_output}.status"
   status=0
-  run_pytest -m serial --durations=10 "$@" >"${serial_output}" 2>&1 || status=$?
+  PURRSIGHT_TIER=serial PURRSIGHT_DURATIONS="${DURATIONS_DIR}/serial.json" \
+    run_pytest -m serial --durations=10 "$@" >"${serial_output}" 2>&1 || status=$?
   echo "${status}" >"${serial_output}.status"
   status=0
   mypy --cache-dir "${mypy_cache}" purrsight train_phase2.py bench >"${mypy_output}" 2>&1 || status=$?
@@ -148,7 +163,8 @@ bats_then_cluster_tests_then_mypy "$@" &
 background_pid=$!
 log "python tests: pytest -m 'not serial', ${WORKERS} workers"
 status=0
-run_pytest -n "${WORKERS}" --dist worksteal -m "not serial" --durations=15 "$@" || status=$?
+PURRSIGHT_TIER=not-serial PURRSIGHT_DURATIONS="${DURATIONS_DIR}/not-serial.json" \
+  run_pytest -n "${WORKERS}" --dist worksteal -m "not serial" --durations=15 "$@" || status=$?
 wait "${background_pid}" || true
 log "shell tests: bats"
 cat "${bats_output}"
@@ -162,5 +178,10 @@ else
   log "mypy failed:"
   cat "${mypy_output}"
   status=1
+fi
+if ((WHOLE_TIER)); then
+  # SECONDS: since this script started, installs included (a fresh clone's whole run, as CI's).
+  log "time against the budget (tests/README.md)"
+  python -m tests.suite_budget "${DURATIONS_DIR}/not-serial.json" "${DURATIONS_DIR}/serial.json" --whole-s "${SECONDS}" || status=1
 fi
 exit "${status}"

@@ -27,6 +27,11 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["OMP_NUM_THREADS"] = "1"
 
 from purrsight.data.synthetic import generate  # noqa: E402 (after hiding the GPUs)
+from tests import suite_budget  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    suite_budget.register(config)  # each tier's durations, for the budget check (tests/suite_budget.py)
 
 
 def has_gpu_driver() -> bool:

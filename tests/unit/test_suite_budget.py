@@ -1,0 +1,55 @@
+"""The suite's budget check (tests/suite_budget.py): the table it reads, the file pytest writes, the verdict."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import REPO
+from tests.suite_budget import README, TierTime, budgets, verdicts
+
+
+def test_the_readme_gives_a_budget_to_every_tier_scripts_test_sh_runs() -> None:
+    limits = budgets(README)
+    assert set(limits) == {"quick", "not-serial", "serial", "whole"}
+    script = (REPO / "scripts" / "test.sh").read_text()
+    for tier in ("quick", "not-serial", "serial"):
+        assert f"PURRSIGHT_TIER={tier} " in script, f"scripts/test.sh never runs the {tier} tier under its name"
+    # the two halves run side by side: each within the whole, the whole within CI's 90 minutes
+    assert limits["not-serial"] <= limits["whole"] and limits["serial"] <= limits["whole"] <= 90 * 60
+
+
+def test_a_tier_over_its_budget_fails_and_names_its_slowest_tests() -> None:
+    limits = {"serial": 600.0, "whole": 1200.0}
+    within = TierTime("serial", 599.0, {"a": 1.0})
+    over = TierTime("serial", 601.0, {f"t{n}": float(n) for n in range(9)})
+    assert verdicts([within], limits, whole_s=1199.0)[1]
+    lines, fits = verdicts([over], limits)
+    assert not fits
+    assert lines[0].startswith("serial: 10.0 min of 10 (100% of its budget): OVER BUDGET")
+    assert [line.split()[-1] for line in lines[1:]] == ["t8", "t7", "t6", "t5", "t4"]  # the five slowest, slowest first
+    assert not verdicts([within], limits, whole_s=1201.0)[1]  # the whole command over: fails too
+    assert not verdicts([TierTime("new-tier", 1.0, {})], limits)[1]  # a tier without a row is named, not passed
+
+
+def test_pytest_writes_each_tests_seconds_and_the_check_reads_them(tmp_path: Path) -> None:
+    """A real pytest run with the plugin (through tests/conftest.py), then the check as scripts/test.sh runs it."""
+    (tmp_path / "test_two.py").write_text("import time\n\ndef test_slow():\n    time.sleep(0.3)\n\ndef test_fast():\n    pass\n")
+    durations = tmp_path / "quick.json"
+    env = {"PURRSIGHT_DURATIONS": str(durations), "PURRSIGHT_TIER": "quick", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.suite_budget", "-p", "no:cacheprovider", str(tmp_path / "test_two.py")],
+        cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:]
+    record = json.loads(durations.read_text())
+    assert record["tier"] == "quick"
+    slow = next(seconds for nodeid, seconds in record["tests"].items() if nodeid.endswith("test_slow"))
+    assert slow >= 0.3 and len(record["tests"]) == 2
+    assert record["wall_s"] >= slow
+    check = subprocess.run([sys.executable, "-m", "tests.suite_budget", str(durations)], cwd=REPO, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+    assert check.stdout.startswith("quick: 0.0 min of 4") and "test_slow" in check.stdout.splitlines()[1]
