@@ -5,7 +5,7 @@ The bases' and towers' shapes are written as config.json files into a temp folde
 Qwen2.5 values; SigLIP-base and wav2vec2-base are transformers' defaults): nothing is downloaded and
 no weight exists. ``--check`` measures instead: a random model of Qwen2.5-0.5B's shape is saved with
 ``save_pretrained`` into a temp folder, trained two steps on the CPU with the tiny default's towers
-and data (bench/model/train_peak.py: malloc's peak over the steps), and set beside the estimate for ddp
+and data (bench/model/train_peak.py: the peak of the tensor bytes alive over the steps), and set beside the estimate for ddp
 at 32-true. bench/results/model.md has both results.
 
     .venv/bin/python -m bench.model.model_memory                 # the table (about a minute)
@@ -126,7 +126,7 @@ def check() -> None:
         measured = json.loads(lines[0].split(" ", 1)[1])["held"]
         print(f"estimate (ddp, 32-true, 1 GPU): {estimate.total / 1e9:.3f} GB {estimate}")
         print(
-            f"measured (malloc peak over the steps): {measured / 1e9:.3f} GB; estimate / measured = {estimate.total / measured:.3f}"
+            f"measured (peak tensor bytes over the steps): {measured / 1e9:.3f} GB; estimate / measured = {estimate.total / measured:.3f}"
         )
 
 

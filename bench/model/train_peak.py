@@ -1,64 +1,90 @@
 """The measured side of ``train_phase2.py estimate``'s check: one short real training run on the CPU
-(training/run.py's ``train``, Lightning and all) and the peak of the host memory its steps hold.
+(training/run.py's ``train``, Lightning and all) and the peak of the tensor bytes its steps hold.
 
-What is measured: glibc's bytes in use (``mallinfo2``: arena chunks in use plus mmapped blocks),
-read after every aten op of the training batches (a dispatch mode entered at each batch's start
-and left at its end: forward, backward and the optimizer step), minus the same figure just before
-the run starts (after the imports). PyTorch's CPU allocator takes every tensor from malloc, so
-this is the tensors' bytes plus whatever else the run keeps in malloc (Lightning's and the loader's
-Python objects larger than 512 B, the tokenizer): it reads a little high, never low. Not RSS:
-freed arena memory stays resident and imports page in code, which would measure glibc, not the
-step. The estimate's figure is per-GPU bytes for ddp at 32-true (CPU training's precision).
+What is measured: the bytes of every tensor storage alive, read after every aten op of the training
+batches (a dispatch mode entered at each batch's start and left at its end: forward, backward and
+the optimizer step). The storages alive when the steps start (the model's parameters and buffers,
+the optimizer's state, the batch) are registered then; every storage an op makes is registered as
+it appears, and each leaves the count when it is freed (a weak reference to the storage). This is
+what the estimate counts: parameters, gradients, optimizer state, activations, logits.
+
+Not malloc's bytes in use (what this script read until 2026-11-27): a CPU's BLAS and oneDNN keep
+buffers of their own from a shape's first call (4 MiB per matmul shape of the tiny default on
+one machine, 18 MiB in the first forward), their size depends on the CPU's instruction set, and
+they are no tensor: the same run measured 9 MiB more than its tensors on one machine and 26 MiB
+on another. Not RSS either: freed arena memory stays resident and imports page in code.
+The estimate's figure is per-GPU bytes for ddp at 32-true (CPU training's precision).
 
     .venv/bin/python -m bench.model.train_peak --config config/train_config.yaml trainer.max_steps=2 ...
 
-Prints ``PEAK {"baseline": B, "peak": P, "held": P - B}``.
+Prints ``PEAK {"peak": P, "held": P}`` (held: the peak tensor bytes of the steps).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-    ]
+class LiveStorages:
+    """The bytes of the tensor storages registered and not yet freed."""
 
+    def __init__(self) -> None:
+        self.handles: dict[int, tuple[int, int]] = {}  # data pointer -> (weak reference handle, bytes)
+        self.bytes = 0
 
-_libc = ctypes.CDLL("libc.so.6")
-_libc.mallinfo2.restype = _MallInfo2
+    def add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer == 0 or pointer in self.handles:
+            return  # empty, or a view of a storage counted already
+        self.handles[pointer] = (storage._weak_ref(), storage.nbytes())
+        self.bytes += storage.nbytes()
 
-
-def malloc_in_use() -> int:
-    info = _libc.mallinfo2()
-    return int(info.uordblks + info.hblkhd)
+    def drop_freed(self) -> None:
+        for pointer, (handle, size) in list(self.handles.items()):
+            if torch.UntypedStorage._expired(handle):
+                torch.UntypedStorage._free_weak_ref(handle)
+                del self.handles[pointer]
+                self.bytes -= size
 
 
 class _EveryOp(TorchDispatchMode):  # type: ignore[misc]  # torch ships the base untyped
-    def __init__(self) -> None:
+    def __init__(self, live: LiveStorages) -> None:
         super().__init__()
+        self.live = live
         self.peak = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, malloc_in_use())
+        self.live.drop_freed()  # an op's inputs may be gone before its outputs count
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and not leaf.is_meta:
+                self.live.add(leaf)
+        self.peak = max(self.peak, self.live.bytes)
         return out
 
 
 class PeakOfSteps(pl.Callback):
     def __init__(self) -> None:
-        self.mode = _EveryOp()
+        self.live = LiveStorages()
+        self.mode = _EveryOp(self.live)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        state = [value for optimizer in trainer.optimizers for per_param in optimizer.state.values() for value in per_param.values()]
+        for leaf in [*pl_module.parameters(), *pl_module.buffers(), *state, *tree_leaves(batch)]:
+            if isinstance(leaf, torch.Tensor):
+                self.live.add(leaf)
+                if leaf.grad is not None:
+                    self.live.add(leaf.grad)
+        self.live.drop_freed()
+        self.mode.peak = max(self.mode.peak, self.live.bytes)
         self.mode.__enter__()
 
     def on_train_batch_end(
@@ -78,13 +104,9 @@ def main() -> None:
 
     setup_logging()
     config = load_config(args.config, args.overrides)
-    torch.set_num_threads(torch.get_num_threads())  # the thread pool exists before the baseline
     callback = PeakOfSteps()
-    baseline = malloc_in_use()
     train(config, None, callbacks=[callback])
-    print(
-        "PEAK " + json.dumps({"baseline": baseline, "peak": callback.mode.peak, "held": callback.mode.peak - baseline}), flush=True
-    )
+    print("PEAK " + json.dumps({"peak": callback.mode.peak, "held": callback.mode.peak}), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,17 @@ from tests.helpers import DEFAULT_CONFIG, REPO, tiny_overrides
 
 
 def test_the_estimate_is_near_the_peak_a_cpu_run_holds(synthetic_dir: Path, tmp_path: Path) -> None:
-    """The tiny default trained two steps on the CPU (bench/model/train_peak.py: glibc's bytes in use,
-    read after every op of the steps, less the figure before the run) against the estimate for
-    ddp at 32-true on one device. Margin: the estimate is at least the measured peak less 16 MiB
-    (what the run keeps in malloc that is no tensor: Lightning, the loader, the tokenizer; 9 MiB
-    here when written) and at most 1.25 times it."""
+    """The tiny default trained two steps on the CPU (bench/model/train_peak.py: the bytes of every
+    tensor storage alive, read after every op of the steps) against the estimate for ddp at
+    32-true on one device: within 25% either way.
+
+    ``data.max_length`` 24 is at least every synthetic sample's length, so the estimate's worst
+    case (every sample at the maximum) is the batch the run trains. Until 2026-11-27 the measure
+    was malloc's bytes in use, which counts the BLAS's and oneDNN's own first-call buffers (18 MiB
+    in the tiny default's first forward on one machine, 4 on another: their size follows the CPU's
+    instruction set): it passed on one machine and failed on the next."""
     overrides = tiny_overrides(
-        synthetic_dir, tmp_path, trainer__max_steps=2, trainer__precision="32-true", telemetry__enabled="false"
+        synthetic_dir, tmp_path, trainer__max_steps=2, trainer__precision="32-true", telemetry__enabled="false", data__max_length=24
     )
     estimate = json.loads(
         subprocess.run(
@@ -37,4 +41,4 @@ def test_the_estimate_is_near_the_peak_a_cpu_run_holds(synthetic_dir: Path, tmp_
     )  # fmt: skip
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("PEAK ")]
     held = json.loads(line.split(" ", 1)[1])["held"]
-    assert held - 16 * 2**20 <= estimate <= 1.25 * held, f"estimate {estimate / 2**20:.1f} MiB, measured {held / 2**20:.1f} MiB"
+    assert 0.8 * held <= estimate <= 1.25 * held, f"estimate {estimate / 2**20:.2f} MiB, measured {held / 2**20:.2f} MiB"
