@@ -125,9 +125,8 @@ def check() -> None:
             raise SystemExit(done.stderr[-3000:])
         measured = json.loads(lines[0].split(" ", 1)[1])["held"]
         print(f"estimate (ddp, 32-true, 1 GPU): {estimate.total / 1e9:.3f} GB {estimate}")
-        print(
-            f"measured (peak tensor bytes over the steps): {measured / 1e9:.3f} GB; estimate / measured = {estimate.total / measured:.3f}"
-        )
+        ratio = estimate.total / measured
+        print(f"measured (peak tensor bytes over the steps): {measured / 1e9:.3f} GB; estimate / measured = {ratio:.3f}")
 
 
 def main() -> None:

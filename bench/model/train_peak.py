@@ -77,7 +77,7 @@ class PeakOfSteps(pl.Callback):
         self.mode = _EveryOp(self.live)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        state = [value for optimizer in trainer.optimizers for per_param in optimizer.state.values() for value in per_param.values()]
+        state = [value for optimizer in trainer.optimizers for slots in optimizer.state.values() for value in slots.values()]
         for leaf in [*pl_module.parameters(), *pl_module.buffers(), *state, *tree_leaves(batch)]:
             if isinstance(leaf, torch.Tensor):
                 self.live.add(leaf)
