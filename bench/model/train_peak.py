@@ -44,7 +44,8 @@ class LiveStorages:
         pointer = storage.data_ptr()
         if pointer == 0 or pointer in self.handles:
             return  # empty, or a view of a storage counted already
-        self.handles[pointer] = (storage._weak_ref(), storage.nbytes())
+        handle: int = storage._weak_ref()  # type: ignore[assignment]  # an int handle at runtime; torch's stub says a storage
+        self.handles[pointer] = (handle, storage.nbytes())
         self.bytes += storage.nbytes()
 
     def drop_freed(self) -> None:
