@@ -6,7 +6,8 @@ Two halves:
 
 - a pytest plugin (``tests/conftest.py`` loads it): when ``PURRSIGHT_DURATIONS`` names a file,
   the controlling pytest process writes there its tier's wall time and every test's seconds
-  (setup, call and teardown summed), ``{"tier", "wall_s", "tests": {nodeid: s}}``;
+  (setup, call and teardown summed) and start, ``{"tier", "wall_s", "tests": {nodeid: s},
+  "began": {nodeid: epoch s}}``;
 - ``python -m tests.suite_budget FILE...``: each file's tier against its budget, the whole run's
   time against the ``whole`` row when ``--whole-s`` gives it, the slowest tests of each tier
   named; exit 1 when anything is over budget.
@@ -83,12 +84,14 @@ class DurationsWriter:
         self.path, self.tier = path, tier
         self.started = time.monotonic()
         self.tests: dict[str, float] = {}
+        self.began: dict[str, float] = {}  # when each test's setup began (epoch s): the run's timeline
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.tests[report.nodeid] = self.tests.get(report.nodeid, 0.0) + report.duration
+        self.began.setdefault(report.nodeid, report.start)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        record = {"tier": self.tier, "wall_s": time.monotonic() - self.started, "tests": self.tests}
+        record = {"tier": self.tier, "wall_s": time.monotonic() - self.started, "tests": self.tests, "began": self.began}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(record, indent=1) + "\n")
 
