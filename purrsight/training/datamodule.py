@@ -32,9 +32,9 @@ def _worker_start() -> multiprocessing.context.BaseContext:
     """Loader workers forked from a fork server that imported the data stack once (not this process)."""
     context = multiprocessing.get_context("forkserver")
     # Imported once by the server, so each worker only unpickles its dataset (tokenizer, decoders);
-    # fork_server_signals leaves stop signals to the trainer (its docstring says why).
+    # loader_fork_server leaves stop signals to the trainer (its docstring says why).
     preload = [
-        "purrsight.data.fork_server_signals",
+        "purrsight.data.loader_fork_server",
         "purrsight.data.loader_worker",  # Lightning's seeding with it: imported once, not in every worker
         "purrsight.data.dataset",
         "purrsight.data.prepared",

@@ -51,11 +51,53 @@ def test_sigterm_to_the_workers_and_their_fork_server_leaves_the_loader_running(
     assert [int(x) for batch in (first, *rest) for x in batch] == data
 
 
+LOADER_THEN_WAIT = """
+import sys, time
+from torch.utils.data import SequentialSampler
+from purrsight.config import load_config
+from purrsight.training.datamodule import Phase2DataModule
+config = load_config(sys.argv[1], ["data.num_workers=2", "data.batch_size=4"], check_paths=False)
+data = list(range(64))
+batches = iter(Phase2DataModule(config)._loader(data, SequentialSampler(data), shuffle=True))
+next(batches)
+print(" ".join(str(worker.pid) for worker in batches._workers), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_killed_with_sigkill_takes_its_loader_server_and_workers_with_it() -> None:
+    """The OOM killer or a fault's SIGKILL gives the trainer no say: its loader's fork server dies with
+    it (the parent-death signal), and torch's workers, their parent gone, end within seconds. They
+    ran on for good before (each holding the server's alive pipe, the server waiting for them)."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", LOADER_THEN_WAIT, str(DEFAULT_CONFIG)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert trainer.stdout is not None
+        workers = [psutil.Process(int(pid)) for pid in trainer.stdout.readline().split()]
+        server = workers[0].parent()
+        assert len(workers) == 2 and server is not None and server.pid != trainer.pid
+        trainer.kill()
+        trainer.wait(timeout=30)
+        _gone, alive = psutil.wait_procs([server, *workers], timeout=20)
+        assert not alive, [process.cmdline()[:3] for process in alive]
+    finally:
+        trainer.kill()
+
+
 def test_importing_the_signal_module_elsewhere_changes_nothing() -> None:
-    """Only the fork server ignores stop signals: a trainer that did would never checkpoint on a stop."""
-    check = "import signal, purrsight.data.fork_server_signals; print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    """Only the loader's fork server ignores stop signals: a trainer that did would never checkpoint
+    on a stop. Neither a plain import nor the launcher's worker server, which preloads the whole
+    trainer (loader_worker.py among it), holds or ignores them."""
+    check = (
+        "import signal, purrsight.data.loader_fork_server; "
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))"
+    )
     done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.stdout.strip() == "True", done.stderr
+    assert done.stdout.strip() == "True False", done.stderr
+    from purrsight.launcher.forked_workers import PRELOAD
+
+    assert "purrsight.data.loader_fork_server" not in PRELOAD
 
 
 def test_every_process_wide_setting_reaches_a_real_loader_worker(tmp_path: Path) -> None:
