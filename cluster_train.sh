@@ -54,6 +54,9 @@ Environment variables (default in brackets; a variable you export yourself is ne
   RDZV_TIMEOUT    seconds to wait for all nodes (and, on workers, for the master) [900]
   MONITOR_INTERVAL  seconds between torchrun's checks of its workers and of nodes waiting to join [1];
                   each check also queries the rendezvous store on node 0 (docs/SCALING.md)
+  WORKER_START    forkserver | subprocess: how torchrun starts each worker [forkserver: forked from a
+                  server that imports the trainer once per node, during the rendezvous, and serves every
+                  restart; subprocess: a fresh interpreter per worker, torchrun's default]
   RDZV_ID         job id shared by all nodes [purrsight-<master_port>, or the SLURM/PBS job id]
   PURRSIGHT_LAUNCH_TIME  Unix time this attempt was launched, for the effective-time report
                   [this script's start; slurm/train.sbatch sets its own start]
@@ -169,6 +172,8 @@ validate_env() {
   [[ "${RDZV_TIMEOUT:=900}" =~ ^[1-9][0-9]*$ ]] || die_usage "RDZV_TIMEOUT '${RDZV_TIMEOUT}' must be a positive number of seconds"
   [[ "${MONITOR_INTERVAL:=1}" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ && ! "${MONITOR_INTERVAL}" =~ ^[0.]+$ ]] ||
     die_usage "MONITOR_INTERVAL '${MONITOR_INTERVAL}' must be a positive number of seconds"
+  case "${WORKER_START:=forkserver}" in forkserver | subprocess) ;;
+    *) die_usage "WORKER_START '${WORKER_START}' must be forkserver or subprocess" ;; esac
   [[ "${LOG_RANKS:=0}" =~ ^(all|[0-9]+(,[0-9]+)*)$ ]] || die_usage "LOG_RANKS '${LOG_RANKS}' must be all or a list like 0,1"
   for var in LOG_MAX_BYTES LOG_BACKUPS LOG_KEEP_RUNS; do
     [[ -z "${!var:-}" ]] || is_uint "${!var}" || die_usage "${var} '${!var}' must be a non-negative integer"
@@ -308,8 +313,10 @@ build_torchrun_args() {
     --local-addr "${LOCAL_ADDR:-${MASTER_IP}}"
     --log-dir "${LOG_DIR}/${RUN_NAME:-dry_run}"
     --tee 3
-    "${SCRIPT_DIR}/train_phase2.py" --config "${CONFIG}" "${OVERRIDES[@]}"
   )
+  # forkserver: each worker a fork of one server that imported the trainer (purrsight/launcher/forked_workers.py)
+  if [[ "${WORKER_START}" == forkserver ]]; then TORCHRUN_ARGS+=(--run-path --start-method forkserver); fi
+  TORCHRUN_ARGS+=("${SCRIPT_DIR}/train_phase2.py" --config "${CONFIG}" "${OVERRIDES[@]}")
 }
 
 print_banner() {

@@ -193,13 +193,17 @@ def ensure_synthetic_set() -> None:
 # sampled until their last interval. The part a process plays is read from its command line
 # (``role_of``).
 
-ROLES = ("worker", "torchrun agent", "log writer", "prepare", "launcher other")
+ROLES = ("worker", "worker fork server", "loader workers", "torchrun agent", "log writer", "prepare", "launcher other")
 
 
 def role_of(cmdline: list[str]) -> str:
     command = " ".join(cmdline)
     if "purrsight.launcher.torchrun" in command or "torch.distributed.run" in command:
         return "torchrun agent"  # its command line names the training script too
+    if "multiprocessing.forkserver import main" in command:
+        # the launcher's worker server, or a rank's loader server and its forks (which keep its command line);
+        # a forked worker has it too until it sets its own, so a process's role is read at every sample
+        return "worker fork server" if "purrsight.launcher.forked_workers" in command else "loader workers"
     if "train_phase2.py" in command or "bench.launch.plain_ddp" in command:
         return "worker"
     if "purrsight.launcher.logwriter" in command:
@@ -245,7 +249,7 @@ class ProcessTreeCPU:
                     with process.oneshot():
                         key = (process.pid, process.create_time())
                         times = process.cpu_times()
-                        role = self.seen[key][0] if key in self.seen else role_of(process.cmdline())
+                        role = role_of(process.cmdline())
                 except psutil.NoSuchProcess:
                     continue
                 self.seen[key] = (role, times.user + times.system)

@@ -146,21 +146,14 @@ def run_trainer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
     return run_python([str(REPO / "train_phase2.py"), "--config", str(DEFAULT_CONFIG), *args], timeout=timeout)
 
 
-def torchrun_two_ranks(script: Path, *args: str) -> list[str]:
-    """A one-node torchrun command with two worker processes on a free loopback port."""
+def torchrun_job(script: Path, *args: str, ranks: int = 2) -> list[str]:
+    """A one-node torchrun on a free loopback port, as the launcher runs it: our wrapper, each worker
+    forked from a server that imported the trainer once (WORKER_START=forkserver, docs/LAUNCHER.md)."""
     return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(script),
-        *args,
-    ]
+        sys.executable, "-m", "purrsight.launcher.torchrun", "--run-path", "--start-method", "forkserver",
+        "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(script), *args,
+    ]  # fmt: skip
 
 
 def run_python(

@@ -7,6 +7,11 @@
   still stops, a second signal may cut the workers' close short.
 - ``RENDEZVOUS_METRIC``: the name torchelastic's ``@prof`` gives the timing of
   ``SimpleElasticAgent._rendezvous``. Where it has changed, the rendezvous lines are simply absent.
+- ``run_script_path``: the function ``torch.distributed.run.config_from_args`` names as the
+  workers' entry point under ``--run-path``, looked up in its module at each call. Replacing it
+  runs each worker through ``purrsight.launcher.forked_workers.run_worker`` (its own session and
+  signals). Where it has moved, ``install_worker_entry`` says so in one line and the workers are
+  started as subprocesses, as without ``--run-path``: slower to start, nothing else differs.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from types import FrameType
 
 RENDEZVOUS_METRIC = "._rendezvous.duration.ms"
 HANDLER_NAME = "_terminate_process_handler"
+WORKER_ENTRY_NAME = "run_script_path"
 
 Handler = Callable[[int, FrameType | None], None]
 
@@ -35,3 +41,30 @@ def install_terminate_handler(handler: Handler) -> bool:
         return False
     setattr(api, HANDLER_NAME, handler)
     return True
+
+
+def install_worker_entry(entry: Callable[..., None]) -> bool:
+    """Make ``entry`` the function torchrun runs each worker through under ``--run-path``; False
+    (and one line) where torch.distributed.run no longer names one."""
+    from torch.distributed import run
+
+    if not callable(getattr(run, WORKER_ENTRY_NAME, None)) or WORKER_ENTRY_NAME not in _source_of(run.config_from_args):
+        print(
+            f"torchrun: torch.distributed.run has no {WORKER_ENTRY_NAME} for --run-path in this torch; "
+            "starting the workers as subprocesses",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    setattr(run, WORKER_ENTRY_NAME, entry)
+    return True
+
+
+def _source_of(function: Callable[..., object]) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+

@@ -10,6 +10,10 @@
 
     2026-11-23 05:21:40 [torchrun] rendezvous 0 done in 1.84 s
 
+- With ``--run-path --start-method forkserver`` (the launcher's default) the workers are forked
+  from a server that imported the trainer once, started before the rendezvous
+  (forked_workers.py says what each worker gets).
+
     python -m purrsight.launcher.torchrun [torchrun arguments] train_phase2.py ...
 """
 
@@ -21,13 +25,20 @@ import sys
 import time
 from types import FrameType
 
+from purrsight.launcher import forked_workers
+
+if __name__ == "__main__" and forked_workers.asked_for(sys.argv[1:]):
+    # First, before this agent imports torch (1.5 CPU-s): the server's imports of the trainer
+    # (4 s) then run beside the agent's own and its rendezvous, not after them.
+    forked_workers.start_server()
+
 from torch.distributed.elastic import metrics
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from purrsight.errors import SIGNAL_BASE, ExitCode
-from purrsight.internals.torch_elastic import RENDEZVOUS_METRIC, install_terminate_handler
+from purrsight.internals.torch_elastic import RENDEZVOUS_METRIC, install_terminate_handler, install_worker_entry
 
 TORCHRUN_FAILED = 1  # torchrun's own code for a failed worker group, kept for callers that read it
 
@@ -80,8 +91,14 @@ def job_exit_code(worker_codes: list[int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     metrics.configure(RendezvousLog(), group="torchelastic")
     install_terminate_handler(StopOnce())
+    args = parse_args(argv if argv is not None else sys.argv[1:])
+    if args.run_path and args.start_method == "forkserver":
+        if install_worker_entry(forked_workers.run_worker):
+            forked_workers.start_server()  # started already when run as a program; here when main() is called
+        else:
+            args.run_path = False  # a subprocess per worker, as torchrun starts them by default
     try:
-        run(parse_args(argv if argv is not None else sys.argv[1:]))
+        run(args)
     except ChildFailedError as err:
         for rank, failure in sorted(err.failures.items()):
             print(

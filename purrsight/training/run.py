@@ -85,13 +85,14 @@ def train(
             else "ranks as torchrun or Ray set them"
         )
         log.info(
-            "process group ready: global rank %s of %s (%s, %s; store %s:%s)",
+            "process group ready: global rank %s of %s (%s, %s; store %s:%s; pid %d)",
             os.environ["RANK"],
             os.environ["WORLD_SIZE"],
             backend,
             order,
             os.environ["MASTER_ADDR"],
             os.environ["MASTER_PORT"],
+            os.getpid(),  # which process is which rank: a forked worker's /proc/PID/environ is its server's
         )
         generation = agreed_max(generation, backend)
     plan = agreed_start(config, resume or os.environ.get("PURRSIGHT_RESUME") or None, generation, distributed)

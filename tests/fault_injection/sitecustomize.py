@@ -12,6 +12,10 @@ Faults (``PURRSIGHT_TEST_FAULT``):
 - ``kill_during_checkpoint_write:N``: SIGKILL the process during its N-th checkpoint write,
   the temp file half written and flushed, as when a node dies or the OOM killer strikes
   mid-save. First worker generation only (restarted workers must be able to finish).
+
+Every hook reads what differs between processes (rank, restart count, pid) when it acts, not
+when it patches: the launcher's workers are forks of one server that imported (and so patched)
+the trainer's modules before any worker existed.
 - ``preflight_delay:RANK:SECONDS``: that rank's local work in the preflight takes SECONDS
   longer, a planted straggler.
 - ``slow_prepare_shard:SECONDS``: every shard of ``train_phase2.py prepare`` takes SECONDS longer
@@ -86,7 +90,11 @@ class _SaveThenKill:
 
     def save(self, obj: Any, stream: Any, *args: Any, **kwargs: Any) -> None:
         self._writes += 1
-        if self._writes != self._kill_at:
+        # Read at the write, not when the module was patched: a worker forked from the launcher's
+        # preloaded server (purrsight/launcher/forked_workers.py) was patched there, before torchrun
+        # told it its restart count.
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+        if restarted or self._writes != self._kill_at:
             self._torch.save(obj, stream, *args, **kwargs)
             return
         whole = io.BytesIO()
@@ -99,8 +107,7 @@ class _SaveThenKill:
 
 def _kill_during_checkpoint_write(count: str) -> Callable[[ModuleType], None]:
     def patch(module: Any) -> None:
-        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
-            module.torch = _SaveThenKill(module.torch, int(count))  # type: ignore[attr-defined]
+        module.torch = _SaveThenKill(module.torch, int(count))  # type: ignore[attr-defined]
 
     return patch
 

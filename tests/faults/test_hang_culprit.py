@@ -32,8 +32,11 @@ def waiting_ranks(verdict: str) -> set[int]:
     return found
 
 
-def local_rank(process: psutil.Process) -> int:
-    return int(process.environ()["LOCAL_RANK"])
+def rank_of(pid: int, node_log: str) -> int:
+    """A worker's global rank, from its "process group ready: global rank R of N (...; pid P)" line
+    (a worker forked from the launcher's server has that server's /proc/PID/environ, not its rank)."""
+    (rank,) = re.findall(rf"process group ready: global rank (\d+) of \d+ \(.*; pid {pid}\)", node_log)
+    return int(rank)
 
 
 def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Cluster) -> None:
@@ -47,7 +50,7 @@ def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Clust
     assert wait_for(lambda: link.exists() and "step 8/" in cluster.node_log(0), timeout=300)
     time.sleep(2 * PUBLISH_S)  # the victim has published a step past 8 by now
     ranks = workers(node0.proc.pid) + workers(node1.proc.pid)
-    (victim,) = [process for process in workers(node1.proc.pid) if local_rank(process) == 1]
+    (victim,) = [process for process in workers(node1.proc.pid) if rank_of(process.pid, cluster.node_log(1)) == 3]
     victim.send_signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:

@@ -15,7 +15,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +26,13 @@ from tests.helpers import (
     REPO,
     check_every_sample_once,
     column,
-    free_port,
     noise_in,
     python_env,
     read_metrics,
     record_samples_env,
     run_python,
     tiny_overrides,
-    torchrun_two_ranks,
+    torchrun_job,
     trainable_state,
 )
 
@@ -62,10 +60,8 @@ def llm_dir(tmp_path_factory: pytest.TempPathFactory, synthetic_dir: Path) -> Pa
 def torchrun(
     ranks: int, llm: Path, synthetic_dir: Path, out: Path, *extra: str, env: dict[str, str] | None = None, **overrides: object
 ) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-    command += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / "train_phase2.py")]
-    command += ["--config", str(DEFAULT_CONFIG), *extra, *tiny_overrides(synthetic_dir, out, **{**LOOP, **overrides})]
-    command += [f"model.llm.path={llm}", "model.llm.config=null"]
+    overrides_ = [*tiny_overrides(synthetic_dir, out, **{**LOOP, **overrides}), f"model.llm.path={llm}", "model.llm.config=null"]
+    command = torchrun_job(REPO / "train_phase2.py", "--config", str(DEFAULT_CONFIG), *extra, *overrides_, ranks=ranks)
     result = subprocess.run(command, cwd=REPO, env={**python_env(), **(env or {})}, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
@@ -162,7 +158,7 @@ def probed(script: str, llm: Path, synthetic_dir: Path, out: Path, **overrides: 
     """``script`` (a probe in this folder) on two ranks under torchrun; its output and each rank's record."""
     settings = tiny_overrides(synthetic_dir, out, **{**LOOP, **overrides})
     args = [str(out), str(DEFAULT_CONFIG), *settings, f"model.llm.path={llm}", "model.llm.config=null"]
-    command = torchrun_two_ranks(REPO / "tests" / "integration" / script, *args)
+    command = torchrun_job(REPO / "tests" / "integration" / script, *args)
     result = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout + result.stderr, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]

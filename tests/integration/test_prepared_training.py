@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from purrsight.datasets.prepare_job import prepare_set
-from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, read_metrics, tiny_config, tiny_overrides
+from tests.helpers import DEFAULT_CONFIG, REPO, python_env, read_metrics, tiny_config, tiny_overrides, torchrun_job
 
 PROBE = REPO / "tests" / "integration" / "ddp_probe.py"
 SAMPLES, BATCH, ACCUMULATION, WORKERS = 118, 3, 2, 2
@@ -74,13 +74,11 @@ def probed_run(
 def run_probe(ranks: int, out: Path, overrides: list[str], resume: str | None = None) -> tuple[str, list[dict[str, Any]]]:
     """ddp_probe.py with ``overrides`` on ``ranks`` processes (torchrun; a plain process for one):
     its log and each rank's record."""
-    launch = [sys.executable]
-    if ranks > 1:
-        launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1"]
-        launch += ["--master-port", str(free_port())]
+    args = [str(out), str(DEFAULT_CONFIG), *overrides]
+    command = torchrun_job(PROBE, *args, ranks=ranks) if ranks > 1 else [sys.executable, str(PROBE), *args]
     env = {**python_env(), "OMP_NUM_THREADS": "1", **({"PURRSIGHT_RESUME": resume} if resume else {})}
     done = subprocess.run(
-        [*launch, str(PROBE), str(out), str(DEFAULT_CONFIG), *overrides],
+        command,
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]

@@ -19,13 +19,13 @@ from tests.helpers import (
     python_env,
     read_metrics,
     tiny_overrides,
-    torchrun_two_ranks,
+    torchrun_job,
 )
 
 
 def train_two_probed_ranks(run_dir: Path, overrides: list[str]) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
     """ddp_probe.py on two ranks under torchrun; the run's output and each rank's probe record."""
-    command = torchrun_two_ranks(REPO / "tests" / "integration" / "ddp_probe.py", str(run_dir), str(DEFAULT_CONFIG), *overrides)
+    command = torchrun_job(REPO / "tests" / "integration" / "ddp_probe.py", str(run_dir), str(DEFAULT_CONFIG), *overrides)
     result = subprocess.run(command, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result, [torch.load(run_dir / f"rank{r}.pt", weights_only=True) for r in (0, 1)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import subprocess
 import sys
 
 import pytest
@@ -15,6 +16,7 @@ import pytorch_lightning as pl
 from purrsight.internals import ray_logging, torch_c10d, torch_elastic, transformers_keys
 from purrsight.internals.lightning_loops import BATCH_PROGRESS, LightningLayoutError, check_layout, set_batches_done
 from purrsight.ray_engine.ray_noise import filter_forwarded_output, quiet_checkpoint_reports
+from tests.helpers import REPO
 
 
 def test_lightning_keeps_the_batch_counters_a_resume_sets() -> None:
@@ -55,6 +57,39 @@ def test_a_moved_terminate_handler_is_one_line_not_a_failure(
     monkeypatch.delattr(api, torch_elastic.HANDLER_NAME)
     assert not torch_elastic.install_terminate_handler(lambda signum, frame: None)
     assert capsys.readouterr().err.count("\n") == 1 and not hasattr(api, torch_elastic.HANDLER_NAME)
+
+
+def test_torchrun_names_the_run_path_entry_where_we_replace_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed import run
+
+    monkeypatch.setattr(run, torch_elastic.WORKER_ENTRY_NAME, getattr(run, torch_elastic.WORKER_ENTRY_NAME))
+
+    def ours(script: str, *args: str) -> None: ...
+
+    assert torch_elastic.install_worker_entry(ours)
+    parsed = run.parse_args(["--run-path", "--nproc-per-node", "1", "/abs/script.py", "a"])
+    _, entry, entry_args = run.config_from_args(parsed)
+    assert entry is ours and entry_args == ["/abs/script.py", "a"]  # looked up in its module at each call
+
+
+def test_a_moved_worker_entry_is_one_line_and_subprocess_workers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch.distributed import run
+
+    monkeypatch.delattr(run, torch_elastic.WORKER_ENTRY_NAME)
+    assert not torch_elastic.install_worker_entry(lambda script: None)
+    assert "starting the workers as subprocesses" in capsys.readouterr().err
+
+
+def test_pythons_exit_handlers_run_on_request() -> None:
+    """What a forked worker runs at its script's end: the handlers registered, once."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import atexit\nfrom purrsight.internals.python_exit import run_exit_handlers\n"
+         "atexit.register(print, 'handler ran')\nrun_exit_handlers()\nprint('after')"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.stdout.splitlines() == ["handler ran", "after"], done.stderr  # run where asked, not again at exit
 
 
 def test_the_flight_recorder_dumps_on_this_torch() -> None:
