@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -75,6 +76,19 @@ class StopOnce:
         raise SignalException(f"Process {os.getpid()} got signal: {received}", sigval=received)
 
 
+class WithoutTraceback(logging.Filter):
+    """Keeps torchelastic's "failed (exitcode: N)" line, drops the traceback it attaches.
+
+    Workers forked from the server are watched by torch.multiprocessing, whose failure torchelastic
+    logs with ``logger.exception``: a wall of the agent's own frames for a worker that exited 2 on
+    bad input. The worker's own message is in the log already; its rank and code follow below.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
 def job_exit_code(worker_codes: list[int]) -> int:
     """The job's code from its workers' in the last attempt: the documented reason when one
     gave it (bad input, a cluster check, the watchdog), else torchrun's own 1.
@@ -91,6 +105,7 @@ def job_exit_code(worker_codes: list[int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     metrics.configure(RendezvousLog(), group="torchelastic")
     install_terminate_handler(StopOnce())
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(WithoutTraceback())
     args = parse_args(argv if argv is not None else sys.argv[1:])
     if args.run_path and args.start_method == "forkserver":
         if install_worker_entry(forked_workers.run_worker):
