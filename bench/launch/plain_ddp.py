@@ -68,7 +68,7 @@ def main() -> int:
     while step < args.steps:
         sampler.set_epoch(epoch)
         for batch in loader:
-            loss, _, _ = ddp(batch)
+            loss = ddp(batch).loss
             loss.backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(trainable, clip)

@@ -144,6 +144,7 @@ class Collator:
             "attention_mask": attention_mask,
             "num_samples": len(samples),
             "num_tokens": sum(lengths),
+            "num_labelled": int((labels != IGNORE_INDEX).sum()),  # sizes the loss's rows (model/multimodal.py)
             "num_skipped": sum(s.skipped for s in samples),
             "ids": [s.id for s in samples],
         }

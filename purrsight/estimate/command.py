@@ -19,7 +19,8 @@ projectors, fp32), their gradients, AdamW's two moments, fsdp's all-gather buffe
 and two neighbouring units gathered, one twice while copied out), and the peak of one micro-batch's
 activations and logits at data.batch_size and data.max_length (plus the prefix tokens), found by
 running that step's forward and backward on meta with gradient checkpointing as configured (the
-logits at their real bytes: fp32 upcast, log-softmax and gradients, about 12 B each).
+logits at their real bytes: the loss makes them a chunk of rows at a time, never whole, counted as
+if every text token carried a label).
 trainer.precision auto counts as bf16-mixed.
 
 Not counted: the CUDA context, NCCL buffers and allocator fragmentation (leave 1-5 GB of an 80 GB

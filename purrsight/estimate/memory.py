@@ -21,10 +21,11 @@ What is counted, per GPU:
   checkpointing as ``model.llm.gradient_checkpointing`` says. bf16 precisions run the step with
   every tensor in bf16, which is what autocast computes in (its fp32 copies of LoRA's small
   weights are left out); 32-true in fp32. **logits** is the part of that peak of the vocabulary's
-  width: the LLM's loss upcasts the logits to fp32 and keeps its log-softmax for backward, whose
-  gradient and input gradient are fp32 too: about 12 B per logit at the peak, not the 2 or 4 of
-  the logits alone. The LoRA gradients backward has made by the peak are in it too (counted twice
-  in the worst case: at most the gradients' line).
+  width: the loss's, one chunk of rows at a time (model/linear_cross_entropy.py: at most 441 rows
+  at a vocabulary of 152,064, whatever the batch or length), its logits in the compute dtype, their
+  fp32 upcast and the gradient made from it; counted as if every text token carried a label (the
+  most rows a batch can give). The LoRA gradients backward has made by the peak are in it too
+  (counted twice in the worst case: at most the gradients' line).
 
 Not counted: the CUDA context, NCCL's buffers and the caching allocator's fragmentation (together
 1-5 GB on an 80 GB GPU: leave that much unclaimed), the data loader's pinned batches, and
@@ -150,6 +151,7 @@ def step_peak(meta: MetaModel, config: Config, dtype: torch.dtype) -> tuple[int,
         "attention_mask": torch.ones(batch_size, length, dtype=torch.long, device=meta_device),
         "labels": torch.zeros(batch_size, length, dtype=torch.long, device=meta_device),
         "padded": True,  # the 4-D mask the attention kernel takes: the longer path
+        "num_labelled": batch_size * length,  # every text token labelled: the loss's most rows
     }
     for modality, shape in meta.encoder_inputs.items():
         batch[modality] = torch.empty(batch_size, *shape, dtype=dtype, device=meta_device)
@@ -164,7 +166,7 @@ def step_peak(meta: MetaModel, config: Config, dtype: torch.dtype) -> tuple[int,
     try:
         model.train()
         with fused_attention(), tracker:  # a GPU's kernel with a mask: no attention matrix kept
-            loss = model(batch)[0]  # the logits are dropped before backward, as training_step drops them
+            loss = model(batch).loss
             loss.backward()
             del loss
     finally:

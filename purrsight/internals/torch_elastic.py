@@ -67,4 +67,3 @@ def _source_of(function: Callable[..., object]) -> str:
         return inspect.getsource(function)
     except (OSError, TypeError):
         return ""
-

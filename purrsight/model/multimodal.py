@@ -22,18 +22,28 @@ takes, so transformers need not read it to decide whether it can be skipped.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from peft import PeftModel
 from torch import nn
+from transformers import PreTrainedModel
 
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.aligner import Phase1Aligner
 from purrsight.model.encoders import FrozenEncoder
+from purrsight.model.linear_cross_entropy import LOSS_METHOD, attach_loss, chunk_rows
 from purrsight.model.projector import Projector, ProjectorKind, TokenProjector, build_projector
 
 MODALITIES = ("image", "audio")
+
+
+class Scored(NamedTuple):
+    """What a forward gives: the mean cross-entropy over the labelled positions (transformers'
+    causal LM loss) and, when asked, per sample whether every labelled token is the argmax."""
+
+    loss: torch.Tensor
+    correct: torch.Tensor | None = None
 
 
 class PurrSightModel(nn.Module):
@@ -60,6 +70,8 @@ class PurrSightModel(nn.Module):
         self.pixel_scale: torch.Tensor
         self.pixel_offset: torch.Tensor
         self.llm = llm
+        head = llm.get_output_embeddings()
+        attach_loss(head, chunk_rows(head.weight.shape[0]))
         self.encode_every_step = False  # set when the towers are sharded (training/fsdp.py)
         self.encoders = nn.ModuleDict(encoders)
         self.aligner = aligner
@@ -78,6 +90,18 @@ class PurrSightModel(nn.Module):
                 for name, enc in encoders.items()
             }
         )
+
+    # The LM's body and head, called apart: the head runs only where a label is, in chunks
+    # (model/linear_cross_entropy.py), never at every position as the causal LM's forward does.
+    # Looked up, not kept: a second name for a submodule would put its weights twice in state_dict.
+    @property
+    def decoder(self) -> nn.Module:
+        base = cast(PreTrainedModel, self.llm.get_base_model())
+        return cast(nn.Module, base.get_decoder())
+
+    @property
+    def head(self) -> nn.Module:
+        return cast(nn.Module, self.llm.get_output_embeddings())
 
     def _prefix(self, modality: str, inputs: torch.Tensor, present: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The projected prefix of every sample; zeros where ``present`` is False.
@@ -149,14 +173,40 @@ class PurrSightModel(nn.Module):
         causal = torch.ones(length, length, dtype=torch.bool, device=keys.device).tril()
         return causal[None, None] & keys.bool()[:, None, None, :]
 
-    def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, logits, labels) with logits and labels aligned to the full sequence."""
+    def forward(self, batch: dict[str, Any], accuracy: bool = False) -> Scored:
+        """The loss of ``batch`` and, with ``accuracy``, which samples the model gets wholly right
+        (teacher forced)."""
         inputs = self.build_inputs(batch)
-        out = self.llm(**inputs)
-        return out.loss, out.logits, cast(torch.Tensor, inputs["labels"])
+        labels = cast(torch.Tensor, inputs.pop("labels"))
+        hidden = self.decoder(**inputs, use_cache=False).last_hidden_state
+        rows, targets = labelled_rows(labels, batch.get("num_labelled"))
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+        total, predicted = getattr(self.head, LOSS_METHOD)(picked, targets, accuracy)
+        labelled = targets != IGNORE_INDEX
+        loss = total / labelled.sum()  # transformers' mean: NaN where nothing is labelled, as theirs
+        if not accuracy:
+            return Scored(loss)
+        wrong = ((predicted != targets) & labelled).long()
+        wrong_per_sample = torch.zeros(labels.shape[0], dtype=torch.long, device=labels.device)
+        return Scored(loss, wrong_per_sample.index_add(0, rows // labels.shape[1], wrong) == 0)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
+
+
+def labelled_rows(labels: torch.Tensor, at_most: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat positions of ``labels`` (batch, length) whose next token is labelled, and that token.
+
+    Position p predicts token p + 1, as transformers shifts. ``at_most`` (the collator's count of
+    labelled tokens, known on the host) sizes the selection, so no step waits for the device to
+    count; padding rows point at the last position, whose target is IGNORE_INDEX. Without it,
+    every position is a row (the estimate's worst case).
+    """
+    batch, length = labels.shape
+    following = torch.cat([labels[:, 1:], labels.new_full((batch, 1), IGNORE_INDEX)], dim=1).reshape(-1)
+    size = batch * length if at_most is None else min(at_most, batch * length)
+    rows = torch.nonzero_static(following != IGNORE_INDEX, size=size, fill_value=batch * length - 1).squeeze(1)
+    return rows, following.index_select(0, rows)
 
 
 def media_destinations(prefix_lengths: list[int], text_length: int, media_at: torch.Tensor) -> torch.Tensor:

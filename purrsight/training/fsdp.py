@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from purrsight.config import Config
 from purrsight.internals.transformers_keys import loaded_names
+from purrsight.model.linear_cross_entropy import LOSS_METHOD
 from purrsight.model.llm import decoder_layers, lora_a_init
 from purrsight.model.loading import ModelLoadError
 from purrsight.model.meta_init import is_meta, local_part
@@ -94,12 +95,15 @@ def mixed_precision(precision: str) -> Any:
 def shard_model(model: PurrSightModel, mesh: Any, policy: Any = None) -> int:
     """Shard ``model`` in place over ``mesh`` (with ``policy``, a ``MixedPrecisionPolicy`` or None);
     the number of units (the root included)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     units = fsdp_units(model)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
     fully_shard(model, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    # The loss calls the head through this method, not its forward: an untied head, a unit of its
+    # own, must be gathered around it too (a tied one is in the root unit: a no-op for it).
+    register_fsdp_forward_method(model.head, LOSS_METHOD)
     model.encode_every_step = True  # every rank must run every unit's all-gather, images or not
     return len(units) + 1
 

@@ -15,7 +15,6 @@ from purrsight.config import Config, dump_config
 from purrsight.data.media import SampleError
 from purrsight.distributed.process_group import computed_on_rank_zero
 from purrsight.errors import UserError
-from purrsight.labels import IGNORE_INDEX
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.runs.checkpoint_saver import validation_cut_by_stop
 from purrsight.runs.data_position import POSITION_KEY
@@ -31,14 +30,6 @@ log = logging.getLogger(__name__)
 
 class CheckpointMismatchError(UserError):
     """A checkpoint made for another model; the message names the difference."""
-
-
-def response_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per sample: 1.0 when every response token is the argmax prediction (teacher forced)."""
-    predicted = logits[:, :-1].argmax(dim=-1)
-    targets = labels[:, 1:]
-    scored = targets != IGNORE_INDEX
-    return ((predicted == targets) | ~scored).all(dim=1).float()
 
 
 class Phase2Module(pl.LightningModule):
@@ -102,7 +93,7 @@ class Phase2Module(pl.LightningModule):
                 f"{self.skipped_samples} bad samples skipped on rank {self.global_rank}, "
                 f"above data.max_bad_samples={self.config.data.max_bad_samples}; fix the data or raise the cap"
             )
-        loss, _, _ = self.model(batch)
+        loss = self.model(batch).loss
         size = batch["input_ids"].shape[0]
         # Only on the steps the loggers and the progress line write: every self.log call
         # costs about a millisecond of Lightning bookkeeping (bench/results/launch.md). Not prog_bar:
@@ -120,11 +111,12 @@ class Phase2Module(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         assert self.model is not None
-        loss, logits, labels = self.model(batch)
+        loss, right = self.model(batch, accuracy=True)
+        assert right is not None
         size = batch["input_ids"].shape[0]
         # Summed here and reduced once at the pass's end (on the device: no step waits for a value),
         # so a pass cut short by a stop can be left unlogged (Lightning logs what self.log collected).
-        correct = response_accuracy(logits, labels).sum()
+        correct = right.sum()
         self._validation_sums += torch.stack([loss.detach().double() * size, correct.double(), loss.new_tensor(size).double()])
 
     def on_validation_epoch_end(self) -> None:

@@ -95,7 +95,7 @@ def test_directories_load_and_train_a_step(model_dirs: dict[str, Path], syntheti
     assert data.train_set is not None and data.train_set.image is not None
     assert data.train_set.image.processor is not None  # the directory's processor, not the fixed transform
     batch = next(iter(data.train_dataloader()))
-    loss, _, _ = model(batch)
+    loss = model(batch).loss
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None for p in model.trainable_parameters())

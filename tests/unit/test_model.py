@@ -42,7 +42,7 @@ def test_frozen_parts_never_train_and_optimizer_holds_only_projectors_and_lora(s
     model.train()
     assert not model.encoders["image"].tower.training  # frozen encoders stay in eval mode
     for _ in range(3):
-        loss, _, _ = model(batch)
+        loss = model(batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -59,7 +59,7 @@ def test_missing_modality_keeps_every_projector_in_the_graph(synthetic_dir: Path
     batch = first_batch(config)
     batch["has_image"] = torch.zeros_like(batch["has_image"])
     batch["image_rows"] = torch.zeros(0, dtype=torch.long)
-    loss, _, _ = built.model(batch)
+    loss = built.model(batch).loss
     loss.backward()
     grads = [p.grad for p in built.model.projectors["image"].parameters()]
     assert all(g is not None for g in grads)
@@ -97,7 +97,7 @@ def test_siglip_vision_tower_from_a_config_dict(synthetic_dir: Path, tmp_path: P
     built = build_model(config)
     tower = built.model.encoders["image"].tower
     assert type(tower).__name__ == "SiglipVisionModel"
-    loss, _, _ = built.model(first_batch(config))
+    loss = built.model(first_batch(config)).loss
     loss.backward()
     assert any(p.grad is not None and torch.count_nonzero(p.grad) for p in built.model.projectors["image"].parameters())
 
@@ -147,7 +147,7 @@ def test_aligner_in_the_model(synthetic_dir: Path, tmp_path: Path) -> None:
     built = build_model(config)
     assert built.model.projectors["image"].net[1].in_features == 24
     assert not any(p.requires_grad for p in built.model.aligner.parameters())
-    loss, _, _ = built.model(first_batch(config))
+    loss = built.model(first_batch(config)).loss
     assert torch.isfinite(loss)
 
 
