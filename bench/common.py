@@ -298,6 +298,18 @@ QWEN2_5_0_5B: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,
 }
+QWEN2_5_7B: dict[str, Any] = {  # Qwen2.5-7B's config.json values
+    "vocab_size": 152064,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
 SIGLIP_BASE_224: dict[str, Any] = {
     "image_size": 224,
     "patch_size": 16,
@@ -317,15 +329,16 @@ def synthetic_tokenizer(folder: Path) -> Path:
     return folder / "tokenizer"
 
 
-def random_init_overrides(tokenizer_dir: Path) -> list[str]:
-    """Overrides turning config/qwen2.5-0.5b.yaml's model directories into config dicts."""
+def random_init_overrides(tokenizer_dir: Path, llm: dict[str, Any] | None = None) -> list[str]:
+    """Overrides turning a preset's model directories into config dicts (``llm``: the LLM's,
+    Qwen2.5-0.5B's by default; the towers are SigLIP-base and wav2vec2-base in both presets)."""
 
     def flow(mapping: dict[str, Any]) -> str:
         return "{" + ", ".join(f"{k}: {v}" for k, v in mapping.items()) + "}"
 
     return [
         "model.llm.path=null",
-        f"model.llm.config={flow(QWEN2_5_0_5B)}",
+        f"model.llm.config={flow(llm or QWEN2_5_0_5B)}",
         f"model.llm.tokenizer={tokenizer_dir}",
         "model.image_encoder.path=null",
         "model.image_encoder.model_type=siglip",

@@ -15,6 +15,7 @@ frozen towers' forward adds about 2% at 1024 tokens) and its peak table.
     .venv/bin/python -m bench.gpu.gpu_throughput            # on a GPU machine, from the repository root
     .venv/bin/python -m bench.gpu.gpu_throughput model.llm.gradient_checkpointing=false data.batch_size=16
     .venv/bin/python -m bench.gpu.gpu_throughput --compile  # trainer.compile=true
+    .venv/bin/python -m bench.gpu.gpu_throughput --preset 7b --seq-lens 1024  # config/qwen2.5-7b.yaml's model
     .venv/bin/python -m bench.gpu.gpu_throughput --smoke    # the tiny default on CPU: checks the script runs
     .venv/bin/python -m bench.gpu.gpu_throughput --cpu --seq-lens 64 [--compile]  # the tiny default on CPU, timed
 
@@ -27,12 +28,22 @@ import argparse
 import datetime
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import REAL_CONFIG, SIGLIP_BASE_224, TINY_CONFIG, random_init_overrides, synthetic_tokenizer
+from bench.common import (
+    QWEN2_5_0_5B,
+    QWEN2_5_7B,
+    REAL_CONFIG,
+    REPO,
+    SIGLIP_BASE_224,
+    TINY_CONFIG,
+    random_init_overrides,
+    synthetic_tokenizer,
+)
 from purrsight.config import Config, load_config
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.observability.flops import gpu_peak_tflops, model_flops_per_token
@@ -62,23 +73,49 @@ def random_batch(config: Config, model: PurrSightModel, batch: int, seq_len: int
     }
 
 
-def measure(
-    config: Config, model: PurrSightModel, seq_len: int, batch: int, steps: int, warmup: int, device: torch.device
-) -> dict[str, float]:
+PRESETS = {"0.5b": (REAL_CONFIG, QWEN2_5_0_5B), "7b": (REPO / "config" / "qwen2.5-7b.yaml", QWEN2_5_7B)}
+
+
+def build(preset: str | None, overrides: list[str], device: torch.device) -> tuple[Config, PurrSightModel]:
+    """A preset's model (``None``: the tiny default's), random-initialised from its config dicts,
+    on ``device``, its frozen weights in the dtype training holds them in there."""
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+        tokenizer = synthetic_tokenizer(Path(tmp) / "synthetic")
+        if preset is None:
+            path, options = TINY_CONFIG, [f"model.llm.tokenizer={tokenizer}"]
+        else:
+            path, llm = PRESETS[preset]
+            options = random_init_overrides(tokenizer, llm)
+        config = load_config(path, [*options, *overrides], check_paths=False)
+        frozen = frozen_dtype("bf16-mixed" if device.type == "cuda" else "32-true")
+        return config, build_model(config, frozen).model.to(device)
+
+
+def make_step(config: Config, model: PurrSightModel, data: dict[str, Any], optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """One optimizer step as the trainer takes it: bf16 autocast on a GPU, clipping, AdamW."""
+    device = next(model.parameters()).device
     trainable = model.trainable_parameters()
-    optimizer, _ = build_optimizer(trainable, config.optim, steps + warmup)
-    data = random_batch(config, model, batch, seq_len, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     clip = config.trainer.gradient_clip_val
 
     def step() -> None:
         with autocast:
-            loss, _, _ = model(data)
+            loss = model(data).loss
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(trainable, clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def measure(
+    config: Config, model: PurrSightModel, seq_len: int, batch: int, steps: int, warmup: int, device: torch.device
+) -> dict[str, float]:
+    optimizer, _ = build_optimizer(model.trainable_parameters(), config.optim, steps + warmup)
+    data = random_batch(config, model, batch, seq_len, device)
+    step = make_step(config, model, data, optimizer)
 
     def synchronize() -> None:
         if device.type == "cuda":
@@ -119,6 +156,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. data.batch_size=16")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="0.5b", help="the preset's model, random-initialised")
     parser.add_argument("--compile", action="store_true", help="compile the decoder layers (trainer.compile=true)")
     parser.add_argument("--smoke", action="store_true", help="tiny default on CPU, 2 steps: checks the script, measures nothing")
     parser.add_argument("--cpu", action="store_true", help="tiny default on CPU, timed (compile's gain where no GPU is)")
@@ -129,13 +167,7 @@ def main() -> int:
         raise SystemExit("bench.gpu.gpu_throughput: no CUDA device; run it on a GPU machine (or --cpu / --smoke on CPU)")
     device = torch.device("cpu" if args.cpu else "cuda")
 
-    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
-        tokenizer = synthetic_tokenizer(Path(tmp) / "synthetic")
-        overrides = [f"model.llm.tokenizer={tokenizer}"] if args.cpu else random_init_overrides(tokenizer)
-        overrides += args.overrides
-        config = load_config(TINY_CONFIG if args.cpu else REAL_CONFIG, overrides, check_paths=False)
-        frozen = frozen_dtype("bf16-mixed" if device.type == "cuda" else "32-true")
-        model = build_model(config, frozen).model.to(device)
+    config, model = build(None if args.cpu else args.preset, args.overrides, device)
     if args.compile:
         compile_decoder_layers(model)
     model.train()
