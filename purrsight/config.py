@@ -215,6 +215,11 @@ class DataConfig(_Section):
         256, gt=0, description="Samples per length group; a multiple of batch_size x processes keeps micro-batches in one group."
     )
     length_group_window: int = Field(64, gt=0, description="Groups sorted by length together; their order is shuffled.")
+    on_data_change: Literal["refuse", "next_epoch"] = Field(
+        "refuse",
+        description="A resume whose training set (size, content), run.seed or length grouping differs from its "
+        "checkpoint's: refuse, naming what differs, or start the next epoch at sample 0 on the set as it is now.",
+    )
     num_workers: int = Field(0, ge=0, description="Loader worker processes per rank; 0 decodes in the training process.")
     pin_memory: bool | Literal["auto"] = Field("auto", description="Pinned host memory; auto: on when training on GPUs.")
 

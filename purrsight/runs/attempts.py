@@ -250,9 +250,12 @@ class AttemptRecorder(pl.Callback):
         self.folder.mkdir(parents=True, exist_ok=True)
         number = len(list(self.folder.glob("attempt-*.json"))) + 1
         step = trainer.global_step
+        how = how_started(number, self.generation, step)
+        datamodule = getattr(trainer, "datamodule", None)
+        note = getattr(datamodule, "resume_note", None)  # a resume onto changed data (training/datamodule.py)
         self.attempt = Attempt(
             number=number,
-            how=how_started(number, self.generation, step),
+            how=f"{how}; {note}" if note else how,
             launched_at=launch_time(self.generation),
             resumed_step=step,
             world_size=trainer.world_size,

@@ -23,6 +23,7 @@ from purrsight.data.sampler import GlobalPositionSampler, batches_done, grouping
 from purrsight.datasets.builder import build_datasets
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
 from purrsight.internals.lightning_loops import drop_loader_states, epoch_batches_of, saved_epoch_ended, set_batches_done
+from purrsight.runs.data_order import ORDER_KEY, DataChangedError, content_digest, differences, order_of
 from purrsight.runs.data_position import DataPosition, saved_position
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class Phase2DataModule(pl.LightningDataModule):
         self.train_sampler: GlobalPositionSampler | None = None
         self._lengths: np.ndarray | None = None  # the training samples' lengths, with data.group_by_length
         self._resume_at: DataPosition | None = None
+        self._content: str | None = None  # the training set's content digest (runs/data_order.py), read once
+        self.resume_note: str | None = None  # what a resume onto changed data did, for the attempt's record
         self._taken = (-1, 0)  # (epoch, its micro-batches this process trained)
 
     def prepare_data(self) -> None:
@@ -174,6 +177,35 @@ class Phase2DataModule(pl.LightningDataModule):
             consumed = sampler.start + trained * data.batch_size * world
         return DataPosition(epoch, consumed, world, data.batch_size, trainer_cfg.accumulate_grad_batches)
 
+    def data_order(self) -> dict[str, Any]:
+        """What decides the training order now, for a checkpoint (runs/data_order.py)."""
+        assert self.train_set is not None, "setup() runs before a checkpoint is saved or loaded"
+        if self._content is None:
+            self._content = content_digest(self.config)
+        return order_of(self.config, len(self.train_set), self._content)  # type: ignore[arg-type]
+
+    def _order_checked(self, checkpoint: dict[str, Any], position: DataPosition) -> DataPosition:
+        """``position``, or where the next epoch starts when the data changed and the user asked for that."""
+        meta = checkpoint.get("purrsight")
+        saved = meta.get(ORDER_KEY) if isinstance(meta, dict) else None
+        if not isinstance(saved, dict):
+            log.info("the checkpoint predates the data-order record (2026-11-27): its training set is not compared")
+            return position
+        changed = differences(saved, self.data_order())
+        if not changed:
+            return position
+        what = "; ".join(changed)
+        if self.config.data.on_data_change == "refuse":
+            raise DataChangedError(
+                f"resume: the training order changed since the checkpoint ({what}): its position (epoch {position.epoch}, "
+                f"sample {position.consumed}) would count in another order. Resume with the data and settings it had, or set "
+                "data.on_data_change=next_epoch to start the next epoch at sample 0 on the data as it is"
+            )
+        epoch = position.epoch + (1 if position.consumed else 0)
+        self.resume_note = f"data changed ({what}): epoch {epoch} from sample 0"
+        log.warning("resume: the training order changed since the checkpoint (%s): epoch %d starts at sample 0", what, epoch)
+        return replace(position, epoch=epoch, consumed=0)
+
     def resume_from(self, checkpoint: dict[str, Any]) -> None:
         """Take the data position a checkpoint holds, and count its epoch's done batches in this run's units.
 
@@ -197,6 +229,7 @@ class Phase2DataModule(pl.LightningDataModule):
             position = replace(position, epoch=position.epoch + 1, consumed=0)
         elif position.epoch == int(checkpoint.get("epoch", 0)):
             position = _whole_steps(position, epoch_batches_of(checkpoint))
+        position = self._order_checked(checkpoint, position)
         self._resume_at = position
         if position.epoch > int(checkpoint.get("epoch", 0)):
             done = epoch_batches  # saved as its epoch ended: Lightning's restore moves on to the next

@@ -17,6 +17,7 @@ from purrsight.distributed.process_group import computed_on_rank_zero
 from purrsight.errors import UserError
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.runs.checkpoint_saver import validation_cut_by_stop
+from purrsight.runs.data_order import ORDER_KEY
 from purrsight.runs.data_position import POSITION_KEY
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.fingerprint import FINGERPRINT_VERSION
@@ -178,6 +179,7 @@ class Phase2Module(pl.LightningModule):
         datamodule = self._datamodule()
         if datamodule is not None:
             checkpoint[CHECKPOINT_META_KEY][POSITION_KEY] = datamodule.position().as_dict()
+            checkpoint[CHECKPOINT_META_KEY][ORDER_KEY] = datamodule.data_order()
 
     def on_train_start(self) -> None:
         # A resume: the optimizer and its schedule were restored before this hook. A schedule
