@@ -23,7 +23,9 @@
 readonly FORWARD_VARS=(PATH LD_LIBRARY_PATH PYTHONPATH VIRTUAL_ENV NPROC_PER_NODE BACKEND LOG_LEVEL CONDA_ENV VENV
   LOG_DIR LOG_RANKS LOG_MAX_BYTES LOG_BACKUPS LOG_KEEP_RUNS MAX_RESTARTS RDZV_TIMEOUT RDZV_ID HEALTH_CHECKS
   HEALTH_MIN_FREE_GB NCCL_PRESET NODE_ADDR RESUME)
-readonly FORWARD_PREFIXES=(NCCL_ TORCH_ CUDA_ HF_ TRANSFORMERS_ TOKENIZERS_ OMP_ MKL_ GLOO_ UCX_ FI_ PURRSIGHT_ RAY_)
+# WANDB_ and MLFLOW_: the trackers' credentials and settings (docs/SCHEDULERS.md); rank 0 logs.
+readonly FORWARD_PREFIXES=(NCCL_ TORCH_ CUDA_ HF_ TRANSFORMERS_ TOKENIZERS_ OMP_ MKL_ GLOO_ UCX_ FI_ PURRSIGHT_ RAY_
+  WANDB_ MLFLOW_)
 
 # NAME=value for every exported variable this job forwards, NUL-terminated (values may hold newlines).
 forwarded_env() {
@@ -103,9 +105,10 @@ pbs_run_on() {
   esac
 }
 
-# The slots (cores) the job holds on host INDEX: its lines in PBS_NODEFILE, one per slot.
+# The slots (cores) the job holds on host INDEX: its lines in PBS_NODEFILE, one per slot, matched
+# by their first word as pbs_hosts reads them (a line may carry trailing spaces); at least 1.
 pbs_host_cpus() {
-  grep -cxF -- "${PBS_HOSTS[$1]}" "${PBS_NODEFILE}" || echo 1
+  awk -v host="${PBS_HOSTS[$1]}" '$1 == host { slots++ } END { print (slots > 0 ? slots : 1) }' "${PBS_NODEFILE}"
 }
 
 # The env files of tasks that never started (a failed pbsdsh): removed at the job's end.
@@ -118,7 +121,9 @@ pbs_stop_tasks() {
   shift
   if [[ "$(pbs_launcher)" == srun ]]; then
     # To the tasks, not to srun: srun answers SIGTERM by cancelling its step with SIGKILL.
-    scancel --signal="${sig}" "${SLURM_JOB_ID}" 2>/dev/null || true
+    # Bounded, as slurm/ray.sbatch's: while SLURM cancels the job, scancel retries a job "in
+    # transition" for up to a minute, which the script's own KillWait would not outlast.
+    timeout 5 scancel --signal="${sig}" "${SLURM_JOB_ID}" 2>/dev/null || true
     return 0
   fi
   for pid in "$@"; do kill -s "${sig}" "${pid}" 2>/dev/null || true; done

@@ -32,20 +32,10 @@ torch's workers see their parent change and exit within seconds.
 
 from __future__ import annotations
 
-import ctypes
-import signal
-import sys
 import traceback
 
 from purrsight.data.loader_worker import hold_stop_signals, ignore_stop_signals
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent() -> None:
-    """SIGKILL this process when the one that started it ends (Linux; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+from purrsight.parent_death import die_with_parent
 
 
 def _imported_by_a_fork_server() -> bool:

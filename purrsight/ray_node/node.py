@@ -27,6 +27,7 @@ from types import FrameType
 
 from purrsight.errors import ExitCode
 from purrsight.launcher.cpus import usable_cpus
+from purrsight.parent_death import die_with_parent
 from purrsight.ray_node import processes
 from purrsight.ray_node.address import node_address
 from purrsight.ray_node.ports import PORT_BASE, JobPorts, node_flags, port_free
@@ -95,10 +96,17 @@ def wait_for_head(args: argparse.Namespace, gcs: int, address: str, stop: Stop, 
 
 
 def spawn_with_job_stop_held(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """``command`` started with the job-wide stop signals blocked: it and everything it starts inherit that."""
+    """``command`` started with the job-wide stop signals blocked: it and everything it starts inherit that.
+
+    It dies with this process (a parent-death SIGKILL): with the stop signals blocked, a Ray whose
+    node process was SIGKILLed would otherwise live on unknown to the scheduler, holding its GPUs.
+    ``ray start --block`` takes its daemons down with it (Ray's fate sharing), and they their workers.
+    """
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_STOP_SIGNALS)
     try:
-        return subprocess.Popen(command, env=env)
+        # preexec_fn is safe here: the node process runs no other thread (one holding a lock at the
+        # fork could hang the child).
+        return subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
     finally:
         # A stop that came in meanwhile stays pending here and is handled as soon as this returns.
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -81,6 +81,15 @@ prepare_part() {
   [ "$(cpus all)" -eq 16 ] # one count for every node's task: the least
 }
 
+@test "pbs/nodes.sh: a host's slots are its lines in PBS_NODEFILE, trailing spaces or not; 1 at least" {
+  printf 'node-a\nnode-a  \nnode-b\t\nnode-a\n' >"${BATS_TEST_TMPDIR}/nodefile"
+  slots() {
+    PBS_NODEFILE="${BATS_TEST_TMPDIR}/nodefile" bash -c 'log() { :; }; source pbs/nodes.sh; pbs_hosts; pbs_host_cpus "$1"' slots "$1"
+  }
+  [ "$(slots 0)" = 3 ]
+  [ "$(slots 1)" = 1 ]
+}
+
 # A batch script's bring-up as slurm/ray.sbatch runs it, with the scheduler's parts stubbed:
 # ray_on_node records what it would start on a node.
 ray_script() {
