@@ -16,6 +16,7 @@ before anything else, so a stop during the head's wait or Ray's start is handled
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import signal
@@ -216,7 +217,27 @@ def start(args: argparse.Namespace) -> int:
     shutil.rmtree(temp, ignore_errors=True)
     if stop.asked:
         return 0  # asked to stop: the batch script's teardown, not a failure
-    return ExitCode.CLUSTER if child.returncode else 0
+    if child.returncode:
+        # Another job or service may have bound one of the probed ports before Ray did: Ray then
+        # exits at once. Its processes are gone by now, so a port still taken is someone else's.
+        taken = [f"{port} ({flag})" for flag, port in asked_ports(command) if not port_free(port)]
+        if taken:
+            line = f"error: port {', '.join(taken)} taken on {args.name} while its Ray started (another job or service)"
+            line += ": no node is at fault"
+            say(line)
+            record_end(args, "ports", line)
+            return ExitCode.FAILED
+        return ExitCode.CLUSTER
+    return 0
+
+
+def asked_ports(command: list[str]) -> list[tuple[str, int]]:
+    """The (flag, port) pairs a ``ray start`` command asks for; 0 (the kernel's pick) left out."""
+    return [
+        (flag, int(value))
+        for flag, value in itertools.pairwise(command)
+        if flag.startswith("--") and flag.endswith("port") and value.isdigit() and int(value) > 0
+    ]
 
 
 def add_arguments(run: argparse.ArgumentParser) -> None:

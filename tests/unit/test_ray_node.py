@@ -354,3 +354,31 @@ def test_the_stop_budget_adds_up() -> None:
     teardown = int(re.findall(r"RAY_TEARDOWN_S=(\d+)", cluster)[0])
     assert int(lead) >= stop_wait + teardown + 20, (lead, stop_wait, teardown)
     assert f"--signal=B:USR1@{lead}" in (REPO / "docs" / "SCHEDULERS.md").read_text()
+
+
+def test_a_port_taken_between_the_probe_and_rays_bind_is_named_and_blames_no_node(short_tmp: Path) -> None:
+    """Another process binds the head's GCS port after the node probed it, before its Ray binds it:
+    Ray's start fails, and the node says which port and records "ports" (no node excluded, the job
+    requeued), not exit 3 (a node's fault). The stub `ray start` lets the test take the port, then
+    fails as Ray does on a taken port."""
+    stub = short_tmp / "ray"
+    stub.write_text(f"#!/bin/sh\ntouch {short_tmp}/probed\nwhile [ ! -e {short_tmp}/bound ]; do sleep 0.05; done\nexit 1\n")
+    stub.chmod(0o755)
+    block = JobPorts.of("21073")
+    args = ["start", "head", "--job", "21073", "--ports", str(block.base), "--slot", "0", "--name", "n0"]
+    args += ["--temp-root", str(short_tmp), "--ray", str(stub), "--hint", "127.0.0.1", "--log-dir", str(short_tmp)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    started = subprocess.Popen([sys.executable, "-m", "purrsight.ray_node", *args], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (short_tmp / "probed").exists():
+        assert time.monotonic() < deadline and started.poll() is None, started.stderr.read() if started.stderr else ""
+        time.sleep(0.05)
+    with socket.socket() as other:
+        other.bind(("0.0.0.0", block.gcs))
+        other.listen()
+        (short_tmp / "bound").touch()
+        assert started.wait(timeout=30) == ExitCode.FAILED
+    assert started.stderr is not None
+    said = started.stderr.read()
+    assert f"error: port {block.gcs} (--port) taken on n0 while its Ray started" in said, said
+    assert (short_tmp / f"n0{node.ENDED_SUFFIX}").read_text().startswith("ports\t")
