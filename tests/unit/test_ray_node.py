@@ -382,3 +382,15 @@ def test_a_port_taken_between_the_probe_and_rays_bind_is_named_and_blames_no_nod
     said = started.stderr.read()
     assert f"error: port {block.gcs} (--port) taken on n0 while its Ray started" in said, said
     assert (short_tmp / f"n0{node.ENDED_SUFFIX}").read_text().startswith("ports\t")
+
+
+def test_a_line_to_a_closed_connection_is_dropped_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under PBS_LAUNCHER=ssh a node's stderr is the ssh connection, which may be gone before the
+    node's teardown: a node process killed by the broken pipe would leave its Ray running."""
+    read, write = os.pipe()
+    os.close(read)
+    closed = os.fdopen(write, "w")
+    monkeypatch.setattr(sys, "stderr", closed)
+    say = Say("n0")
+    say("stopping this job's Ray on n0")  # BrokenPipeError inside, not out
+    assert say.lost == 1
