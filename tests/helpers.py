@@ -102,6 +102,19 @@ def record_samples_env(folder: Path, environ: dict[str, str] | None = None) -> d
     return {"PURRSIGHT_TEST_RECORD_SAMPLES": str(folder), "PYTHONPATH": paths}
 
 
+def hold_env(holds: dict[int, Path], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Variables that hold every training process of a job at the end of each optimizer step given
+    until its file exists, or until the process is asked to stop (tests/fault_injection/sitecustomize.py)."""
+    path = (environ if environ is not None else os.environ).get("PYTHONPATH", "")
+    paths = os.pathsep.join(p for p in (str(FAULT_INJECTION), str(REPO), path) if p)
+    return {"PURRSIGHT_TEST_HOLD": ",".join(f"{step}:{file}" for step, file in holds.items()), "PYTHONPATH": paths}
+
+
+def held_marker(gate: Path, rank: int = 0) -> Path:
+    """The file a process of rank ``rank`` makes when ``hold_env`` holds it at ``gate``'s step."""
+    return gate.with_name(f"{gate.name}.rank{rank}.held")
+
+
 def check_every_sample_once(folder: Path, every_id: set[str], whole_epochs: int, accumulation: int) -> None:
     """What a job's processes recorded into ``folder``: every optimizer step took ``accumulation``
     micro-batches, no epoch trained a sample twice, and the first ``whole_epochs`` epochs trained

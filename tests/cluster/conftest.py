@@ -209,6 +209,28 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         yield cluster
 
 
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test on the cluster, its jobs are cancelled and gone: one a failed test left
+    running (held at a gate, or training on) would take the nodes the next test's jobs need, and
+    that test would fail waiting for them."""
+    yield
+    if "slurm" not in request.fixturenames:
+        return
+    cluster: SlurmCluster = request.getfixturevalue("slurm")
+    if cluster.run("squeue", "-h", check=False).strip():
+        drain(cluster)
+
+
+def drain(cluster: SlurmCluster, timeout: float = 90) -> None:
+    """Cancel every job and wait (up to KillWait and a margin) until their steps have ended."""
+    cluster.run("scancel", "--partition=debug", check=False)
+    cluster.run("scancel", "--partition=urgent", check=False)
+    deadline = time.monotonic() + timeout
+    while cluster.run("squeue", "-h", check=False).strip() and time.monotonic() < deadline:
+        time.sleep(1)
+
+
 @contextlib.contextmanager
 def running_cluster(root: Path) -> Iterator[SlurmCluster]:
     """The cluster in ``root`` (an empty folder), for the session's tests or a benchmark."""
@@ -265,12 +287,8 @@ def running_cluster(root: Path) -> Iterator[SlurmCluster]:
     with node_names_resolve():
         check_node_names()
         yield cluster
-        # Jobs a failed test left running: cancel them and let their steps end (up to KillWait
-        # and a margin), or their processes would outlive the daemons.
-        cluster.run("scancel", "--partition=debug", check=False)
-        deadline = time.monotonic() + 90
-        while cluster.run("squeue", "-h", check=False).strip() and time.monotonic() < deadline:
-            time.sleep(1)
+        # Jobs a benchmark or a failed test left running: their processes must not outlive the daemons.
+        drain(cluster)
         for pid_file in [*root.glob("slurmd-*.pid"), root / "slurmctld.pid", root / "munged.pid"]:
             with contextlib.suppress(OSError, ValueError):
                 os.kill(int(pid_file.read_text().strip()), 15)

@@ -103,6 +103,9 @@ def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: 
         "MAX_RESTARTS": "5",
         "HF_TOKEN": "hf_secret_for_the_nodes_only",
         "PURRSIGHT_SECRET_KEY": "one secret with spaces",
+        "WANDB_API_KEY": "wandb_secret_for_rank_0",
+        "MLFLOW_TRACKING_URI": "http://tracker:5000",
+        "MLFLOW_TRACKING_PASSWORD": "mlflow_secret",
     }
     args = tmp_path / "pbsdsh-args"
     done, _ = run_pbs(tmp_path, synthetic_dir, workdir=workdir, UNRELATED_SETTING="stays", FAKE_PBSDSH_ARGS=str(args), **sent)
@@ -114,6 +117,7 @@ def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: 
         assert received["PBS_NODENUM"] in {"0", "2"}
     shown = args.read_text()
     assert shown.count("env file mode 600") == 2 and "hf_secret" not in shown and "one secret" not in shown, shown
+    assert "wandb_secret" not in shown and "mlflow_secret" not in shown, shown
     assert not list((workdir / "logs").glob(".pbs-env-*"))  # read and removed on each node
 
 
@@ -174,10 +178,10 @@ def test_qsub_train_pbs_on_two_nodes_qrerun_resumes_and_qdel_leaves_a_checkpoint
     slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path
 ) -> None:
     script = qsub_script(tmp_path, "train.pbs", "nodes=2:ppn=1")
-    job = qsub(slurm, tmp_path, script, synthetic_dir, trainer__max_steps=100000, checkpoint__every_n_steps=40)
+    job = qsub(slurm, tmp_path, script, synthetic_dir, trainer__max_steps=100000, checkpoint__every_n_steps=10)
     checkpoints = tmp_path / "runs" / "phase2-tiny" / "checkpoints"
     deadline = time.monotonic() + 300
-    while not (checkpoints / "step-00000040.ckpt").exists():
+    while not (checkpoints / "step-00000010.ckpt").exists():
         assert time.monotonic() < deadline, (tmp_path / "job.out").read_text(errors="replace")[-3000:]
         time.sleep(0.5)
     nodefile = (slurm.root / "nodefiles" / job).read_text().split()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import subprocess
 import time
 from pathlib import Path
 
@@ -20,7 +21,16 @@ import pytest
 from purrsight.ray_node.ports import JobPorts
 from tests.cluster.conftest import SlurmCluster
 from tests.cluster.test_slurm import batch_output, job_env, sbatch, submit
-from tests.helpers import REPO, check_every_sample_once, log_time, rank0_steps, record_samples_env, tiny_overrides
+from tests.helpers import (
+    REPO,
+    check_every_sample_once,
+    held_marker,
+    hold_env,
+    log_time,
+    rank0_steps,
+    record_samples_env,
+    tiny_overrides,
+)
 from tests.host_scan import SecretWatch, processes_using
 
 pytest.importorskip("ray", reason="slurm/ray.sbatch needs the ray extra (scripts/test.sh installs it)")
@@ -97,6 +107,22 @@ def wait_for_text(path: Path, text: str, slurm: SlurmCluster, job: str, seen: di
         time.sleep(1)
 
 
+def step_daemons() -> list[str]:
+    """The slurmstepd processes alive (each names its job: ``slurmstepd: [12.batch]``)."""
+    done = subprocess.run(["pgrep", "-a", "slurmstepd"], capture_output=True, text=True, check=False)
+    return done.stdout.splitlines()
+
+
+def wait_for_file(path: Path, slurm: SlurmCluster, job: str, seen: dict[int, str], timeout: float = 300) -> None:
+    """Until ``path`` exists (a hold's marker: tests/helpers.held_marker), noting the job's Ray processes meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        running = time.monotonic() < deadline and slurm.job_field(job, "JobState") not in ENDED
+        assert running, f"{path.name} never appeared (job {job} {slurm.job_field(job, 'JobState')})"
+        seen.update(ray_processes_seen(job))
+        time.sleep(1)
+
+
 def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_stop_one_with_a_checkpoint(
     slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path
 ) -> None:
@@ -112,6 +138,10 @@ def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_st
     sample trained once per epoch. Each job's ports come from its own id, each node's Ray is
     sized from the allocation; no command line and no file others may read holds a job's Ray
     token or a tracker credential; neither job leaves a Ray process (renamed ones counted) or temp dir.
+
+    Nothing waits for one job to be slower than another: B is held at gates it reads
+    (tests/helpers.hold_env) at step 10 until A's teardown is done, and at step 21 until the
+    preemption's SIGTERM releases it.
     """
     env = job_env(slurm, tmp_path)
     prepared = tmp_path / "prepared"
@@ -121,7 +151,10 @@ def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_st
         *tiny_overrides(synthetic_dir, tmp_path / "runs"),
     )  # fmt: skip
     deadline = time.monotonic() + 300
-    while slurm.run("squeue", "-h", "-j", array, check=False).strip():
+    # Gone from the queue, and their slurmstepd gone too: a job started on a node while the last
+    # one's slurmstepd still cleans up its cgroups was SIGKILLed there 1 s after its start once
+    # (slurmd: "[6.batch] get_exit_code task 0 died by signal: 9", its freezer cgroup already gone).
+    while slurm.run("squeue", "-h", "-j", array, check=False).strip() or step_daemons():
         assert time.monotonic() < deadline, slurm.run("squeue", check=False)
         time.sleep(1)
     parts = [(tmp_path / f"prepare-{array}_{task}.out").read_text() for task in (0, 1)]
@@ -131,17 +164,21 @@ def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_st
     on_shared_nodes = ("--nodelist=node0,node1", *RAY_ALLOCATION)
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-    # B: 128 samples, 2 workers x 8 a step: 20 epochs, some 50 s of training here, so that the
-    # preemption (after A's scancel and teardown, and the urgent job's scheduling) finds it training:
-    # with 64 steps an unloaded machine finished B first (the stop never came).
-    steps = 160
+    # B: 128 samples, 2 workers x 8 a step: 8 steps an epoch, 4 epochs. Held at step 10 until A's
+    # teardown is done (then it must train on: its steps 15 and 20 logged after the teardown, as
+    # it logs every 5), at step 21 until the preemption stops it: the preemption finds it training
+    # however fast or slow this machine is, and a few steps before the end (its stop lands a step
+    # or two after the release).
+    steps = 32
+    a_down, never = tmp_path / "a-torn-down", tmp_path / "released-only-by-a-stop"
+    gates = hold_env({10: a_down, 21: never}, slurm.env)
     records = tmp_path / "samples"
     first = submit(
         slurm, tmp_path / "a", synthetic_dir, extra_env=SECRETS, script="slurm/ray.sbatch", sbatch_args=on_shared_nodes,
         trainer__max_steps=100000, checkpoint__every_n_steps=100000,
     )  # fmt: skip
     second = submit(
-        slurm, tmp_path / "b", synthetic_dir, extra_env={**SECRETS, **record_samples_env(records, slurm.env)},
+        slurm, tmp_path / "b", synthetic_dir, extra_env={**SECRETS, **record_samples_env(records, slurm.env), **gates},
         script="slurm/ray.sbatch", sbatch_args=on_shared_nodes,
         trainer__max_steps=steps, checkpoint__every_n_steps=100000, data__prepared=str(prepared),
     )  # fmt: skip
@@ -153,13 +190,12 @@ def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_st
         seen[first].update(ray_processes_seen(first))
         slurm.run("scancel", first)
         assert slurm.wait_state(first, ENDED, timeout=120) == "CANCELLED", out_a.read_text()[-3000:]
-        (a_down,) = [line for line in out_a.read_text().splitlines() if "Ray on every node" in line]
-        deadline = time.monotonic() + 300
-        # B trains on after A's teardown: two of its steps stamped after it.
-        while len([when for when, _ in rank0_steps(out_b.read_text(errors="replace")) if when > log_time(a_down)]) < 2:
-            assert time.monotonic() < deadline, out_b.read_text(errors="replace")[-3000:]
-            seen[second].update(ray_processes_seen(second))
-            time.sleep(1)
+        (teardown,) = [line for line in out_a.read_text().splitlines() if "Ray on every node" in line]
+        wait_for_file(held_marker(a_down), slurm, second, seen[second])
+        a_down.touch()
+        # B trains on after A's teardown: two of its steps stamped after it, up to its next gate.
+        wait_for_file(held_marker(never), slurm, second, seen[second])
+        assert len([when for when, _ in rank0_steps(out_b.read_text(errors="replace")) if when > log_time(teardown)]) >= 2
         urgent = sbatch(
             slurm, env, "--partition=urgent", "--nodes=2", "--nodelist=node0,node1", "--exclusive", "--time=5",
             f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 5",
@@ -239,11 +275,14 @@ def test_a_node_whose_ray_fails_to_start_is_excluded_then_usr1_requeues_and_the_
     Run 3 resumes from that checkpoint and finishes; across the runs every epoch trains every
     sample once (each Ray Train worker records what it trains). The job asks for 2 CPUs a task:
     under the cluster's CPU binding each node's Ray gets both (an srun step that does not ask
-    for its CPUs gets one).
+    for its CPUs gets one). Run 2 is held at step 20, its checkpoint written, until the stop
+    releases it (tests/helpers.hold_env): USR1 finds it training however fast this machine is.
     """
-    steps = 80
+    steps = 40
     records = tmp_path / "samples"
     extra = {**record_samples_env(records, slurm.env), "VENV": str(failing_ray_on_the_second_node(tmp_path / "venv"))}
+    never = tmp_path / "released-only-by-a-stop"
+    extra |= hold_env({20: never}, slurm.env)
     job = submit(
         slurm, tmp_path, synthetic_dir, extra_env=extra, script="slurm/ray.sbatch",
         sbatch_args=(*RAY_ALLOCATION, "--cpus-per-task=2"), trainer__max_steps=steps, checkpoint__every_n_steps=20,
@@ -252,7 +291,7 @@ def test_a_node_whose_ray_fails_to_start_is_excluded_then_usr1_requeues_and_the_
     checkpoints = tmp_path / "runs" / "phase2-tiny" / "checkpoints"
     seen: dict[int, str] = {}
     deadline = time.monotonic() + 400
-    while not (checkpoints / "step-00000040.ckpt").exists():
+    while not ((checkpoints / "step-00000020.ckpt").exists() and held_marker(never).exists()):
         running = time.monotonic() < deadline and slurm.job_field(job, "JobState") not in ENDED
         assert running, batch_output(tmp_path, job, "purrsight-ray")[-3000:]
         seen.update(ray_processes_seen(job))
@@ -279,9 +318,9 @@ def test_a_node_whose_ray_fails_to_start_is_excluded_then_usr1_requeues_and_the_
     resumed = re.search(r"resume=auto: continuing from .*step-(\d+)\.ckpt", out)
     assert stopped and resumed and resumed.group(1) == f"{int(stopped.group(1)):08d}", out[-3000:]
     assert (checkpoints / f"step-{steps:08d}.ckpt").exists()
-    # 128 samples, 2 workers x 4 x 2 per step: 8 steps an epoch, 10 epochs in 80 steps.
+    # 128 samples, 2 workers x 4 x 2 per step: 8 steps an epoch, 5 epochs in 40 steps.
     every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
-    check_every_sample_once(records, every_id, whole_epochs=10, accumulation=2)
+    check_every_sample_once(records, every_id, whole_epochs=5, accumulation=2)
     for node in slurm.run("scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")).split():
         log = (tmp_path / "logs" / f"ray-{job}" / f"{node}.log").read_text()
         assert re.search(r"at 127\.0\.1\.\d: 2 CPUs \(affinity mask\)", log), log[-2000:]

@@ -13,7 +13,16 @@ import pytest
 
 from purrsight.runs.attempts import read_attempts, summarize
 from tests.cluster.conftest import SlurmCluster
-from tests.helpers import REPO, check_every_sample_once, fault_env, log_time, record_samples_env, tiny_overrides
+from tests.helpers import (
+    REPO,
+    check_every_sample_once,
+    fault_env,
+    held_marker,
+    hold_env,
+    log_time,
+    record_samples_env,
+    tiny_overrides,
+)
 
 # The test nodes have 2 CPUs and no GPUs: these (and --nodes, 2 unless a test says) override the script's #SBATCH defaults.
 SMALL_ALLOCATION = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
@@ -67,18 +76,22 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     Every epoch of the job, across the stop and the requeue, trains every sample once, and every
     optimizer step takes 2 micro-batches (each process records what it trains). The run's
     attempt record splits the job's wall time into its parts: they add up, within 2%, to the wall
-    time the batch script's own log shows, from its first line to rank 0's "done" line.
+    time the batch script's own log shows, from its first line to rank 0's "done" line. The job is
+    held at step 40 until the stop releases it (tests/helpers.hold_env): USR1 finds it training
+    however fast this machine is.
     """
-    steps = 120  # enough that the stop lands mid-run (80 steps, 20 s or more, to spare): USR1 goes out at the step-40 checkpoint
+    steps = 48
     real_shape: dict[str, Any] = {"data__num_workers": 2, "data__batch_size": 4, "trainer__accumulate_grad_batches": 2}
     records = tmp_path / "samples"
+    never = tmp_path / "released-only-by-a-stop"
+    gate = hold_env({40: never}, slurm.env)
     job = submit(
-        slurm, tmp_path, synthetic_dir, record_samples_env(records, slurm.env),
+        slurm, tmp_path, synthetic_dir, {**record_samples_env(records, slurm.env), **gate},
         trainer__max_steps=steps, checkpoint__every_n_steps=20, **real_shape,
     )  # fmt: skip
     checkpoints = tmp_path / "runs" / "phase2-tiny" / "checkpoints"
     deadline = time.monotonic() + 300
-    while not (checkpoints / "step-00000040.ckpt").exists():
+    while not held_marker(never).exists():
         assert time.monotonic() < deadline, batch_output(tmp_path, job)[-3000:]
         time.sleep(0.5)
     slurm.run("scancel", "--signal=USR1", "--batch", job)
@@ -91,16 +104,16 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     resumed = re.search(r"resume=auto: continuing from .*step-(\d+)\.ckpt", log)
     assert resumed and int(resumed.group(1)) >= 40, log[-3000:]
     assert (checkpoints / f"step-{steps:08d}.ckpt").exists()
-    # 128 samples, 2 ranks x 4 x 2 per step: 8 steps an epoch, 15 epochs in 120 steps.
+    # 128 samples, 2 ranks x 4 x 2 per step: 8 steps an epoch, 6 epochs in 48 steps.
     every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
-    check_every_sample_once(records, every_id, whole_epochs=15, accumulation=2)
+    check_every_sample_once(records, every_id, whole_epochs=6, accumulation=2)
     summary = summarize(read_attempts(tmp_path / "runs" / "phase2-tiny"))
     stopped, requeued = summary.splits
     assert (stopped.how, stopped.end) == ("first start", "stopped by signal 15")
     assert requeued.how == f"new launch, resumed (SLURM job {job}, requeue 1)" and requeued.end == "finished"
     assert requeued.steps == (stopped.steps[1], steps) and stopped.lost == 0  # a stop with a checkpoint loses nothing
     assert requeued.waiting_before > 10  # SLURM's wait before a requeued job may start again (cred_expire)
-    # From the batch script's first line to rank 0's last ("done: step 120"): what comes after it,
+    # From the batch script's first line to rank 0's last ("done: step 48"): what comes after it,
     # torchrun's agents noticing their workers' exit and leaving the rendezvous (1 s idle, 4 s on a
     # loaded machine), is no attempt's and is left out.
     first = log_time(out.splitlines()[0])

@@ -26,6 +26,17 @@ the trainer's modules before any worker existed.
 - ``kill_during_export_write``: SIGKILL ``train_phase2.py export`` once half of
   ``projectors.safetensors`` is written and flushed (the model and tokenizer files already are).
 
+Not a fault but a gate, planted the same way: ``PURRSIGHT_TEST_HOLD=STEP:FILE[,STEP:FILE...]`` holds
+every training process at the end of optimizer step STEP (one it trained, not one it resumed at)
+until FILE exists, or until the process is asked to stop (a stop signal, or Ray's relay of one),
+whichever comes first, and at most
+``PURRSIGHT_TEST_HOLD_LIMIT_S`` seconds (600), so a test that failed before its release leaves no
+job holding the test cluster's nodes. Each hold is logged with the process's rank (``rank R held
+at step STEP until FILE exists``) and its end too, and marked by a file ``FILE.rankR.held`` made
+as it starts (tests/helpers.held_marker): what a test waits for, since Ray folds lines that
+differ only in their numbers into one ("repeated 2x across cluster"). A test that needs a job
+still training when it acts holds it there, instead of racing the job's speed.
+
 Not a fault but a witness, planted the same way: ``PURRSIGHT_TEST_RECORD_SAMPLES=DIR`` makes
 every training process append what it trains to ``DIR/<start time ns>-<host>-<pid>-rank<R>.jsonl``
 (names sort in the order the processes started): one
@@ -49,29 +60,35 @@ from typing import Any
 
 FAULT = os.environ.get("PURRSIGHT_TEST_FAULT", "")
 RECORD_SAMPLES = os.environ.get("PURRSIGHT_TEST_RECORD_SAMPLES", "")
+HOLD = os.environ.get("PURRSIGHT_TEST_HOLD", "")
+HOLD_LIMIT_S = float(os.environ.get("PURRSIGHT_TEST_HOLD_LIMIT_S", "600"))
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):
-    """Runs ``patch(module)`` right after ``name`` is imported, whoever imports it.
+    """Runs each of a module's patches right after the module is imported, whoever imports it.
 
-    Each ``patch`` takes the module as Any: it reaches the module's own functions, which
-    ModuleType does not declare.
+    Each patch takes the module as Any: it reaches the module's own functions, which ModuleType
+    does not declare. Patches of one module run in the order they were added.
     """
 
-    def __init__(self, name: str, patch: Callable[[ModuleType], None]) -> None:
-        self.name, self.patch = name, patch
+    def __init__(self) -> None:
+        self.patches: dict[str, list[Callable[[ModuleType], None]]] = {}
+
+    def add(self, name: str, patch: Callable[[ModuleType], None]) -> None:
+        self.patches.setdefault(name, []).append(patch)
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
-        if fullname != self.name:
+        if fullname not in self.patches:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
-        load, patch = spec.loader.exec_module, self.patch
+        load, patches = spec.loader.exec_module, self.patches[fullname]
 
         def load_then_patch(module: ModuleType) -> None:
             load(module)
-            patch(module)
+            for patch in patches:
+                patch(module)
 
         spec.loader.exec_module = load_then_patch  # type: ignore[method-assign]
         return spec
@@ -153,6 +170,56 @@ def _record_samples(folder: str) -> Callable[[ModuleType], None]:
     return patch
 
 
+_stop_asked: list[int] = []  # set by the patched StopRequest.request: the hold lets a stop through
+
+
+def _note_stops(module: Any) -> None:
+    request = module.StopRequest.request
+
+    def noted(self: Any, signum: int) -> None:
+        _stop_asked.append(signum)
+        request(self, signum)
+
+    module.StopRequest.request = noted
+
+
+def _hold(gates: str) -> Callable[[ModuleType], None]:
+    holds = {int(step): path for step, _, path in (gate.partition(":") for gate in gates.split(","))}
+
+    def patch(module: Any) -> None:
+        cls = module.Phase2Module
+        batch_end = cls.on_train_batch_end if "on_train_batch_end" in cls.__dict__ else None
+
+        def held_batch_end(self: Any, *args: Any, **kwargs: Any) -> None:
+            if batch_end is not None:
+                batch_end(self, *args, **kwargs)
+            # Only at the micro-batch that completed an optimizer step in this process: a run
+            # resumed from step STEP's checkpoint starts at STEP, and must not hold there again.
+            step, last = self.trainer.global_step, getattr(self, "_hold_last_step", None)
+            self._hold_last_step = step
+            path = holds.pop(step, None) if last is not None and last != step else None
+            if path is None:
+                return
+            rank = self.trainer.global_rank
+            print(f"rank {rank} held at step {step} until {path} exists", file=sys.stderr, flush=True)
+            with open(f"{path}.rank{rank}.held", "w"):
+                pass
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while not os.path.exists(path) and not _stop_asked and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if _stop_asked:
+                why = "a stop was asked"
+            elif os.path.exists(path):
+                why = f"{path} exists"
+            else:
+                why = f"held {HOLD_LIMIT_S:.0f} s (PURRSIGHT_TEST_HOLD_LIMIT_S)"
+            print(f"rank {rank} released at step {step}: {why}", file=sys.stderr, flush=True)
+
+        cls.on_train_batch_end = held_batch_end
+
+    return patch
+
+
 def _slow_prepare_shard(seconds: str) -> Callable[[ModuleType], None]:
     def patch(module: Any) -> None:
         write_shard = module.write_shard
@@ -209,20 +276,25 @@ def _kill_during_export_write() -> Callable[[ModuleType], None]:
     return patch
 
 
+PATCHES = PatchOnImport()
 if RECORD_SAMPLES:
-    sys.meta_path.insert(0, PatchOnImport("purrsight.training.module", _record_samples(RECORD_SAMPLES)))
-
+    PATCHES.add("purrsight.training.module", _record_samples(RECORD_SAMPLES))
+if HOLD:
+    PATCHES.add("purrsight.distributed.stop_vote", _note_stops)
+    PATCHES.add("purrsight.training.module", _hold(HOLD))
 if FAULT:
     kind, _, arguments = FAULT.partition(":")
     if kind == "kill_during_checkpoint_write":
-        sys.meta_path.insert(0, PatchOnImport("purrsight.runs.checkpoint_saver", _kill_during_checkpoint_write(arguments)))
+        PATCHES.add("purrsight.runs.checkpoint_saver", _kill_during_checkpoint_write(arguments))
     elif kind == "slow_prepare_shard":
-        sys.meta_path.insert(0, PatchOnImport("purrsight.datasets.prepare_job", _slow_prepare_shard(arguments)))
+        PATCHES.add("purrsight.datasets.prepare_job", _slow_prepare_shard(arguments))
     elif kind == "kill_during_shard_write":
-        sys.meta_path.insert(0, PatchOnImport("purrsight.datasets.prepare_job", _kill_during_shard_write(arguments)))
+        PATCHES.add("purrsight.datasets.prepare_job", _kill_during_shard_write(arguments))
     elif kind == "kill_during_export_write":
-        sys.meta_path.insert(0, PatchOnImport("purrsight.training.export", _kill_during_export_write()))
+        PATCHES.add("purrsight.training.export", _kill_during_export_write())
     elif kind == "preflight_delay":
-        sys.meta_path.insert(0, PatchOnImport("purrsight.distributed.preflight", _preflight_delay(*arguments.split(":"))))
+        PATCHES.add("purrsight.distributed.preflight", _preflight_delay(*arguments.split(":")))
     else:
         raise SystemExit(f"PURRSIGHT_TEST_FAULT={FAULT}: unknown fault (see {__file__})")
+if PATCHES.patches:
+    sys.meta_path.insert(0, PATCHES)
