@@ -114,3 +114,58 @@ def test_the_server_outlives_the_signals_a_scheduler_sends_every_process(tmp_pat
     finally:
         agent.kill()
     assert agent.returncode == 0, output
+
+
+FORK_AT_ONCE = """
+import multiprocessing, multiprocessing.forkserver, os, signal, sys, time
+from purrsight.launcher import forked_workers
+
+multiprocessing.set_forkserver_preload(["purrsight.launcher.forked_workers"])
+multiprocessing.forkserver.ensure_running()  # started as multiprocessing starts one again: no help from the agent
+context = multiprocessing.get_context("forkserver")
+warm = context.Process(target=time.sleep, args=(0,))
+warm.start()
+warm.join()  # the server has imported its preload
+server = multiprocessing.forkserver._forkserver._forkserver_pid
+for stop in forked_workers.SERVER_IGNORES:
+    os.kill(server, stop)
+child = context.Process(target=time.sleep, args=(60,))
+child.start()
+os.kill(child.pid, signal.SIGTERM)  # at once: the worker has not reached run_worker's own reset
+started = time.monotonic()
+child.join(30)
+print(child.exitcode, round(time.monotonic() - started, 1), flush=True)
+"""
+
+
+def test_a_fork_has_the_default_stop_signals_at_once_and_a_restarted_server_ignores_them() -> None:
+    """The server ignores the stop signals from its own first import on (so one multiprocessing
+    starts again after an OOM kill is as immune), and each fork has the defaults back at the fork
+    itself: a SIGTERM to a worker still starting ends it at once, not after torch's 30 s grace."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_AT_ONCE], cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    code, seconds = done.stdout.split()
+    assert int(code) == -15 and float(seconds) < 5, done.stdout  # the server, signalled, still forked it
+
+
+RAISES = """
+import os
+if os.environ["RANK"] == "1":
+    raise RuntimeError("boom from rank one")
+"""
+
+
+def test_a_workers_uncaught_exception_is_printed_with_its_traceback(tmp_path: Path) -> None:
+    """As an interpreter prints it: torch's multiprocessing wrapper only pickles it into a file."""
+    probe = tmp_path / "raises.py"
+    probe.write_text(RAISES)
+    done = subprocess.run(
+        [sys.executable, "-m", "purrsight.launcher.torchrun", "--run-path", "--start-method", "forkserver",
+         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(probe)],
+        cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback (most recent call last)" in done.stderr and "RuntimeError: boom from rank one" in done.stderr
+    assert f'File "{probe}", line 4' in done.stderr, done.stderr[-3000:]
