@@ -32,6 +32,8 @@ seen = {
     "threads": torch.get_num_threads(),
     "forked_from_server": "multiprocessing.forkserver" in parent,
     "preloaded": "purrsight.training.run" in sys.modules,
+    "comm": open("/proc/self/comm").read().strip(),
+    "lightning_rank": getattr(sys.modules["lightning_fabric.utilities.rank_zero"].rank_zero_only, "rank", None),
 }
 with open(f"{out}/rank{rank}.json", "w") as sink:
     json.dump(seen, sink)
@@ -71,6 +73,8 @@ def test_each_worker_gets_what_a_subprocess_worker_gets(tmp_path: Path) -> None:
         assert seen["title"] == f"{sys.executable} -u {probe} {tmp_path}", seen
         assert seen["argv"] == [str(probe), str(tmp_path)]
         assert seen["threads"] == 3
+        assert seen["comm"] == os.path.basename(sys.executable)[:15]  # top and pgrep -x see an interpreter
+        assert seen["lightning_rank"] == rank  # not the server's 0: rank-zero-only output on rank 0 alone
         assert (tmp_path / f"rank{rank}.exit").read_text() == "ran"
 
 
