@@ -8,18 +8,16 @@ user asked (``data.on_data_change: next_epoch``) to start the next epoch at samp
 set as it is now. World size and batch shape are not among them: positions count samples of the
 job's one global order, the same on any world size (data/sampler.py).
 
-The content: a prepared set's manifest (it names every shard and its source's digest), or the
-index's own bytes (data/formats/sources.py: a pattern of shards by their names, sizes and edges).
+The content (digested by training/datamodule.py, which knows the data): a prepared set's manifest
+(it names every shard and its source's digest), or the index's own bytes (a pattern of shards by
+their names, sizes and edges, data/formats/sources.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from purrsight.config import Config
-from purrsight.data.formats.sources import file_digest, sources_digest
-from purrsight.data.prepared_manifest import MANIFEST_NAME
 from purrsight.errors import UserError
 
 ORDER_KEY = "data_order"  # inside the checkpoint's "purrsight" section, beside the position
@@ -28,14 +26,6 @@ SHOWN_DIGEST = 12  # hex digits of a content digest shown in a message
 
 class DataChangedError(UserError):
     """A resume onto a training set, seed or grouping other than the checkpoint's."""
-
-
-def content_digest(config: Config) -> str:
-    """The training set's content, as its source names it: the prepared manifest or the index."""
-    data = config.data
-    if data.prepared:
-        return "prepared:" + file_digest(Path(data.prepared) / MANIFEST_NAME)
-    return "index:" + sources_digest(data.train_index)
 
 
 def order_of(config: Config, samples: int, content: str) -> dict[str, Any]:

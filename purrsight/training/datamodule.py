@@ -9,6 +9,7 @@ import multiprocessing.context
 import os
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,12 +19,14 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, Sample
+from purrsight.data.formats.sources import file_digest, sources_digest
 from purrsight.data.loader_worker import init_loader_worker
+from purrsight.data.prepared_manifest import MANIFEST_NAME
 from purrsight.data.sampler import GlobalPositionSampler, batches_done, grouping_fit, sample_lengths
 from purrsight.datasets.builder import build_datasets
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
 from purrsight.internals.lightning_loops import drop_loader_states, epoch_batches_of, saved_epoch_ended, set_batches_done
-from purrsight.runs.data_order import ORDER_KEY, DataChangedError, content_digest, differences, order_of
+from purrsight.runs.data_order import ORDER_KEY, DataChangedError, differences, order_of
 from purrsight.runs.data_position import DataPosition, saved_position
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,14 @@ def _worker_start() -> multiprocessing.context.BaseContext:
     ]
     context.set_forkserver_preload(preload)
     return context
+
+
+def content_digest(config: Config) -> str:
+    """The training set's content, as its source names it: the prepared manifest or the index."""
+    data = config.data
+    if data.prepared:
+        return "prepared:" + file_digest(Path(data.prepared) / MANIFEST_NAME)
+    return "index:" + sources_digest(data.train_index)
 
 
 def _whole_steps(position: DataPosition, saved_ready: int) -> DataPosition:

@@ -195,7 +195,12 @@ def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_st
         a_down.touch()
         # B trains on after A's teardown: two of its steps stamped after it, up to its next gate.
         wait_for_file(held_marker(never), slurm, second, seen[second])
-        assert len([when for when, _ in rank0_steps(out_b.read_text(errors="replace")) if when > log_time(teardown)]) >= 2
+        # Its step lines reach the job's output through Ray's log monitor, which batches them (and
+        # holds lines alike for up to 5 s): B, held, cannot run away meanwhile.
+        deadline = time.monotonic() + 60
+        while len([when for when, _ in rank0_steps(out_b.read_text(errors="replace")) if when > log_time(teardown)]) < 2:
+            assert time.monotonic() < deadline, out_b.read_text(errors="replace")[-3000:]
+            time.sleep(1)
         urgent = sbatch(
             slurm, env, "--partition=urgent", "--nodes=2", "--nodelist=node0,node1", "--exclusive", "--time=5",
             f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 5",

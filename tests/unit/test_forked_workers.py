@@ -38,6 +38,8 @@ seen = {
 with open(f"{out}/rank{rank}.json", "w") as sink:
     json.dump(seen, sink)
 atexit.register(lambda: open(f"{out}/rank{rank}.exit", "w").write("ran"))
+if rank == 2:
+    raise RuntimeError("boom from rank two")
 sys.exit(2 if rank == 1 else 0)
 """
 
@@ -52,20 +54,24 @@ def test_asked_for_reads_torchruns_own_options_before_the_script() -> None:
 
 
 def test_each_worker_gets_what_a_subprocess_worker_gets(tmp_path: Path) -> None:
-    """Two workers: a session each, no stop signal held or ignored (the server holds and ignores them),
+    """Three workers: a session each, no stop signal held or ignored (the server holds them),
     Python's own SIGINT handler, the subprocess worker's command line as title, its arguments,
-    OMP_NUM_THREADS applied to torch, its atexit handlers run, and its exit code the job's (2)."""
+    OMP_NUM_THREADS applied to torch, its atexit handlers run, and its exit code the job's (2).
+    Rank 2 raises: its traceback printed as an interpreter prints it (torch's multiprocessing
+    wrapper only pickles it into a file)."""
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     done = subprocess.run(
         [sys.executable, "-m", "purrsight.launcher.torchrun", "--run-path", "--start-method", "forkserver",
-         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
          str(probe), str(tmp_path)],
         cwd=REPO, env={**python_env(), "OMP_NUM_THREADS": "3"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]  # the worker's documented reason, as with subprocess workers
     assert "rank 1 (local rank 1" in done.stderr and "exited with code 2" in done.stderr
-    for rank in (0, 1):
+    assert "Traceback (most recent call last)" in done.stderr and "RuntimeError: boom from rank two" in done.stderr
+    assert f'File "{probe}", line ' in done.stderr, done.stderr[-3000:]
+    for rank in (0, 1, 2):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["forked_from_server"] and seen["preloaded"], seen  # a fork of the server that imported the trainer
         assert seen["own_session"] and seen["held"] == [], seen
@@ -152,24 +158,3 @@ def test_a_fork_has_the_default_stop_signals_at_once_and_a_restarted_server_igno
     assert done.returncode == 0, done.stderr[-2000:]
     code, seconds = done.stdout.split()
     assert int(code) == -15 and float(seconds) < 5, done.stdout  # the server, signalled, still forked it
-
-
-RAISES = """
-import os
-if os.environ["RANK"] == "1":
-    raise RuntimeError("boom from rank one")
-"""
-
-
-def test_a_workers_uncaught_exception_is_printed_with_its_traceback(tmp_path: Path) -> None:
-    """As an interpreter prints it: torch's multiprocessing wrapper only pickles it into a file."""
-    probe = tmp_path / "raises.py"
-    probe.write_text(RAISES)
-    done = subprocess.run(
-        [sys.executable, "-m", "purrsight.launcher.torchrun", "--run-path", "--start-method", "forkserver",
-         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(probe)],
-        cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert "Traceback (most recent call last)" in done.stderr and "RuntimeError: boom from rank one" in done.stderr
-    assert f'File "{probe}", line 4' in done.stderr, done.stderr[-3000:]
