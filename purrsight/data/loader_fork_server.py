@@ -32,17 +32,11 @@ torch's workers see their parent change and exit within seconds.
 
 from __future__ import annotations
 
-import traceback
-
 from purrsight.data.loader_worker import hold_stop_signals, ignore_stop_signals
+from purrsight.internals.python_forkserver import in_preload
 from purrsight.parent_death import die_with_parent
 
-
-def _imported_by_a_fork_server() -> bool:
-    return any(frame.filename.endswith("multiprocessing/forkserver.py") for frame in traceback.extract_stack())
-
-
-if _imported_by_a_fork_server():
+if in_preload():  # the loader's server itself, never a trainer (which may run in a fork of the launcher's server)
     ignore_stop_signals()
     hold_stop_signals()
     die_with_parent()

@@ -36,7 +36,7 @@ The server holds (blocks) SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2. SLURM si
 process of a step, and a server that died of it would take its workers' exit codes with it
 (multiprocessing reads them through the server: each would read 255), while it is only a fork
 factory that exits when its agent does. The server blocks them itself as it imports this module
-(``_in_server``), so a server multiprocessing starts again (after an OOM kill) is as immune as the
+(``internals/python_forkserver.in_preload``), so a server multiprocessing starts again (after an OOM kill) is as immune as the
 first. Blocked, not ignored: a fork starts with the mask but no pending signal, and a stop sent
 to it before it has unblocked them (``os.register_at_fork``, at the fork itself) waits pending
 and ends it then; an ignored one would be lost, and a worker still starting would run on until
@@ -59,10 +59,10 @@ import runpy
 import signal
 import sys
 import threading
-import traceback
 
 from purrsight.errors import SIGNAL_BASE
 from purrsight.internals.python_exit import run_exit_handlers
+from purrsight.internals.python_forkserver import in_preload
 
 # What train_phase2.py imports before its first step, its own top-level imports included:
 # imported once, in the server.
@@ -86,12 +86,6 @@ def asked_for(argv: list[str]) -> bool:
     return any(a in ("--run-path", "--run_path") for a in options) and start_method[-1:] == ["forkserver"]
 
 
-def _in_server() -> bool:
-    """Whether this module is being imported by a fork server's preload (not in a fork of it)."""
-    functions = {(os.path.basename(frame.filename), frame.name) for frame in traceback.extract_stack()}
-    return ("forkserver.py", "main") in functions and ("forkserver.py", "_serve_one") not in functions
-
-
 def _default_stop_signals() -> None:
     """A fresh interpreter's dispositions, then the stop signals unblocked (one pending is delivered now)."""
     for stop in SERVER_IGNORES:
@@ -100,7 +94,7 @@ def _default_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SERVER_IGNORES)
 
 
-if _in_server():
+if in_preload():  # the server's own import, not a fork's
     signal.pthread_sigmask(signal.SIG_BLOCK, SERVER_IGNORES)
     os.register_at_fork(after_in_child=_default_stop_signals)
 

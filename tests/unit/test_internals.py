@@ -183,3 +183,20 @@ def test_a_stop_iteration_from_a_validation_batch_hook_ends_the_pass_and_runs_it
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False)
     trainer.validate(module, DataLoader(torch.arange(10.0)), verbose=False)
     assert module.validated == [0, 1, 2] and module.ended
+
+
+def test_the_fork_server_runs_its_preload_and_its_children_under_the_names_we_read(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The preload's own import (the servers hold signals then) against a fork's: both named here,
+    and a Python without them keeps every server's default signals, with one line."""
+    import multiprocessing.forkserver
+
+    from purrsight.internals import python_forkserver
+
+    assert callable(multiprocessing.forkserver.main) and callable(multiprocessing.forkserver._serve_one)
+    assert "preload" in inspect.getsource(multiprocessing.forkserver.main)
+    assert not python_forkserver.in_preload()  # a test is no fork server's preload
+    monkeypatch.delattr(multiprocessing.forkserver, "_serve_one")
+    assert not python_forkserver.in_preload()
+    assert "fork servers keep the default signals" in capsys.readouterr().err

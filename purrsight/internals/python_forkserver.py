@@ -1,0 +1,35 @@
+"""CPython's multiprocessing fork server, as a module it preloads sees it (written against CPython
+3.11; the same names since 3.4).
+
+``multiprocessing.forkserver.main`` imports the preload list, then forks one child per request,
+which runs ``_serve_one``. So a module imported by a server's preload runs under ``main`` and not
+under ``_serve_one``; in a fork of that server, anything imported later runs under both (the
+launcher's workers are such forks, and a whole trainer runs in them). ``in_preload`` tells them
+apart by those two names on the stack: data/loader_fork_server.py and launcher/forked_workers.py
+act only in their server's preload (they hold stop signals, which a trainer must never do).
+Guarded: where either name is missing, ``in_preload`` says so in one line and returns False:
+the servers then keep the default signals (a stop may end a loader server or a worker server
+with its workers, as before these modules existed), and no trainer ever holds them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import os
+import sys
+import traceback
+
+SERVER_LOOP, CHILD = "main", "_serve_one"
+
+
+def in_preload() -> bool:
+    """Whether the caller is being imported by a fork server's preload (not in a fork of one)."""
+    if not all(callable(getattr(multiprocessing.forkserver, name, None)) for name in (SERVER_LOOP, CHILD)):
+        print(
+            f"multiprocessing.forkserver has no {SERVER_LOOP} or {CHILD} in this Python: fork servers keep the default signals",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    here = {(os.path.basename(frame.filename), frame.name) for frame in traceback.extract_stack()}
+    return ("forkserver.py", SERVER_LOOP) in here and ("forkserver.py", CHILD) not in here
