@@ -64,7 +64,7 @@ def shapes(folder: Path) -> dict[str, Path]:
 
 def table() -> None:
     head = "| base | strategy | frozen | trainable + grads + AdamW | all-gather | activations | logits"
-    print(f"{head} | total GB per GPU ({GPUS} GPUs) | fits 80 GB |")
+    print(f"{head} | total GB per GPU ({GPUS} GPUs) | on an 80 GB GPU |")
     print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         bases = shapes(Path(tmp))
@@ -80,7 +80,7 @@ def table() -> None:
                     f"| {name} ({result.frozen_parameters / 1e9:.1f}B, {result.trainable_parameters / 1e6:.0f}M trainable, "
                     f"checkpoint {result.checkpoint_bytes / 1e9:.2f} GB) | {strategy} | "
                     + " | ".join(f"{cell / 1e9:.1f}" for cell in cells)
-                    + f" | {'yes' if result.fits(strategy, GPU_MEMORY) else 'no'} |"
+                    + f" | {result.verdict(strategy, GPU_MEMORY)} |"
                 )
 
 

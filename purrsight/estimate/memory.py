@@ -83,7 +83,9 @@ class Estimate:
     refused: dict[str, str] = field(default_factory=dict)  # strategy -> why training refuses it here
 
     def fits(self, strategy: str, gpu_memory: int) -> bool:
-        return self.per_gpu[strategy].total <= gpu_memory
+        """The verdict "fits": room left for what is not counted, and a strategy training would start.
+        (Until 2026-11-27 true for "tight" too: the JSON said fits where the table said tight.)"""
+        return self.verdict(strategy, gpu_memory) == "fits"
 
     def verdict(self, strategy: str, gpu_memory: int) -> str:
         """refused, fits (HEADROOM left over), tight (within the memory, less left), or does not fit."""

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from purrsight.errors import UserError
 from purrsight.estimate.command import parse_gpu_memory, parse_size
-from purrsight.estimate.memory import Footprint, footprint
+from purrsight.estimate.memory import HEADROOM, Footprint, footprint
 from purrsight.internals.torch_dispatch import LiveBytes
 from tests.helpers import REPO, tiny_config
 
@@ -44,10 +44,13 @@ def test_fsdp_per_gpu_bytes_never_grow_with_gpus_and_ddp_stays(found: Footprint,
 
 
 @given(footprints, st.integers(min_value=1, max_value=64), sizes)
-def test_it_fits_exactly_when_the_sum_is_within_the_memory(found: Footprint, gpus: int, memory: int) -> None:
+def test_it_fits_exactly_when_the_sum_and_the_headroom_are_within_the_memory(found: Footprint, gpus: int, memory: int) -> None:
+    """The JSON's ``fits`` and the printed verdict agree: "tight" is not "fits"."""
     result = found.estimate(gpus)
     for name, part in result.per_gpu.items():
-        assert result.fits(name, memory) == (sum(vars(part).values()) <= memory)
+        startable = name not in result.refused
+        assert result.fits(name, memory) == (startable and sum(vars(part).values()) + HEADROOM <= memory)
+        assert result.fits(name, memory) == (result.verdict(name, memory) == "fits")
 
 
 def test_sizes_read_as_written_and_a_bad_one_names_itself() -> None:
