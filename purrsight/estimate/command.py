@@ -29,7 +29,8 @@ GPU for them), pinned loader batches, kernel workspaces. docs/SCALING.md has the
 With --gpu-memory each strategy gets a verdict: "fits" when its total plus 2 GB (the least of what
 is not counted) is within the memory, "tight" when the total alone is, else "DOES NOT FIT";
 "refused" where training would not start it (fsdp with one GPU, or a model without decoder layers
-to shard), the reason below the table.
+to shard), the reason below the table. --json carries the verdict, and "fits" true for the
+verdict "fits" alone.
 
   python train_phase2.py estimate --config config/qwen2.5-7b.yaml --gpus 8 --gpu-memory 80GB
   python train_phase2.py estimate --config config/qwen2.5-7b.yaml --gpus 8 --llm-config /path/Qwen2.5-72B/config.json --json
