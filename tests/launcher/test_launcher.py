@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.helpers import read_metrics
 from tests.host_scan import SecretWatch
@@ -64,7 +68,9 @@ def test_sigterm_checkpoints_and_leaves_no_process(cluster: Cluster) -> None:
     assert list((cluster.run_dir / "checkpoints").glob("step-*.ckpt"))
 
 
-def test_two_nodes_worker_first_train_one_job_refuse_a_second_run_and_resume_on_fewer_ranks(cluster: Cluster) -> None:
+def test_two_nodes_worker_first_train_one_job_refuse_a_second_run_and_resume_on_fewer_ranks(
+    cluster: Cluster, request: pytest.FixtureRequest
+) -> None:
     """Node 1 starts 10 s before its master and waits for it; both then train one job, 2 ranks each.
 
     Node 0 advertises 127.0.0.3 and node 1 127.0.0.2 (both loopback), so torchrun's
@@ -78,11 +84,12 @@ def test_two_nodes_worker_first_train_one_job_refuse_a_second_run_and_resume_on_
     """
     # The launchers' temp files (their plan files) in a folder of this test's own: the scan reads
     # what this test made, not every /tmp/purrsight-* of other programs (which slowed it to one
-    # pass in three on a busy machine).
-    scratch = cluster.tmp / "scratch"
-    scratch.mkdir()
+    # pass in three on a busy machine). A short one: sockets (multiprocessing's fork servers) live
+    # in TMPDIR, and a path under pytest's tmp_path overran AF_UNIX's 108 bytes.
+    scratch = Path(tempfile.mkdtemp(prefix="ps-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     two_ranks = {"NPROC_PER_NODE": "2", "BACKEND": "gloo", "TMPDIR": str(scratch), **SECRETS}
-    with SecretWatch(lambda: list(SECRETS.values()), lambda: [cluster.tmp]) as watch:
+    with SecretWatch(lambda: list(SECRETS.values()), lambda: [cluster.tmp, scratch]) as watch:
         worker = cluster.start(2, 1, env={"NODE_ADDR": "127.0.0.2", **two_ranks}, trainer__max_steps=10)
         time.sleep(10)
         assert worker.proc.poll() is None, worker.text()  # still waiting for the master, not failed
