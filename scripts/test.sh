@@ -75,6 +75,16 @@ install_python_packages() {
   printf '%s\n' "${digest}" >"${stamp}"
 }
 
+# Each tier's time against its budget, printed on every run with its slowest tests. It fails the
+# run only with PURRSIGHT_BUDGET=enforce: the same commit took 19 to 25 minutes on these shared
+# 2-core machines in one evening (tests/README.md, "Budget"), and a gate that noise trips would
+# turn CI red at random.
+check_budget() {
+  python -m tests.suite_budget "$@" && return 0
+  [[ "${PURRSIGHT_BUDGET:-report}" != enforce ]] || return 1
+  log "over budget: reported above, not failing the run (PURRSIGHT_BUDGET=enforce makes it fail)"
+}
+
 QUICK=0
 # Each pytest run writes its tier's durations here (tests/suite_budget.py); the run ends by
 # checking them against tests/README.md's budget table, so growth fails the change that made it.
@@ -122,7 +132,7 @@ if ((QUICK)); then
     python -m pytest -n "${WORKERS}" -m "not slow and not root" "$@" || status=$?
   if ((WHOLE_TIER)); then
     log "time against the budget (tests/README.md)"
-    python -m tests.suite_budget "${DURATIONS_DIR}/quick.json" || status=1
+    check_budget "${DURATIONS_DIR}/quick.json" || status=1
   fi
   exit "${status}"
 fi
@@ -182,6 +192,6 @@ fi
 if ((WHOLE_TIER)); then
   # SECONDS: since this script started, installs included (a fresh clone's whole run, as CI's).
   log "time against the budget (tests/README.md)"
-  python -m tests.suite_budget "${DURATIONS_DIR}/not-serial.json" "${DURATIONS_DIR}/serial.json" --whole-s "${SECONDS}" || status=1
+  check_budget "${DURATIONS_DIR}/not-serial.json" "${DURATIONS_DIR}/serial.json" --whole-s "${SECONDS}" || status=1
 fi
 exit "${status}"
