@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from types import FrameType
+from types import FrameType, ModuleType
 
 RENDEZVOUS_METRIC = "._rendezvous.duration.ms"
 HANDLER_NAME = "_terminate_process_handler"
@@ -31,16 +31,8 @@ def install_terminate_handler(handler: Handler) -> bool:
     """Make ``handler`` the one torchelastic installs in its agent; False (and one line) where it cannot."""
     from torch.distributed.elastic.multiprocessing import api
 
-    if not callable(getattr(api, HANDLER_NAME, None)):
-        print(
-            f"torchrun: torch.distributed.elastic.multiprocessing.api has no {HANDLER_NAME} in this torch; "
-            "a second stop signal may cut the workers' close short",
-            file=sys.stderr,
-            flush=True,
-        )
-        return False
-    setattr(api, HANDLER_NAME, handler)
-    return True
+    found = callable(getattr(api, HANDLER_NAME, None))
+    return _replace(api, HANDLER_NAME, handler, found, "a second stop signal may cut the workers' close short")
 
 
 def install_worker_entry(entry: Callable[..., None]) -> bool:
@@ -48,15 +40,16 @@ def install_worker_entry(entry: Callable[..., None]) -> bool:
     (and one line) where torch.distributed.run no longer names one."""
     from torch.distributed import run
 
-    if not callable(getattr(run, WORKER_ENTRY_NAME, None)) or WORKER_ENTRY_NAME not in _source_of(run.config_from_args):
-        print(
-            f"torchrun: torch.distributed.run has no {WORKER_ENTRY_NAME} for --run-path in this torch; "
-            "starting the workers as subprocesses",
-            file=sys.stderr,
-            flush=True,
-        )
+    found = callable(getattr(run, WORKER_ENTRY_NAME, None)) and WORKER_ENTRY_NAME in _source_of(run.config_from_args)
+    return _replace(run, WORKER_ENTRY_NAME, entry, found, "starting the workers as subprocesses", " for --run-path")
+
+
+def _replace(module: ModuleType, name: str, value: object, found: bool, otherwise: str, role: str = "") -> bool:
+    """Set ``module.name`` to ``value`` where ``found``; else one line saying what the agent does without it."""
+    if not found:
+        print(f"torchrun: {module.__name__} has no {name}{role} in this torch; {otherwise}", file=sys.stderr, flush=True)
         return False
-    setattr(run, WORKER_ENTRY_NAME, entry)
+    setattr(module, name, value)
     return True
 
 
