@@ -61,7 +61,7 @@ from pathlib import Path
 
 from purrsight.cli import run_guarded, setup_logging
 from purrsight.distributed.process_group import order_ranks_by_node
-from purrsight.errors import EXIT_CODE_LINES, SIGNAL_BASE, ClusterError, ExitCode
+from purrsight.errors import EXIT_CODE_LINES, SIGNAL_BASE, ClusterError, ExitCode, PeerHungError
 
 DEFAULT_CONFIG = "config/train_config.yaml"
 EXIT_CODES_HELP = "Exit codes:\n" + "\n".join(f"  {line}" for line in EXIT_CODE_LINES)
@@ -131,6 +131,9 @@ def train_command(args: argparse.Namespace) -> int:
     except ClusterError as err:  # the fabric, not the input: the launcher's health-check code
         print(f"error: {err}", file=sys.stderr)
         return ExitCode.CLUSTER
+    except PeerHungError as err:  # another rank's watchdog fired: the job hung, whichever rank says it
+        print(f"error: the job hung: {err}", file=sys.stderr)
+        return ExitCode.WATCHDOG
     if outcome.stopped_by_signal is not None:
         name = signal.Signals(outcome.stopped_by_signal).name
         logging.getLogger("purrsight").warning(

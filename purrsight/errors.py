@@ -46,3 +46,12 @@ class UserError(ValueError):
 
 class ClusterError(RuntimeError):
     """The machines, not the input: a failed collective, a cluster too small (exit 3)."""
+
+
+class PeerHungError(RuntimeError):
+    """This rank failed because another rank's progress watchdog ended its process (exit 86).
+
+    The rank whose watchdog fires first exits; its peers' collectives then fail with the
+    transport's error ("Connection closed by peer"). Said as the hang it is, with the firing
+    rank's verdict, every node's job ends with the watchdog's code, not torchrun's 1.
+    """

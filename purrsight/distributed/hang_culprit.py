@@ -33,6 +33,7 @@ MIN_INTERVAL_S = 0.5  # ...at most every 0.5 s (2,048 writes/s for 1,024 ranks, 
 OBSERVE_S = 3 * PUBLISH_S  # a heartbeat that does not move in this long: the process stopped answering
 STORE_TIMEOUT_S = 10.0
 LINGER_S = STORE_TIMEOUT_S  # the store's host stays this long after its watchdog fires (the others' second read)
+FIRING_READ_S = 2.0  # a failed rank asks whether a watchdog fired: a short wait on its way out
 PHASES = ("start", "forward", "backward", "step done", "validation", "checkpoint")
 
 
@@ -129,6 +130,7 @@ class StepBoard:
         self.address = (host, port)
         self.rank, self.world_size = rank, world_size
         self.prefix = f"purrsight/rank-steps/{generation}/"  # a restart's ranks do not read the last one's
+        self.fired_key = f"purrsight/watchdog-fired/{generation}"
         self.hosts_store = hosts_the_store(os.environ)
         self.mine = RankStep(rank=rank, node=node, host=socket.gethostname(), step=0, phase="start", phase_at=time.time())
         self._stop = threading.Event()
@@ -144,11 +146,11 @@ class StepBoard:
         node = int(os.environ.get("GROUP_RANK", os.environ.get("PURRSIGHT_NODE_RANK", "0")))
         return cls(host, int(port), rank, world_size, node, generation)
 
-    def _client(self) -> Any:
+    def _client(self, timeout_s: float = STORE_TIMEOUT_S) -> Any:
         import torch.distributed as dist
 
         host, port = self.address
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
     def moved(self, step: int, phase: str) -> None:
         """Called by the training thread: only attributes are set, the publisher thread sends them."""
@@ -179,6 +181,23 @@ class StepBoard:
             self._changed.clear()
             if self._stop.is_set():
                 return
+
+    def announce_firing(self, line: str) -> None:
+        """Say in the store that this rank's watchdog fired, and why: its peers, whose collectives
+        then fail, report the hang instead of the transport's error. Best effort, one short try."""
+        try:
+            self._client().set(self.fired_key, line)
+        except Exception as error:  # the store is gone or frozen: the peers report their own error
+            log.debug("watchdog firing not announced: %s", error)
+
+    def firing(self) -> str | None:
+        """The line a rank's watchdog announced in this generation, or None (none fired, or no store)."""
+        try:
+            store = self._client(FIRING_READ_S)
+            return bytes(store.get(self.fired_key)).decode() if store.check([self.fired_key]) else None
+        except Exception as error:
+            log.debug("watchdog firing not read: %s", error)
+            return None
 
     def read_all(self) -> dict[int, RankStep | None]:
         """Every rank's last record; raises when the store does not answer."""

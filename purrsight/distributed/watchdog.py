@@ -29,7 +29,7 @@ import pytorch_lightning as pl
 
 from purrsight.distributed import flight_recorder
 from purrsight.distributed.hang_culprit import LINGER_S, OBSERVE_S, StepBoard
-from purrsight.errors import ExitCode
+from purrsight.errors import ExitCode, PeerHungError
 from purrsight.run_folder import HANGS_LOG
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class ProgressWatchdog(pl.Callback):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._first_read: tuple[float, dict[int, Any]] | None = None  # (when, every rank's record) before a possible firing
+        self.peer_firing: str | None = None  # another rank's watchdog fired, and this rank's training failed since
 
     def _progress(self, where: str, step: int, phase: str) -> None:
         self._last = time.monotonic()
@@ -150,6 +151,9 @@ class ProgressWatchdog(pl.Callback):
                     ExitCode.WATCHDOG,
                 )
                 self._record(rank, verdict)
+                if self.board is not None:
+                    node = self.board.mine.node
+                    self.board.announce_firing(f"rank {rank} (node {node}) made no progress for {idle:.0f} s; {verdict}")
                 if self.run_dir is not None and self.board is not None:
                     dumped = flight_recorder.dump(self.run_dir, rank)
                     if dumped is not None:
@@ -195,3 +199,12 @@ class ProgressWatchdog(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._finish()
+        if self.board is not None and isinstance(exception, RuntimeError):  # a collective's failure (gloo, NCCL)
+            self.peer_firing = self.board.firing()  # train() raises it as PeerHungError: one line, exit 86
+
+
+def raise_for_peer_firing(callbacks: list[pl.Callback], error: BaseException) -> None:
+    """Raise PeerHungError when ``error`` followed another rank's watchdog firing (see ProgressWatchdog.on_exception)."""
+    for callback in callbacks:
+        if isinstance(callback, ProgressWatchdog) and callback.peer_firing is not None:
+            raise PeerHungError(callback.peer_firing) from error

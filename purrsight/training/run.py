@@ -15,6 +15,7 @@ from purrsight.config import Config, write_resolved
 from purrsight.distributed import flight_recorder
 from purrsight.distributed.preflight_callback import Preflight
 from purrsight.distributed.process_group import TORCHRUN_RANK, agreed_max, init_process_group, worker_generation
+from purrsight.distributed.watchdog import raise_for_peer_firing
 from purrsight.observability.report import write_report
 from purrsight.observability.trackers import close_trackers
 from purrsight.run_folder import checkpoint_dir
@@ -117,7 +118,11 @@ def train(
     )
     if ckpt is not None:
         log.info("resuming from checkpoint %s", ckpt)
-    trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+    except RuntimeError as error:
+        raise_for_peer_firing(trainer.callbacks, error)  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        raise
     validated_at_end = trainer.global_step % config.trainer.val_every_n_steps == 0
     if saver.stopped_by_signal is None and data.val_set is not None and not validated_at_end:
         trainer.validate(module, datamodule=data, verbose=False)

@@ -169,7 +169,15 @@ class SlurmCluster:
     env: dict[str, str]
 
     def run(self, *args: str, check: bool = True) -> str:
-        done = subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=60)
+        # A query is asked again when the controller is too busy to answer (CI's loaded machine:
+        # "Socket timed out on send/recv operation"); a command that changes a job is asked once.
+        query = args[0] in ("squeue", "sinfo") or args[:2] == ("scontrol", "show")
+        tries = 5 if query else 1
+        for attempt in range(tries):
+            done = subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=60)
+            if done.returncode == 0 or attempt == tries - 1:
+                break
+            time.sleep(2)
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(args)} failed: {done.stderr}")
         return done.stdout

@@ -41,7 +41,8 @@ def rank_of(pid: int, node_log: str) -> int:
 
 def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Cluster) -> None:
     """SIGSTOP of global rank 3 (node 1, local rank 1): every waiting rank's watchdog names it, and only it;
-    both nodes' jobs end with the watchdog's code within its timeout, with stacks in the log and no process left."""
+    both nodes' jobs end with the watchdog's code within its timeout (a node whose ranks' collectives fail
+    after a peer's watchdog fired says the hang too), with stacks in the log and no process left."""
     env = {"NPROC_PER_NODE": "2", "MAX_RESTARTS": "0"}
     job = {"trainer__max_steps": 100000, "distributed__progress_timeout_s": WATCHDOG_S, "logging__every_n_steps": 1}
     node0 = cluster.start(2, 0, env=env, **job)
@@ -74,7 +75,9 @@ def test_sigstop_of_one_rank_of_four_names_that_rank_and_its_node(cluster: Clust
         # Every other rank waits, though not always in one place: a ring all-reduce relayed through the
         # frozen rank (the stop vote between steps, distributed/stop_vote.py) can release some ranks and hold another.
         assert waiting_ranks(verdict) == {0, 1, 2}, line
-    assert "most recent call first" in cluster.node_log(0)  # faulthandler's stack dump reached the node log
+    for n in (0, 1):  # a node whose ranks fell to a peer's firing (a collective's error) says the hang too
+        assert "watchdog: rank" in cluster.node_log(n) or "error: the job hung: rank" in cluster.node_log(n), n
+    assert any("most recent call first" in cluster.node_log(n) for n in (0, 1))  # faulthandler's stacks reached a node log
     hangs = (cluster.run_dir / "hangs.log").read_text()
     assert "rank 3 (node 1" in hangs, hangs
     # The flight recorder of each waiting rank that fired: its last collective never completed.

@@ -14,7 +14,7 @@ from purrsight.launcher.forked_workers import PRELOAD, SERVER_IGNORES, asked_for
 from tests.helpers import REPO, free_port, python_env
 
 PROBE = """
-import atexit, json, os, signal, sys
+import atexit, json, os, signal, sys, time
 import torch
 
 out = sys.argv[1]
@@ -39,6 +39,13 @@ with open(f"{out}/rank{rank}.json", "w") as sink:
     json.dump(seen, sink)
 atexit.register(lambda: open(f"{out}/rank{rank}.exit", "w").write("ran"))
 if rank == 2:
+    # torch's multiprocessing context records the first worker it sees fail, and stops the rest:
+    # rank 2 raises once torchrun, having seen rank 1's exit, asks it to stop (not before, or the
+    # job's code would depend on which of the two exits torchrun saw first).
+    asked = []
+    signal.signal(signal.SIGTERM, lambda *_: asked.append(1))
+    while not asked:
+        time.sleep(0.05)
     raise RuntimeError("boom from rank two")
 sys.exit(2 if rank == 1 else 0)
 """
@@ -57,8 +64,8 @@ def test_each_worker_gets_what_a_subprocess_worker_gets(tmp_path: Path) -> None:
     """Three workers: a session each, no stop signal held or ignored (the server holds them),
     Python's own SIGINT handler, the subprocess worker's command line as title, its arguments,
     OMP_NUM_THREADS applied to torch, its atexit handlers run, and its exit code the job's (2).
-    Rank 2 raises: its traceback printed as an interpreter prints it (torch's multiprocessing
-    wrapper only pickles it into a file)."""
+    Rank 2 raises, on torchrun's stop after rank 1's exit: its traceback printed as an interpreter
+    prints it (torch's multiprocessing wrapper only pickles it into a file)."""
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     done = subprocess.run(

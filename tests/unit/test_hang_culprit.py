@@ -74,3 +74,40 @@ def test_a_host_whose_clock_is_off_is_neither_named_frozen_nor_hides_a_frozen_ra
         line = culprit_line(*snapshots(records, frozen=(2,)), 4, WINDOW)
         assert line.startswith("rank 2 (node 0, host-0) last finished training step 79, 40 s before its last heartbeat"), line
         assert line.endswith("ranks 0-1,3 wait in step 81 (backward)"), line
+
+
+def test_a_watchdogs_firing_is_read_by_its_peers_in_its_generation_only() -> None:
+    """A real TCPStore: the firing rank's line reaches a peer of its generation; a restart's
+    board (the next generation) reads none; a store that is gone reads as none, not an error."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from purrsight.distributed.hang_culprit import StepBoard
+    from tests.helpers import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    firing, peer, restarted = (
+        StepBoard("127.0.0.1", port, rank, 4, 0, generation) for rank, generation in ((2, 0), (0, 0), (0, 1))
+    )
+    assert peer.firing() is None
+    firing.announce_firing("rank 2 (node 1) made no progress for 21 s; hang: rank 3 stopped answering")
+    assert peer.firing() == "rank 2 (node 1) made no progress for 21 s; hang: rank 3 stopped answering"
+    assert restarted.firing() is None
+    del store  # the store's host is gone
+    assert peer.firing() is None
+
+
+def test_a_failure_after_a_peers_firing_is_raised_as_the_hang() -> None:
+    """train() turns a collective's failure into PeerHungError when the watchdog read a firing."""
+    import pytest
+
+    from purrsight.distributed.watchdog import ProgressWatchdog, raise_for_peer_firing
+    from purrsight.errors import PeerHungError
+
+    watchdog = ProgressWatchdog(timeout_s=20)
+    raise_for_peer_firing([watchdog], RuntimeError("Connection closed by peer"))  # none fired: nothing raised
+    watchdog.peer_firing = "rank 2 (node 1) made no progress for 21 s; hang: rank 3 stopped answering"
+    with pytest.raises(PeerHungError, match="rank 3 stopped answering"):
+        raise_for_peer_firing([watchdog], RuntimeError("Connection closed by peer"))
