@@ -54,7 +54,10 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster: RayCluster, shared: Path) -> subprocess.CompletedProcess[str]:
-    return ray_cluster.submit_and_follow(*ray_args(shared, "whole"))
+    """The reference run, sharded: FSDP on Ray Train's two workers (one per node). The killed DDP run
+    below must end with its weights, which checks both that a restarted group resumes exactly and that
+    FSDP trains as DDP under this engine (one Ray job for the two, merged: tests/README.md)."""
+    return ray_cluster.submit_and_follow(*ray_args(shared, "whole", distributed__strategy="fsdp"))
 
 
 def train_worker_on(node: psutil.Process) -> psutil.Process:
@@ -71,11 +74,13 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return trainable_state(run_dir / "checkpoints" / "last.ckpt")
 
 
-def test_submit_trains_on_two_nodes_and_writes_the_usual_run_folder(
+def test_submit_trains_fsdp_on_two_nodes_and_writes_the_usual_run_folder(
     uninterrupted: subprocess.CompletedProcess[str], shared: Path
 ) -> None:
+    """distributed.strategy=fsdp, as under torchrun: the frozen weights sharded over the two workers."""
     output = uninterrupted.stdout + uninterrupted.stderr
     assert uninterrupted.returncode == 0, output[-4000:]
+    assert "frozen weights sharded over 2 ranks" in output, output[-3000:]
     assert re.search(r"job raysubmit_\w+ SUCCEEDED: exit 0", output), output[-2000:]
     run_dir = shared / "runs" / "whole"  # run.output_dir's default "runs", taken from ray.shared_dir
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.ckpt"))
@@ -98,21 +103,6 @@ def test_submit_trains_on_two_nodes_and_writes_the_usual_run_folder(
         assert noise not in output, noise  # Ray's lines a user cannot act on (ray_noise.py, submit.py)
 
 
-def test_ray_workers_shard_the_frozen_weights_under_fsdp_and_train_as_ddp(
-    ray_cluster: RayCluster, shared: Path, uninterrupted: subprocess.CompletedProcess[str]
-) -> None:
-    """distributed.strategy=fsdp on Ray Train's two workers (one per node): the same strategy
-    as under torchrun, and the same weights at step 40 as the DDP run above (the same schedule)."""
-    sharded = ray_cluster.submit_and_follow(*ray_args(shared, "sharded", distributed__strategy="fsdp"))
-    output = sharded.stdout + sharded.stderr
-    assert sharded.returncode == 0, output[-4000:]
-    assert "frozen weights sharded over 2 ranks" in output, output[-3000:]
-    ours = trainable_state(shared / "runs" / "sharded" / "checkpoints" / "step-00000040.ckpt")
-    theirs = trainable_state(shared / "runs" / "whole" / "checkpoints" / "step-00000040.ckpt")
-    assert ours.keys() == theirs.keys()
-    assert all(torch.allclose(ours[name], theirs[name], atol=1e-5) for name in ours)
-
-
 def trained_past(run_dir: Path, step: int) -> bool:
     """metrics.csv has a training row past ``step`` (read while the trainer may rewrite it)."""
     try:
@@ -127,7 +117,8 @@ def test_a_killed_worker_restarts_the_group_and_ray_job_stop_checkpoints_the_res
     """One run through three attempts, each a way a Ray run loses its workers or goes on.
 
     SIGKILL of the worker on the second node: Ray restarts the group, which resumes from the
-    newest checkpoint and ends with the uninterrupted run's weights. Then the finished run is
+    newest checkpoint and ends with the uninterrupted run's weights (that run sharded with FSDP,
+    this one DDP: the same schedule, the same weights). Then the finished run is
     resubmitted with --resume and a longer horizon, and stopped with `ray job stop`: the driver
     relays the stop, the workers checkpoint, the job ends STOPPED. The history and the W&B run
     (offline) hold every step once, and the attempt record names all three attempts.
@@ -148,7 +139,7 @@ def test_a_killed_worker_restarts_the_group_and_ray_job_stop_checkpoints_the_res
     got = final_weights(run_dir)
     assert expected.keys() == got.keys()
     for key in expected:
-        assert torch.allclose(expected[key], got[key], atol=1e-6, rtol=0), key
+        assert torch.allclose(expected[key], got[key], atol=1e-5, rtol=0), key  # FSDP's reduce-scatter sums in its own order
 
     # The finished run continued to a horizon it will not reach, and stopped on the way.
     longer = ray_cluster.submit("--resume", *ray_args(shared, "killed", trainer__max_steps=400, **job_settings), no_wait=True)
