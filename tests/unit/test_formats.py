@@ -317,3 +317,72 @@ def test_every_sample_is_in_exactly_one_prepared_shard(
     }[fmt]()
     whole, pieces = resumed_ids(index, shard_size, synthetic_dir, folder)
     assert whole == pieces == [item.id for item in items]
+
+
+def test_an_empty_answer_is_a_bad_sample_in_every_format(tmp_path: Path) -> None:
+    """An empty caption (or any empty assistant turn) would train an empty answer: a bad sample, named.
+    (Our JSONL refuses an empty response already: "field 'response' must be a non-empty string".)"""
+    import io
+    import tarfile
+
+    (tmp_path / "llava.json").write_text(
+        json.dumps([{"id": "c", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]}])
+    )
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "and?"}]
+    (tmp_path / "messages.jsonl").write_text(
+        json.dumps({"id": "d", "messages": [*messages, {"role": "assistant", "content": " "}]}) + "\n"
+    )
+    with tarfile.open(tmp_path / "shard.tar", "w") as tar:
+        for name, data in (("k.jpg", b"not decoded here"), ("k.txt", b"  \n")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    problems = {
+        record["id"]: record["problem"]
+        for name in ("llava.json", "messages.jsonl")
+        for record in read_index(tmp_path / name, check_media=False)
+    }
+    ((_, caption),) = read_records(tmp_path / "shard.tar", "webdataset", load_media=False)
+    assert isinstance(caption, Record)
+    assert problems["c"] == "an empty assistant turn (turn 2): it would train an empty answer (an empty caption?)"
+    assert problems["d"] == "an empty assistant turn (turn 4): it would train an empty answer (an empty caption?)"
+    assert caption.problem == problems["c"]
+
+
+def test_an_opening_assistant_turn_is_dropped_as_llava_drops_it(tmp_path: Path) -> None:
+    """A conversation that opens with the assistant ("Hello! How can I help?") trains from the first
+    user turn on, as LLaVA's preprocessing does; a system turn before it stays."""
+    (tmp_path / "llava.json").write_text(
+        json.dumps(
+            [
+                {
+                    "id": "l",
+                    "conversations": [
+                        {"from": "gpt", "value": "Hello!"},
+                        {"from": "human", "value": "q"},
+                        {"from": "gpt", "value": "a"},
+                    ],
+                }
+            ]
+        )
+    )
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    (tmp_path / "messages.jsonl").write_text(json.dumps({"id": "m", "messages": messages}) + "\n")
+    (llava,) = read_index(tmp_path / "llava.json", check_media=False)
+    (chat,) = read_index(tmp_path / "messages.jsonl", check_media=False)
+    assert llava["problem"] is None and (llava["prompt"], llava["response"]) == ("q", "a")  # one question, one answer
+    assert chat["problem"] is None
+    assert json.loads(chat["turns"]) == [
+        ["system", "be brief"],
+        ["user", "q"],
+        ["assistant", "a"],
+        ["user", "q2"],
+        ["assistant", "a2"],
+    ]

@@ -112,6 +112,8 @@ def conversation_problem(turns: list[Turn], media: dict[str, bool]) -> str | Non
         found = [p for p in PLACEHOLDERS.values() if p in text]
         if role == ASSISTANT and found:
             return f"{found[0]} placeholder in an assistant turn (turn {number}): media are read, never written"
+        if role == ASSISTANT and not text.strip():
+            return f"an empty assistant turn (turn {number}): it would train an empty answer (an empty caption?)"
     for modality, present in media.items():
         count = sum(text.count(PLACEHOLDERS[modality]) for _, text in turns)
         if count and not present:
@@ -126,6 +128,14 @@ def prompt_problem(prompt: str, response: str, has_image: bool, has_audio: bool)
     return conversation_problem([(USER, prompt), (ASSISTANT, response)], {"image": has_image, "audio": has_audio})
 
 
+def opening_answers_dropped(turns: list[Turn]) -> list[Turn]:
+    """Assistant turns before the first user turn dropped, as LLaVA's preprocessing drops a first turn
+    not from the human: an answer to no question would train the chat template's default system
+    prompt and a greeting (a system turn stays)."""
+    first_user = next((i for i, (role, _) in enumerate(turns) if role == USER), len(turns))
+    return [turn for i, turn in enumerate(turns) if i >= first_user or turn[0] != ASSISTANT]
+
+
 def finish_turns(turns: list[Turn]) -> list[Turn]:
     """Turns after the last assistant dropped (nothing there to train). Placeholders stay: the text
     encoder takes them out and puts the media where they stood (data/text.py)."""
@@ -136,7 +146,8 @@ def finish_turns(turns: list[Turn]) -> list[Turn]:
 def conversation_record(
     sample_id: str, line: int, where: str, turns: list[Turn], image: Media | None, audio: Media | None, media_count: dict[str, int]
 ) -> Record:
-    """A Record from raw turns: checked (conversation_problem), then finished (finish_turns)."""
+    """A Record from raw turns: opening answers dropped, checked (conversation_problem), then finished (finish_turns)."""
+    turns = opening_answers_dropped(turns)
     problem = conversation_problem(turns, {"image": image is not None, "audio": audio is not None})
     for modality, count in media_count.items():
         if count > 1 and problem is None:
