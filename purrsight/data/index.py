@@ -32,6 +32,11 @@ REQUIRED_TEXT_FIELDS = ("id", "prompt", "response")
 MEDIA_FIELDS = ("image", "audio")
 
 
+# Problems listed in one pass when a caller asks for all of them (prepare, a training start, the
+# launcher's data check): every missing file of a million-line index named at once, not one per run.
+MAX_LISTED_PROBLEMS = 50
+
+
 class IndexFileError(UserError):
     """A problem in an index file; the message names file, line and sample id."""
 

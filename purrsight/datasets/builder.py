@@ -24,7 +24,7 @@ from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_pr
 from purrsight.data.formats.records import ReadOptions
 from purrsight.data.formats.records import read_options as options_of
 from purrsight.data.formats.sources import sources_digest
-from purrsight.data.index import IndexFileError, RecordTable, SampleIndex, read_index
+from purrsight.data.index import MAX_LISTED_PROBLEMS, IndexFileError, RecordTable, SampleIndex, read_index
 from purrsight.data.media import AudioDecoder, ImageDecoder
 from purrsight.data.prepared import PreparedSplit
 from purrsight.data.prepared_manifest import (
@@ -176,7 +176,7 @@ def _shared(check: Callable[[], Any]) -> Any:
 def scanned_index(index: str, text: TextEncoder, max_length: int, config: Config | None = None) -> list[dict[str, Any]]:
     """Every line validated, media files present, every prompt fits: on rank 0 only."""
     fmt, options = (config.data.format, read_options(config)) if config is not None else ("auto", None)
-    records = read_index(index, fmt=fmt, options=options)
+    records = read_index(index, fmt=fmt, options=options, max_problems=MAX_LISTED_PROBLEMS)
     check_prompt_lengths(index, records, text.prompt_length, max_length, text.first_prompt_length)
     return records
 

@@ -37,7 +37,7 @@ from purrsight.config import Config, load_config
 from purrsight.data.formats.records import ReadOptions, RecordError
 from purrsight.data.formats.sources import SourceError, detect, expand
 from purrsight.data.formats.streams import read_records
-from purrsight.data.index import IndexFileError
+from purrsight.data.index import MAX_LISTED_PROBLEMS, IndexFileError
 from purrsight.data.media import SampleError
 from purrsight.data.prepared import sample_row, write_shard
 from purrsight.data.prepared_manifest import (
@@ -56,7 +56,6 @@ from purrsight.datasets.synthetic_set import ensure_synthetic_set
 from purrsight.errors import SIGNAL_BASE
 
 log = logging.getLogger("purrsight.prepare")
-MAX_LISTED_PROBLEMS = 50  # listed in full; the count says how many more there are
 DEFAULT_SHARD_SIZE = 4096  # samples per shard: ~600 MB of 224-px pictures, a few seconds of work per core
 # A shard's data or receipt half written (atomic_file.temp_name): .shard-00003.arrow.<host>.<pid>.<random>.tmp
 TEMP_SHARD = re.compile(r"^\.shard-(\d+)\.(?:arrow|json)\..+" + re.escape(TEMP_SUFFIX) + "$")

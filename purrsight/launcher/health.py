@@ -64,7 +64,7 @@ def check_data(config: Config, node_rank: int = 0) -> str:
     million metadata calls on the shared filesystem for nothing.
     """
     from purrsight.data.formats.records import read_options
-    from purrsight.data.index import IndexFileError, read_index
+    from purrsight.data.index import MAX_LISTED_PROBLEMS, IndexFileError, read_index
     from purrsight.data.prepared_manifest import PreparedSetError, check_sources, read_manifest
 
     data = config.data
@@ -92,9 +92,12 @@ def check_data(config: Config, node_rank: int = 0) -> str:
         # The trainer's reading of them: its format, field names and media root (a LLaVA file's
         # images are often relative to data.media_root, not to the file's folder).
         options = read_options(data)
-        sizes = [f"{index}: {len(read_index(index, fmt=data.format, options=options))} samples" for index in indexes]
+        sizes = [
+            f"{index}: {len(read_index(index, fmt=data.format, options=options, max_problems=MAX_LISTED_PROBLEMS))} samples"
+            for index in indexes
+        ]
     except IndexFileError as err:
-        raise CheckFailedError(str(err)) from None
+        raise CheckFailedError("\n".join(err.lines())) from None  # every problem of the pass, one line each
     return "; ".join(sizes)
 
 

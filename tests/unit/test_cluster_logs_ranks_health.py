@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -170,12 +171,20 @@ def test_only_node_0_reads_every_index_line_and_a_prepared_set_needs_its_manifes
 
     lines = (synthetic_dir / "train.jsonl").read_text().splitlines()[:4]
     lines.append('{"id": "x", "prompt": "p", "response": "r", "image": "images/absent.png"}')
+    lines.append('{"id": "y", "prompt": "p", "response": "r", "image": "images/gone.png"}')
     for media in ("images", "audio"):
         (tmp_path / media).symlink_to(synthetic_dir / media)
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
     config = tiny_config(synthetic_dir, tmp_path, data__train_index=str(tmp_path / "train.jsonl"), data__val_index="null")
-    with pytest.raises(CheckFailedError, match=r"train.jsonl:5 \(id 'x'\): image file .*absent.png does not exist"):
+    # Every missing file in one pass (up to MAX_LISTED_PROBLEMS), not one per run.
+    both = r"(?s)train.jsonl:5 \(id 'x'\): image file .*absent.png does not exist\n.*:6 .*gone.png"
+    with pytest.raises(CheckFailedError, match=both):
         check_data(config, node_rank=0)
+    llava = tmp_path / "llava.json"
+    turns = [{"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "a cat"}]
+    llava.write_text(json.dumps([{"id": n, "image": f"images/{n}.png", "conversations": turns} for n in ("p", "q", "r")]))
+    with pytest.raises(CheckFailedError, match=r"(?s)id 'p'.*p.png does not exist\n.*id 'q'.*q.png does not exist\n.*id 'r'"):
+        check_data(config.model_copy(update={"data": config.data.model_copy(update={"train_index": str(llava)})}), node_rank=0)
     assert "readable (node 0 checks every line)" in check_data(config, node_rank=1)
     (tmp_path / "train.jsonl").chmod(0)
     if os.geteuid() != 0:  # root reads any file
