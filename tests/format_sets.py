@@ -83,7 +83,7 @@ def write_messages(folder: Path, items: list[Item], where: str = "front") -> Pat
     return path
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
@@ -98,13 +98,13 @@ def write_tars(folder: Path, items: list[Item], per_shard: int) -> str:
         with tarfile.open(shards / f"{count - 1:05d}.tar", "w") as tar:
             for item in items[start : start + per_shard]:
                 if item.image:
-                    _add(tar, f"{item.id}{item.image.suffix}", item.image.read_bytes())
+                    add_member(tar, f"{item.id}{item.image.suffix}", item.image.read_bytes())
                 if item.audio:
-                    _add(tar, f"{item.id}{item.audio.suffix}", item.audio.read_bytes())
+                    add_member(tar, f"{item.id}{item.audio.suffix}", item.audio.read_bytes())
                 if item.caption_only:
-                    _add(tar, f"{item.id}.txt", item.response.encode())
+                    add_member(tar, f"{item.id}.txt", item.response.encode())
                 else:
-                    _add(tar, f"{item.id}.json", json.dumps({"prompt": item.prompt, "response": item.response}).encode())
+                    add_member(tar, f"{item.id}.json", json.dumps({"prompt": item.prompt, "response": item.response}).encode())
     return str(shards / f"{{00000..{count - 1:05d}}}.tar")
 
 

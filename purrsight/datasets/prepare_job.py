@@ -34,7 +34,7 @@ from typing import Any
 from purrsight.atomic_file import TEMP_SUFFIX, stale_temp_files, write_atomically
 from purrsight.atomic_file import write_json_atomically as write_json
 from purrsight.config import Config, load_config
-from purrsight.data.formats.records import ReadOptions, RecordError
+from purrsight.data.formats.records import DamagedFileError, ReadOptions, Record, RecordError
 from purrsight.data.formats.sources import SourceError, detect, expand
 from purrsight.data.formats.streams import read_records
 from purrsight.data.index import MAX_LISTED_PROBLEMS, IndexFileError
@@ -183,6 +183,9 @@ def _prepare_shard(task: ShardTask, out: Path) -> ShardResult:
     def rows() -> Iterator[dict[str, Any]]:
         records = read_records(Path(task.index), task.format, task.offset, task.ordinal, _WORKER["options"])
         for _, record in itertools.islice(records, task.count):
+            if isinstance(record, DamagedFileError):  # a cut tar's rest: one bad sample, those before it kept
+                bad.append({"where": record.where, "error": record.reason})
+                continue
             if isinstance(record, RecordError):  # the survey read it whole: the file changed since
                 raise PreparedSetError(f"{record} (the file changed during the prepare?)")
             try:
@@ -263,13 +266,14 @@ def survey(spec: str, config: Config, options: ReadOptions, shard_size: int) -> 
         current: list[Any] | None = None
         try:
             for offset, record in read_records(path, fmt, options=options, load_media=False):
-                if isinstance(record, RecordError):
+                if isinstance(record, RecordError) and not isinstance(record, DamagedFileError):
                     problems.append(str(record))
-                else:
-                    if ids is not None:
+                else:  # a record, or a damaged file's rest: a bad sample its shard's worker names
+                    if ids is not None and isinstance(record, Record):
                         ids.add(record.id)
                     total += 1
-                    current = current or [str(path), offset, record.line - 1, 0]
+                    before = record.ordinal if isinstance(record, DamagedFileError) else record.line - 1
+                    current = current or [str(path), offset, before, 0]
                     current[3] += 1
                     if current[3] == shard_size:
                         chunks.append((current[0], current[1], current[2], current[3]))

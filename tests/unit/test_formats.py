@@ -31,7 +31,7 @@ from purrsight.data.text import TextEncoder
 from purrsight.datasets.prepare_job import prepare_set, survey
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.llm import load_tokenizer
-from tests.format_sets import Item, marked, write_llava, write_messages, write_ours, write_parquet, write_tars
+from tests.format_sets import Item, add_member, marked, write_llava, write_messages, write_ours, write_parquet, write_tars
 from tests.helpers import DEFAULT_CONFIG, REPO, python_env, tiny_config, tiny_overrides
 
 PHOTO = Path(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))
@@ -153,18 +153,16 @@ def bad_set(folder: Path) -> tuple[str, str]:
     """A tar and a LLaVA file with one of each bad record among good ones; (tar pattern, llava path)."""
     import tarfile
 
-    from tests.format_sets import _add
-
     folder.mkdir()
     with tarfile.open(folder / "00000.tar", "w") as tar:
-        _add(tar, "good1.jpg", PHOTO.read_bytes())
-        _add(tar, "good1.txt", b"a woman in uniform")
-        _add(tar, "lonely.jpg", ICON.read_bytes())  # a picture without its caption
-        _add(tar, "textonly.txt", b"a caption without its picture")
-        _add(tar, "broken.jpg", PHOTO.read_bytes()[:2000])  # undecodable
-        _add(tar, "broken.txt", b"cut short")
-        _add(tar, "good2.png", ICON.read_bytes())
-        _add(tar, "good2.txt", b"a blue present")
+        add_member(tar, "good1.jpg", PHOTO.read_bytes())
+        add_member(tar, "good1.txt", b"a woman in uniform")
+        add_member(tar, "lonely.jpg", ICON.read_bytes())  # a picture without its caption
+        add_member(tar, "textonly.txt", b"a caption without its picture")
+        add_member(tar, "broken.jpg", PHOTO.read_bytes()[:2000])  # undecodable
+        add_member(tar, "broken.txt", b"cut short")
+        add_member(tar, "good2.png", ICON.read_bytes())
+        add_member(tar, "good2.txt", b"a blue present")
 
     def conversation(*turns: str) -> list[dict[str, str]]:
         return [{"from": "human" if n % 2 == 0 else "gpt", "value": text} for n, text in enumerate(turns)]
@@ -386,3 +384,53 @@ def test_an_opening_assistant_turn_is_dropped_as_llava_drops_it(tmp_path: Path) 
         ["user", "q2"],
         ["assistant", "a2"],
     ]
+
+
+def test_a_cut_tar_keeps_the_samples_before_the_damage_under_skip(tmp_path: Path, synthetic_dir: Path) -> None:
+    """A shard cut short (a copy that stopped): under skip the samples before the cut are kept and the
+    rest is one bad sample, listed; under error the prepare is refused naming the file. The whole
+    prepare stopped on it before."""
+    import tarfile
+
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    with tarfile.open(folder / "00000.tar", "w") as tar:
+        for n in range(4):
+            add_member(tar, f"s{n}.png", ICON.read_bytes())
+            add_member(tar, f"s{n}.txt", f"a blue present {n}".encode())
+    whole = (folder / "00000.tar").read_bytes()
+    with tarfile.open(folder / "00000.tar") as tar:
+        cut_at = tar.getmember("s2.png").offset_data + 100  # inside the third picture
+    (folder / "00000.tar").write_bytes(whole[:cut_at])
+    index = str(folder / "{00000..00000}.tar")
+    config = tiny_config(synthetic_dir, tmp_path, data__train_index=index, data__val_index="null", data__on_bad_sample="skip")
+    manifest = prepare_set(config, tmp_path / "set", processes=1, part=(0, 1), shard_size=2)
+    assert manifest is not None and manifest["splits"]["train"]["samples"] == 2, manifest  # s0 and s1
+    (bad,) = [json.loads(line) for line in (tmp_path / "set" / BAD_SAMPLES_NAME).read_text().splitlines()]
+    assert bad["where"].endswith("00000.tar") and bad["error"].startswith("tar file cut or damaged after sample 2 ("), bad
+    refusing = tiny_config(synthetic_dir, tmp_path, data__train_index=index, data__val_index="null")
+    with pytest.raises(PreparedSetError) as refused:
+        prepare_set(refusing, tmp_path / "refused", processes=1, part=(0, 1), shard_size=2)
+    assert any("00000.tar: tar file cut or damaged after sample 2" in line for line in refused.value.lines()), refused.value.lines()
+
+
+def test_tar_pairing_messages_say_why_a_pair_was_not_made(tmp_path: Path) -> None:
+    """A dot in the key (WebDataset splits at the first dot) and a pair written apart (an unsorted tar)
+    are said as such, not only "without its text pair"."""
+    import tarfile
+
+    with tarfile.open(tmp_path / "shard.tar", "w") as tar:
+        add_member(tar, "img.001.jpg", b"x")
+        add_member(tar, "img.001.txt", b"a caption")
+        add_member(tar, "k.jpg", b"x")
+        add_member(tar, "other.jpg", b"x")
+        add_member(tar, "other.txt", b"fine")
+        add_member(tar, "k.txt", b"k's caption, written apart")
+    found = [
+        (r.id, r.problem) for _, r in read_records(tmp_path / "shard.tar", "webdataset", load_media=False) if isinstance(r, Record)
+    ]
+    assert [sample for sample, _ in found] == ["img", "k", "other", "k"]
+    (_, dotted), (_, first), (_, fine), (_, apart) = found
+    assert "WebDataset splits a name at its first dot, so img.001.jpg is key 'img' with extension '001.jpg'" in str(dotted)
+    assert fine is None and first is not None and first.startswith("k.jpg without its text pair"), first
+    assert apart is not None and "key 'k' also stands elsewhere in the shard" in apart and "tar --sort=name" in apart, apart

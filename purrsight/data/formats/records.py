@@ -25,6 +25,19 @@ class RecordError(ValueError):
     """A record that cannot be read at all (malformed JSON, a shard with no text column): fatal, named."""
 
 
+class DamagedFileError(RecordError):
+    """The rest of a file that cannot be read (a cut or damaged tar): one bad sample, not a fatal
+    error, so that under data.on_bad_sample=skip the samples before the damage are kept.
+
+    ``ordinal``: the samples of the file before it (a shard of the prepare that starts here reads on
+    from there, as from a record's ``line - 1``).
+    """
+
+    def __init__(self, where: str, reason: str, ordinal: int) -> None:
+        super().__init__(f"{where}: {reason}")
+        self.where, self.reason, self.ordinal = where, reason, ordinal
+
+
 @dataclass(frozen=True)
 class MediaBlob:
     """A media file's bytes from inside a shard (a tar member, a Parquet cell): decoded without unpacking.

@@ -24,6 +24,7 @@ from purrsight.data.formats.conversations import _turns, turns_key
 from purrsight.data.formats.records import (
     ASSISTANT,
     USER,
+    DamagedFileError,
     FieldNames,
     MediaBlob,
     Record,
@@ -62,7 +63,28 @@ def _text_of(members: dict[str, bytes], fields: FieldNames, caption_prompt: str,
     return ""
 
 
-def _sample(path: Path, number: int, key: str, members: dict[str, bytes], fields: FieldNames, caption_prompt: str) -> Record:
+def _pairing_hint(key: str, members: dict[str, bytes], fields: FieldNames, apart: bool) -> str:
+    """Why a member found no pair, where the tar says more than "without its pair"."""
+    known = set(fields.image) | set(fields.audio) | set(fields.caption) | {"json"}
+    dotted = sorted(ext for ext in members if "." in ext and ext not in known)
+    if dotted:
+        stem = posixpath.basename(key)
+        return (
+            f": WebDataset splits a name at its first dot, so {stem}.{dotted[0]} is key {stem!r} with extension "
+            f"{dotted[0]!r}; name the members KEY.EXT with no dot in KEY"
+        )
+    if apart:
+        return (
+            f": key {posixpath.basename(key)!r} also stands elsewhere in the shard, apart from these members; WebDataset "
+            "pairs adjacent members only: write the tar sorted by name (tar --sort=name)"
+        )
+    return ""
+
+
+def _sample(
+    path: Path, number: int, key: str, members: dict[str, bytes], fields: FieldNames, caption_prompt: str, apart: bool = False
+) -> Record:
+    """The Record of one key's members; ``apart``: the key also stands elsewhere in the shard."""
     where = f"{path}:{key}"
     media: dict[str, MediaBlob | None] = {}
     for modality in ("image", "audio"):
@@ -71,12 +93,13 @@ def _sample(path: Path, number: int, key: str, members: dict[str, bytes], fields
     turns = _text_of(members, fields, caption_prompt, where)
     names = ", ".join(f"{key}.{ext}" for ext in sorted(members))
     problem = None
+    hint = _pairing_hint(key, members, fields, apart)
     if turns == "":
-        problem = f"{names} without its text pair (.{' / .'.join(fields.caption[:1])} caption or .json)"
+        problem = f"{names} without its text pair (.{' / .'.join(fields.caption[:1])} caption or .json){hint}"
     elif isinstance(turns, str):
         problem = turns
     elif media["image"] is None and media["audio"] is None:
-        problem = f"{names} without its media pair (.{' / .'.join(fields.image[:3] + fields.audio[:2])})"
+        problem = f"{names} without its media pair (.{' / .'.join(fields.image[:3] + fields.audio[:2])}){hint}"
     if problem is not None:
         return Record(key, number, where, [], problem=problem)
     assert isinstance(turns, list)
@@ -101,6 +124,7 @@ def tar_records(
             raise RecordError(f"{path}: not a readable tar file ({err}); compressed tars: unpack to .tar first") from None
         key: str | None = None
         start, members = offset, dict[str, bytes]()
+        done: set[str] = set()  # keys already yielded: one seen again stands apart from its pair
         try:
             while (info := tar.next()) is not None:
                 if not info.isfile():
@@ -113,7 +137,8 @@ def tar_records(
                 if member_key != key:
                     if key is not None:
                         ordinal += 1
-                        yield start, _sample(path, ordinal, key, members, fields, caption_prompt)
+                        yield start, _sample(path, ordinal, key, members, fields, caption_prompt, key in done)
+                        done.add(key)
                     tar.members.clear()  # type: ignore[attr-defined]  # next() keeps every header: memory would grow with the shard
                     key, start, members = member_key, info.offset, {}
                 ext = ext.lower()
@@ -123,6 +148,10 @@ def tar_records(
                 extracted = tar.extractfile(info)
                 members[ext] = extracted.read() if extracted is not None else b""
         except (tarfile.TarError, OSError) as err:
-            raise RecordError(f"{path}: tar file unreadable after sample {ordinal} ({err})") from None
+            # A cut or damaged shard: the samples before the damage were yielded and stay; the rest
+            # of the file is one bad record (skipped under data.on_bad_sample=skip, named under error).
+            reason = f"tar file cut or damaged after sample {ordinal} ({err}); the rest of it is lost"
+            yield start, DamagedFileError(str(path), reason, ordinal)
+            return
         if key is not None:
-            yield start, _sample(path, ordinal + 1, key, members, fields, caption_prompt)
+            yield start, _sample(path, ordinal + 1, key, members, fields, caption_prompt, key in done)
