@@ -9,6 +9,7 @@
 #                            binding a step without it gets one CPU
 #   requeue_setup            before the run: the run's counters, RESUME=auto after a requeue
 #   on_stop_signal SIG       the traps' part: record the first stop signal, call stop_run
+#   stop_signals_recorded    after the run: a stop signal is only recorded (nothing left to stop)
 #   finish_run RC STARTED    after the run: end, or requeue (excluding bad nodes), as docs/SCHEDULERS.md says
 #
 # The sourcing script defines log() and stop_run() (how its run is told to checkpoint and stop).
@@ -71,6 +72,15 @@ on_stop_signal() {
   # The first stop signal decides: the time limit's SIGTERM after our USR1 must not undo the requeue.
   STOP_SIGNAL="${STOP_SIGNAL:-$1}"
   stop_run "$1"
+}
+
+# After the run, until the script ends: a USR1 or TERM only records itself (the first decides).
+# Default handling there would kill the script between the run's end and its requeue: the time
+# limit's SIGTERM, arriving during the Ray teardown after USR1's stop, ended a job that was to
+# requeue, and finish_run never logged its end.
+stop_signals_recorded() {
+  trap 'STOP_SIGNAL="${STOP_SIGNAL:-USR1}"' USR1
+  trap 'STOP_SIGNAL="${STOP_SIGNAL:-TERM}"' TERM
 }
 
 # Consecutive runs that ended within REQUEUE_MIN_RUNTIME seconds: a job that fails right

@@ -135,3 +135,18 @@ EOF
   grep -q "ray_run: 143" "${BATS_TEST_TMPDIR}/out"
   [ "$(grep -c '^started' "${BATS_TEST_TMPDIR}/started")" -eq 2 ] # both nodes were starting, and were stopped
 }
+
+@test "job.sh: a stop signal after the run is recorded, not fatal, and the first still decides" {
+  # What slurm/train.sbatch and slurm/ray.sbatch do once their run has ended (they restored the
+  # default handling there, and a late SIGTERM killed the script before its requeue).
+  after_run() {
+    bash -c 'log() { :; }; stop_run() { :; }; source slurm/job.sh; trap "on_stop_signal USR1" USR1
+             kill -USR1 $$; stop_signals_recorded; kill -TERM $$; kill -USR1 $$; echo "alive after ${STOP_SIGNAL}"'
+  }
+  run after_run
+  [ "${status}" -eq 0 ]
+  [ "${output}" = "alive after USR1" ]
+  ! grep -n 'trap - USR1 TERM' slurm/train.sbatch slurm/ray.sbatch
+  grep -q '^  stop_signals_recorded$' slurm/train.sbatch
+  grep -q '^  stop_signals_recorded$' slurm/ray.sbatch
+}
