@@ -58,8 +58,9 @@ class MultiModalDataset(Dataset[Sample]):
 
         table = self.index.records.table
         single = pc.add(pc.fill_null(pc.utf8_length(table["prompt"]), 0), pc.fill_null(pc.utf8_length(table["response"]), 0))
-        turns = pc.utf8_length(table["turns"])
-        return pc.if_else(pc.is_null(turns), single, turns).to_pylist()  # type: ignore[no-any-return]
+        # A conversation's characters, counted when it was read (the turns column is JSON: its
+        # length counted quotes, brackets and escapes, 6 characters for one accented letter).
+        return pc.if_else(pc.is_null(table["turns"]), single, pc.fill_null(table["chars"], 0)).to_pylist()  # type: ignore[no-any-return]
 
     def _picture(self, relative: str | None) -> torch.Tensor | None:
         if self.image is None or relative is None:
@@ -181,3 +182,12 @@ def check_prompt_lengths(
                 f"{index}:{record['line']} (id {record['id']!r}): prompt is {length} tokens, "
                 f"data.max_length is {max_length}; raise data.max_length or shorten the prompt"
             )
+
+
+def raw_conversations(dataset: Any) -> bool:
+    """Whether ``dataset`` is a raw index holding conversations (LLaVA or messages records of more than
+    one question and answer), whose length proxy changed with the grouping's version 2."""
+    if not isinstance(dataset, MultiModalDataset):
+        return False  # a prepared set: its lengths are stored tokens
+    turns = dataset.index.records.table["turns"]
+    return bool(turns.null_count < len(turns))

@@ -58,7 +58,9 @@ class RecordTable:
         # turns: a conversation's (role, text) pairs as JSON, where prompt/response cannot hold it;
         # problem: why a record of another format cannot train (a bad sample when read).
         fields = (*REQUIRED_TEXT_FIELDS, *MEDIA_FIELDS)
-        schema = pa.schema([(f, text) for f in fields] + [("line", number), ("turns", text), ("problem", text)])
+        # chars: a conversation's characters, its text's (the length grouping's proxy; null without turns).
+        columns = [("line", number), ("turns", text), ("problem", text), ("chars", number)]
+        schema = pa.schema([(f, text) for f in fields] + columns)
         self.table: pyarrow.Table = pa.Table.from_pylist(records, schema=schema)
 
     def __len__(self) -> int:
@@ -230,6 +232,7 @@ def _conversation_index(path: Path, fmt: str, check_media: bool, max_problems: i
                     **{kind: None if where is None else os.path.abspath(str(where)) for kind, where in media.items()},
                     "line": record.line,
                     "turns": None if single or record.problem else json.dumps(record.turns),
+                    "chars": None if single or record.problem else sum(len(text) for _, text in record.turns),
                     "problem": record.problem,
                 }
             )

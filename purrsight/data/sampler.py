@@ -135,7 +135,8 @@ class GlobalPositionSampler(Sampler[int]):
 # drawn at random trains mostly padding. Grouping reorders each epoch's random order
 # (data/sampler.py) and nothing else:
 #
-# 1. the epoch's order is cut into windows of ``group_size x window_groups`` samples;
+# 1. the epoch's order is cut into windows of ``group_size x window_groups`` samples (at most half
+#    the epoch, in whole groups: grouping_window);
 # 2. each window is sorted by length, longest first (ties keep their random order);
 # 3. the sorted window is cut into groups of ``group_size`` samples, and the groups are shuffled
 #    (a short last group, in the epoch's last window, stays last).
@@ -151,6 +152,22 @@ class GlobalPositionSampler(Sampler[int]):
 # multiple of ``batch x W`` holds whole micro-batches of every rank (grouping_fit warns otherwise).
 
 
+#
+# Version 2 (2026-11-27) of the grouping, recorded in each checkpoint's data order (runs/data_order.py):
+# a window is at most half the epoch, in whole groups. In version 1 a set smaller than one window
+# was one window, sorted whole every epoch: the same groups every epoch, only their order shuffled.
+# Two windows at least cut the set into random halves each epoch, so the groups change. (The raw
+# length proxy changed with it: a conversation's characters, no longer its escaped JSON's.)
+GROUPING_VERSION = 2
+
+
+def grouping_window(samples: int, group_size: int, window_groups: int) -> int:
+    """The samples of one window: ``group_size x window_groups``, at most half of ``samples`` in whole
+    groups, one group at least."""
+    half = (samples // 2) // group_size * group_size
+    return min(group_size * window_groups, max(group_size, half))
+
+
 def grouped_order(
     order: list[int], lengths: np.ndarray, group_size: int, window_groups: int, generator: torch.Generator
 ) -> list[int]:
@@ -158,7 +175,7 @@ def grouped_order(
     if group_size < 1 or window_groups < 1:
         raise ValueError(f"group_size {group_size} and window_groups {window_groups} must be at least 1")
     positions = np.asarray(order, dtype=np.int64)
-    window = group_size * window_groups
+    window = grouping_window(len(positions), group_size, window_groups)
     grouped: list[np.ndarray] = []
     for start in range(0, len(positions), window):
         samples = positions[start : start + window]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from purrsight.config import Config
+from purrsight.data.sampler import GROUPING_VERSION
 from purrsight.errors import UserError
 
 ORDER_KEY = "data_order"  # inside the checkpoint's "purrsight" section, beside the position
@@ -38,7 +39,11 @@ def order_of(config: Config, samples: int, content: str) -> dict[str, Any]:
         "group_by_length": data.group_by_length,
     }
     if data.group_by_length:  # the groups' shape matters only when grouping is on
-        order |= {"length_group_size": data.length_group_size, "length_group_window": data.length_group_window}
+        order |= {
+            "length_group_size": data.length_group_size,
+            "length_group_window": data.length_group_window,
+            "grouping": GROUPING_VERSION,
+        }
     return order
 
 
@@ -52,11 +57,18 @@ def _shown(key: str, value: Any) -> str:
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Each setting of the order that differs, as "name: then -> now"."""
     names = {"samples": "training samples", "content": "content", "seed": "run.seed", "group_by_length": "data.group_by_length"}
-    keys = list(names)
+    names["grouping"] = "the length grouping's version (data/sampler.py, GROUPING_VERSION)"
+    keys = list(names)[:4]
     if saved.get("group_by_length") and now.get("group_by_length"):
-        keys += ["length_group_size", "length_group_window"]
+        keys += ["length_group_size", "length_group_window", "grouping"]
+        saved = {"grouping": 1, **saved}  # recorded since version 2; the records before it were made by version 1
     return [
         f"{names.get(key, 'data.' + key)}: {_shown(key, saved.get(key))} -> {_shown(key, now.get(key))}"
         for key in keys
         if saved.get(key) != now.get(key)
     ]
+
+
+def only_the_grouping_version(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether the grouping's version is all that differs (a checkpoint from before version 2)."""
+    return bool(saved.get("group_by_length")) and differences({**saved, "grouping": now.get("grouping")}, now) == []

@@ -18,15 +18,15 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from purrsight.config import Config
-from purrsight.data.dataset import Collator, Sample
+from purrsight.data.dataset import Collator, Sample, raw_conversations
 from purrsight.data.formats.sources import file_digest, sources_digest
 from purrsight.data.loader_worker import init_loader_worker
 from purrsight.data.prepared_manifest import MANIFEST_NAME
-from purrsight.data.sampler import GlobalPositionSampler, batches_done, grouping_fit, sample_lengths
+from purrsight.data.sampler import GlobalPositionSampler, batches_done, grouping_fit, grouping_window, sample_lengths
 from purrsight.datasets.builder import build_datasets
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
 from purrsight.internals.lightning_loops import drop_loader_states, epoch_batches_of, saved_epoch_ended, set_batches_done
-from purrsight.runs.data_order import ORDER_KEY, DataChangedError, differences, order_of
+from purrsight.runs.data_order import ORDER_KEY, DataChangedError, differences, only_the_grouping_version, order_of
 from purrsight.runs.data_position import DataPosition, saved_position
 
 log = logging.getLogger(__name__)
@@ -202,8 +202,12 @@ class Phase2DataModule(pl.LightningDataModule):
         if not isinstance(saved, dict):
             log.info("the checkpoint predates the data-order record (2026-11-27): its training set is not compared")
             return position
-        changed = differences(saved, self.data_order())
+        now = self.data_order()
+        changed = differences(saved, now)
         if not changed:
+            return position
+        if only_the_grouping_version(saved, now) and self._grouped_as_in_version_1():
+            log.info("resume: the checkpoint's length grouping is version 1, and this set's order is the same in version 2")
             return position
         what = "; ".join(changed)
         if self.config.data.on_data_change == "refuse":
@@ -216,6 +220,15 @@ class Phase2DataModule(pl.LightningDataModule):
         self.resume_note = f"data changed ({what}): epoch {epoch} from sample 0"
         log.warning("resume: the training order changed since the checkpoint (%s): epoch %d starts at sample 0", what, epoch)
         return replace(position, epoch=epoch, consumed=0)
+
+    def _grouped_as_in_version_1(self) -> bool:
+        """Whether the grouping's version 2 orders this training set as version 1 did: a window of
+        the configured size (the set is at least two of them) and lengths counted alike (no raw
+        conversation, whose length was its JSON's)."""
+        data = self.config.data
+        size = len(self.train_set)  # type: ignore[arg-type]
+        whole = grouping_window(size, data.length_group_size, data.length_group_window)
+        return whole == data.length_group_size * data.length_group_window and not raw_conversations(self.train_set)
 
     def resume_from(self, checkpoint: dict[str, Any]) -> None:
         """Take the data position a checkpoint holds, and count its epoch's done batches in this run's units.

@@ -14,9 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from purrsight.data.dataset import MultiModalDataset
-from purrsight.data.index import RecordTable, SampleIndex
+from purrsight.data.index import RecordTable, SampleIndex, read_index
 from purrsight.data.prepared import PreparedSplit, sample_row, write_shard
-from purrsight.data.sampler import GlobalPositionSampler, batches_done, grouped_order, grouping_fit, sample_lengths
+from purrsight.data.sampler import (
+    GlobalPositionSampler,
+    batches_done,
+    grouped_order,
+    grouping_fit,
+    grouping_window,
+    sample_lengths,
+)
 from tests.sample_ids import SampleIds
 
 
@@ -49,10 +56,25 @@ def test_grouped_order_permutes_the_plain_order_within_each_window(
     lengths = lengths_of(size, seed)
     plain = _epoch(size, seed, epoch, None)
     grouped = _epoch(size, seed, epoch, lengths, group, window)
-    span = group * window
+    span = grouping_window(size, group, window)
+    assert span % group == 0 and group <= span <= group * window and (span <= size // 2 or span == group)
     for start in range(0, size, span):
         assert sorted(grouped[start : start + span]) == sorted(plain[start : start + span]), f"window at {start}"
         assert_groups_are_length_bands(grouped[start : start + span], lengths, group)
+
+
+@settings_fast
+@given(st.integers(8, 400), st.integers(0, 2**31))
+def test_a_set_smaller_than_two_windows_gets_other_groups_each_epoch(size: int, seed: int) -> None:
+    """Version 1 sorted such a set whole every epoch: the same groups, only their order shuffled.
+    Distinct lengths, so only the window's cut can change a group."""
+    group, window = 4, 200  # a window of 800 samples, more than the set
+    lengths = np.random.default_rng(seed).permutation(size).astype(np.int64) + 1
+    groups = [
+        {frozenset(order[g : g + group]) for g in range(0, size - size % group, group)}
+        for order in (_epoch(size, seed, epoch, lengths, group, window) for epoch in range(3))
+    ]
+    assert groups[0] != groups[1] or groups[1] != groups[2]  # two epochs in a row with the very same groups: at most once
 
 
 @settings_fast
@@ -128,16 +150,16 @@ def test_a_group_that_fits_the_world_keeps_each_micro_batch_in_one_group() -> No
 
 def test_a_prepared_set_reports_its_stored_tokens_and_a_raw_index_its_characters(tmp_path: Path) -> None:
     """The lengths grouping sorts by (docs/DATA.md): a prepared shard's ``input_ids`` per sample; a raw
-    index's characters of prompt + response, or of a conversation's stored turns."""
+    index's characters of prompt + response, or of a conversation's turns."""
     rows = [sample_row(f"s{n}", n, list(range(n + 1)), [0] * (n + 1), None, None) for n in (4, 0, 9)]
     write_shard(tmp_path / "train-00000.arrow", rows)
     assert PreparedSplit(tmp_path, [{"name": "train-00000", "rows": 3}], None, None).lengths() == [5, 1, 10]
 
-    records = [
-        {"id": "a", "prompt": "abc", "response": "de", "line": 1},
-        {"id": "b", "prompt": "x", "response": "y", "turns": json.dumps([["user", "x"], ["assistant", "y"]]), "line": 2},
-    ]
+    turns = [{"role": "user", "content": "¿qué?"}, {"role": "assistant", "content": "sí"}, {"role": "user", "content": '"y"\n'}]
+    messages = [*turns, {"role": "assistant", "content": "no"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"id": "b", "messages": messages}) + "\n")
+    records = [{"id": "a", "prompt": "abc", "response": "de", "line": 1}, *read_index(tmp_path / "chat.jsonl")]
     index = SampleIndex(tmp_path / "index.jsonl", RecordTable(records))
     lengths = MultiModalDataset(index, text=None, image=None, audio=None).lengths()  # type: ignore[arg-type]
-    assert lengths == [5, len(records[1]["turns"])]
+    assert lengths == [5, 5 + 2 + 4 + 2]  # characters, not the escaped JSON's (version 1 counted 60 here)
     assert sample_lengths(SampleIds(4)).tolist() == SampleIds(4).lengths()
