@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from purrsight.data.index import SampleIndex
 from purrsight.data.media import AudioDecoder, ImageDecoder, SampleError
-from purrsight.data.text import PromptTooLongError, TextEncoder
+from purrsight.data.text import PromptTooLongError, TemplateRefusedError, TextEncoder
 from purrsight.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class MultiModalDataset(Dataset[Sample]):
             text = self.text.encode_turns(json.loads(turns)) if turns else self.text(record["prompt"], record["response"])
             image = self._picture(record["image"])
             audio = self._clip(record["audio"])
-        except (SampleError, PromptTooLongError) as err:
+        except (SampleError, PromptTooLongError, TemplateRefusedError) as err:
             raise SampleError(f"{self.index.path}:{record['line']} (id {record['id']!r}): {err}") from None
         return Sample(record["id"], text.input_ids, text.labels, image, audio, skipped=0, media_at=text.media_at)
 
@@ -176,7 +176,11 @@ def check_prompt_lengths(
         if record.get("problem"):
             continue  # a bad sample, met as one when read
         turns = record.get("turns")
-        length = turns_length(json.loads(turns)) if turns and turns_length else prompt_length(record["prompt"])
+        try:
+            length = turns_length(json.loads(turns)) if turns and turns_length else prompt_length(record["prompt"])
+        except TemplateRefusedError as err:  # a bad sample under data.on_bad_sample, met as one when read
+            record["problem"] = str(err)
+            continue
         if length >= max_length:
             raise SampleError(
                 f"{index}:{record['line']} (id {record['id']!r}): prompt is {length} tokens, "

@@ -80,6 +80,11 @@ class PromptTooLongError(ValueError):
     """The prompt alone fills max_length, so no response token would be trained."""
 
 
+class TemplateRefusedError(ValueError):
+    """The tokenizer's chat template raised on a conversation (Gemma's on a system turn, Mistral's on
+    two user turns in a row): that sample is bad, named with the template's own message."""
+
+
 class TextEncoder:
     def __init__(self, tokenizer: Any, max_length: int) -> None:
         self.tokenizer = tokenizer
@@ -131,7 +136,11 @@ class TextEncoder:
         """The chat template's rendering, tokenized as ``apply_chat_template(tokenize=True)`` does (the
         string without special tokens added) but in pieces split at the placeholders."""
         messages = [{"role": role, "content": drop_breaks(text)} for role, text in turns]
-        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        except Exception as err:  # the template's raise_exception (jinja2's TemplateError), or its own bug on these turns
+            roles = ", ".join(role for role, _ in turns)
+            raise TemplateRefusedError(f"the tokenizer's chat template refuses these turns ({roles}): {err}") from None
         return self._tokens(str(rendered), media_at, 0)
 
     def _templated_turns(

@@ -49,7 +49,7 @@ from purrsight.data.prepared_manifest import (
     read_json,
     shard_name,
 )
-from purrsight.data.text import PromptTooLongError, TextEncoder
+from purrsight.data.text import PromptTooLongError, TemplateRefusedError, TextEncoder
 from purrsight.datasets.builder import build_decoders, preparation_settings, read_options, source_of
 from purrsight.datasets.duplicate_ids import IdHashes, duplicate_lines
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
@@ -194,7 +194,7 @@ def _prepare_shard(task: ShardTask, out: Path) -> ShardResult:
                 encoded = text.encode_turns(record.turns)
                 pixels = image.stored(image.load(record.image)) if image and record.image else None
                 wave = audio.window(record.audio) if audio and record.audio else None
-            except (SampleError, PromptTooLongError) as err:
+            except (SampleError, PromptTooLongError, TemplateRefusedError) as err:
                 bad.append({"where": record.where, "error": str(err)})
                 continue
             if not (bad and refuse_bad):  # once refused, the rest is decoded only to list its bad samples

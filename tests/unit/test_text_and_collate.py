@@ -7,9 +7,9 @@ import torch
 from PIL import Image
 
 from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_prompt_lengths
-from purrsight.data.index import RecordTable, scan_index
+from purrsight.data.index import RecordTable, SampleIndex, scan_index
 from purrsight.data.media import AudioDecoder, ImageDecoder, SampleError
-from purrsight.data.text import PromptTooLongError, TextEncoder
+from purrsight.data.text import PromptTooLongError, TemplateRefusedError, TextEncoder
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.llm import load_tokenizer
 
@@ -111,3 +111,29 @@ def test_skip_covers_oversized_images_and_stops_at_the_consecutive_limit(
         MultiModalDataset(index, text, *decoders, on_bad_sample="skip", max_consecutive_bad=3)[0]
     with pytest.raises(SampleError, match=r"prompt is \d+ tokens, data.max_length is 3"):
         check_prompt_lengths(index.path, list(index.records), TextEncoder(tokenizer, 3).prompt_length, 3)
+
+
+def test_a_chat_template_that_refuses_the_turns_makes_a_named_bad_sample(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Gemma's template raises on a system turn (Mistral's on turns that do not alternate): the sample
+    is bad, named with the template's message, under data.on_bad_sample; it was a traceback."""
+    import json
+
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = (  # Gemma's check, as its template words it
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}<bos> {{ m['content'] }} <eos> {% endfor %}{% if add_generation_prompt %}<bos>{% endif %}"
+    )
+    text = TextEncoder(tokenizer, 64)
+    with_system = [("system", "be brief"), ("user", "what colour?"), ("assistant", "red")]
+    with pytest.raises(TemplateRefusedError, match=r"chat template refuses these turns \(system, user.*System role not supported"):
+        text.encode_turns(with_system)
+    records = [
+        {"id": "s", "line": 1, "prompt": "what colour?", "response": "red", "turns": json.dumps(with_system)},
+        {"id": "u", "line": 2, "prompt": "what colour?", "response": "red"},
+    ]
+    check_prompt_lengths(tmp_path / "chat.jsonl", records, text.prompt_length, 64, text.first_prompt_length)
+    assert "System role not supported" in records[0]["problem"] and "problem" not in records[1]  # bad when read
+    index = SampleIndex(tmp_path / "chat.jsonl", RecordTable([{**r, "image": None, "audio": None} for r in records]))
+    with pytest.raises(SampleError, match=r"chat\.jsonl:1 \(id 's'\): the tokenizer's chat template refuses"):
+        MultiModalDataset(index, text, None, None, on_bad_sample="error")[0]
+    assert MultiModalDataset(index, text, None, None, on_bad_sample="skip")[0].id == "u"
