@@ -434,3 +434,33 @@ def test_tar_pairing_messages_say_why_a_pair_was_not_made(tmp_path: Path) -> Non
     assert "WebDataset splits a name at its first dot, so img.001.jpg is key 'img' with extension '001.jpg'" in str(dotted)
     assert fine is None and first is not None and first.startswith("k.jpg without its text pair"), first
     assert apart is not None and "key 'k' also stands elsewhere in the shard" in apart and "tar --sort=name" in apart, apart
+
+
+def test_parquet_media_in_a_column_the_config_does_not_name_is_refused_and_decoded_audio_is_read(tmp_path: Path) -> None:
+    """A picture column named `photo` prepared as text only, "complete, 0 left out"; so did the
+    `datasets` Audio feature decoded ({array, sampling_rate}). Now the first is named in one line and
+    the second read as the sound it is."""
+    import io
+
+    import numpy as np
+    import pyarrow.parquet as pq
+    import soundfile
+
+    from purrsight.data.formats.records import MediaBlob, RecordError
+
+    media = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    photo = {"bytes": ICON.read_bytes(), "path": "present.png"}
+    pq.write_table(
+        pa.table({"id": ["a"], "caption": ["a blue present"], "photo": pa.array([photo], media)}), tmp_path / "photo.parquet"
+    )
+    with pytest.raises(RecordError, match=r"photo.parquet: column 'photo' holds media \(bytes\) that data.fields does not name"):
+        list(read_records(tmp_path / "photo.parquet", "parquet", load_media=False))
+
+    wave = np.sin(np.linspace(0, 200, 1600)).astype(np.float32)
+    decoded = pa.struct([("array", pa.list_(pa.float32())), ("sampling_rate", pa.int64()), ("path", pa.string())])
+    sound = pa.array([{"array": wave.tolist(), "sampling_rate": 16000, "path": None}], decoded)
+    pq.write_table(pa.table({"id": ["b"], "caption": ["a tone"], "audio": sound}), tmp_path / "sound.parquet")
+    ((_, record),) = read_records(tmp_path / "sound.parquet", "parquet")
+    assert isinstance(record, Record) and record.problem is None and isinstance(record.audio, MediaBlob)
+    samples, rate = soundfile.read(io.BytesIO(record.audio.data), dtype="float32")
+    assert rate == 16000 and np.allclose(samples, wave)

@@ -2,7 +2,8 @@
 
 Columns, by data.fields: ``image`` / ``audio`` as ``{bytes, path}`` structs (the ``datasets``
 Image and Audio features), raw bytes, a path string (relative to data.media_root, else the
-shard's folder) or a list of those; the text as a column of turns (``conversations`` /
+shard's folder), decoded audio (``{array, sampling_rate}``, the Audio feature decoded: read as WAV)
+or a list of those; a media column data.fields does not name is refused by name; the text as a column of turns (``conversations`` /
 ``messages``), ``prompt`` and ``response``, or a caption (``caption`` / ``text``: the response to
 data.caption_prompt); ``id`` when there is one (else ``SHARD:ROW``). Rows are read 64 at a time
 from one row group at a time (pyarrow), so a 900 MB shard is never in memory whole; a prepare
@@ -19,6 +20,39 @@ from purrsight.data.formats.conversations import _turns
 from purrsight.data.formats.records import ASSISTANT, USER, FieldNames, Media, MediaBlob, Record, RecordError, conversation_record
 
 BATCH_ROWS = 64
+
+
+def _media_kind(column: Any) -> str | None:
+    """What a column's Arrow type holds when it holds media: "bytes" (raw bytes, or the ``datasets``
+    Image/Audio features' ``{bytes, path}`` structs), "decoded audio" (``{array, sampling_rate}``,
+    the Audio feature decoded), else None. Lists of them alike."""
+    import pyarrow as pa
+
+    kind = column.type
+    while pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        kind = kind.value_type
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return "bytes"
+    if pa.types.is_struct(kind):
+        children = {kind.field(i).name for i in range(kind.num_fields)}
+        if {"array", "sampling_rate"} <= children:
+            return "decoded audio"
+        if "bytes" in children:
+            return "bytes"
+    return None
+
+
+def _unnamed_media(path: Path, schema: Any, chosen: dict[str, str | None], fields: FieldNames) -> str | None:
+    """A column with media that data.fields does not name: without this line its pictures or sounds
+    were left out of every sample, and the prepare said "complete, 0 left out"."""
+    for column in schema:
+        if column.name not in chosen.values() and _media_kind(column) is not None:
+            return (
+                f"{path}: column {column.name!r} holds media ({_media_kind(column)}) that data.fields does not name "
+                f"(image: {', '.join(fields.image)}; audio: {', '.join(fields.audio)}): add it, as "
+                f"data.fields.image=[{column.name}] or data.fields.audio=[{column.name}], or drop the column"
+            )
+    return None
 
 
 def _columns(path: Path, names: list[str], fields: FieldNames) -> dict[str, str | None]:
@@ -45,7 +79,9 @@ def _media(cell: Any, where: str, folder: Path) -> list[Media]:
     cells = cell if isinstance(cell, list) else [] if cell is None else [cell]
     found: list[Media] = []
     for item in cells:
-        if isinstance(item, dict):  # {bytes, path}: bytes when embedded, else a path
+        if isinstance(item, dict) and item.get("array") is not None and item.get("sampling_rate"):
+            found.append(MediaBlob(_wav(item["array"], int(item["sampling_rate"])), f"{where}:{item.get('path') or 'array'}"))
+        elif isinstance(item, dict):  # {bytes, path}: bytes when embedded, else a path
             if item.get("bytes"):
                 found.append(MediaBlob(item["bytes"], f"{where}:{item.get('path') or 'bytes'}"))
             elif item.get("path"):
@@ -55,6 +91,19 @@ def _media(cell: Any, where: str, folder: Path) -> list[Media]:
         elif isinstance(item, str) and item:
             found.append(folder / item)
     return found
+
+
+def _wav(samples: Any, rate: int) -> bytes:
+    """Decoded audio (the ``datasets`` Audio feature's ``{array, sampling_rate}``) as WAV bytes, which
+    the audio decoder reads as it reads a file (float samples kept as float)."""
+    import io
+
+    import numpy as np
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.asarray(samples, dtype=np.float32), rate, format="WAV", subtype="FLOAT")
+    return buffer.getvalue()
 
 
 def row_count(path: Path) -> int:
@@ -74,6 +123,9 @@ def parquet_records(
     except Exception as err:  # pyarrow raises its own ArrowInvalid, OSError, ...: one line naming the file
         raise RecordError(f"{path}: not a readable Parquet file ({err})") from None
     chosen = _columns(path, shard.schema_arrow.names, fields)
+    unnamed = _unnamed_media(path, shard.schema_arrow, chosen, fields)
+    if unnamed is not None:
+        raise RecordError(unnamed)
     wanted = [name for key, name in chosen.items() if name and (load_media or key not in ("image", "audio"))]
     if chosen["prompt"]:
         wanted.append(fields.response)
