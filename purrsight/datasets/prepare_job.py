@@ -330,13 +330,20 @@ def _claim_folder(out: Path, plan: dict[str, Any]) -> None:
     existing = out / PLAN_NAME
     if existing.is_file():
         found = read_json(existing)
-        changed = differences(_without_paths(found), _without_paths(plan))
+        # The refusal's own advice, followed into the same folder: shards published under "error"
+        # hold no bad sample, so they stand under "skip" too (the other way, shards that left bad
+        # samples out would not stand, and the plans differ).
+        relaxed = found.get("on_bad_sample") == "error" and plan["on_bad_sample"] == "skip"
+        changed = differences(
+            _without_paths({**found, "on_bad_sample": plan["on_bad_sample"]} if relaxed else found), _without_paths(plan)
+        )
         if changed:
             raise PreparedSetError(
                 f"{out} holds a prepare of other sources or settings ({', '.join(changed)} differ); "
                 "use another --out, or delete the folder to start over"
             )
-        return
+        if not relaxed:
+            return
     write_json(existing, plan)
 
 

@@ -464,3 +464,18 @@ def test_parquet_media_in_a_column_the_config_does_not_name_is_refused_and_decod
     assert isinstance(record, Record) and record.problem is None and isinstance(record.audio, MediaBlob)
     samples, rate = soundfile.read(io.BytesIO(record.audio.data), dtype="float32")
     assert rate == 16000 and np.allclose(samples, wave)
+
+
+def test_a_refusals_advice_followed_into_the_same_folder_prepares(synthetic_dir: Path, tmp_path: Path) -> None:
+    """`prepare` refuses bad samples and says "set data.on_bad_sample=skip to leave them out"; run so
+    into the same --out, it was refused as "other settings". The shards done under error stand."""
+    tars, _ = bad_set(tmp_path / "bad")
+    refusing = tiny_config(synthetic_dir, tmp_path, data__train_index=tars, data__val_index="null")
+    with pytest.raises(PreparedSetError) as refused:
+        prepare_set(refusing, tmp_path / "set", processes=1, part=(0, 1), shard_size=2)
+    assert "set data.on_bad_sample=skip to leave them out" in refused.value.lines()[-1]
+    skipping = tiny_config(synthetic_dir, tmp_path, data__train_index=tars, data__val_index="null", data__on_bad_sample="skip")
+    manifest = prepare_set(skipping, tmp_path / "set", processes=1, part=(0, 1), shard_size=2)
+    assert manifest is not None and manifest["splits"]["train"]["samples"] == 2
+    with pytest.raises(PreparedSetError, match=r"holds a prepare of other sources or settings \(on_bad_sample"):
+        prepare_set(refusing, tmp_path / "set", processes=1, part=(0, 1), shard_size=2)  # shards that left bad samples out
