@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from purrsight.atomic_file import write_text_atomically
 from purrsight.errors import ExitCode, UserError
@@ -372,6 +372,13 @@ class Config(_Section):
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    # The keys this command's overrides set (section.key), as load_config read them: what the user
+    # said for this run, as against the config file's standing values (a prepared set's check).
+    _overridden: frozenset[str] = PrivateAttr(default=frozenset())
+
+    @property
+    def overridden(self) -> frozenset[str]:
+        return self._overridden
 
     @model_validator(mode="after")
     def _sharding_compiles_nothing(self) -> Config:
@@ -525,6 +532,8 @@ def path_problems(config: Config, source: str, overrides: list[str] | None = Non
     for key, value in {"data.train_index": config.data.train_index, "data.val_index": config.data.val_index}.items():
         if value is None or Path(value).is_file() or Path(value) in generated:
             continue
+        if config.data.prepared is not None and key == "data.train_index":
+            continue  # a prepared set trains alone: its sources need not be here (prepared_manifest.check_sources)
         if any(mark in value for mark in "*?[{"):  # a glob or brace range of shards: its reader names a missing file
             continue
         note = f" (the synthetic set is generated as {synthetic}/train.jsonl and val.jsonl)" if synthetic is not None else ""
@@ -576,6 +585,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, check_path
     problems = path_problems(config, str(path), overrides) if check_paths else []
     if problems:
         raise ConfigError(problems)
+    config._overridden = frozenset(override.split("=", 1)[0].strip() for override in overrides)
     return config
 
 

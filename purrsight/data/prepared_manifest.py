@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from purrsight.data.formats.sources import SourceError, expand, file_digest, sources_digest
+from purrsight.data.formats.sources import file_digest
 from purrsight.errors import UserError
 
 FORMAT_VERSION = 1
@@ -96,18 +97,24 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return dict(manifest)
 
 
-def check_sources(manifest: dict[str, Any], folder: Path, indexes: dict[str, str | None]) -> None:
-    """PreparedSetError unless each index (split -> path) holds the content the set was prepared from."""
+def same_source(index: str, recorded: str) -> bool:
+    """Whether ``index`` names the source a split was prepared from, as spelled or as resolved here."""
+    return index == recorded or os.path.abspath(index) == os.path.abspath(recorded)
+
+
+def check_sources(manifest: dict[str, Any], folder: Path, indexes: dict[str, str | None], overridden: frozenset[str]) -> None:
+    """PreparedSetError when an index this command's overrides name (``overridden``: ``data.train_index``
+    ...) is not the source its split was prepared from. Nothing is read: a prepared set trains alone,
+    its sources neither needed nor hashed at a start; the config file's own index is its raw path's,
+    not this run's (the README's flow: a config, `prepare` with `data.train_index=shards/...`, then
+    `data.prepared=DIR`)."""
     for split, index in indexes.items():
         source = manifest["sources"].get(split)
-        if index is None or source is None:
+        if index is None or source is None or same_source(index, source["index"]):
             continue
-        try:
-            expand(index)
-        except SourceError as err:
-            raise PreparedSetError(f"data.{split}_index: {err} (data.prepared {folder} names its source)") from None
-        if sources_digest(index) != source["sha256"]:
+        if f"data.{split}_index" in overridden:
             raise PreparedSetError(
-                f"data.prepared: {folder} was made from another content of {index} (prepared from {source['index']}, "
-                f"{source['records']} samples); run prepare again"
+                f"data.{split}_index={index} names other data than data.prepared={folder} was made from ({source['index']}, "
+                f"{source['records']} samples): a prepared set trains alone; drop data.{split}_index, or prepare {index} "
+                "into another --out"
             )

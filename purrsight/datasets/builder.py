@@ -143,7 +143,7 @@ def verify_prepared(config: Config, folder: Path, settings: dict[str, Any]) -> d
             f"data.prepared: {folder} was made with other settings ({', '.join(changed)} differ from this config); "
             "prepare it again into another folder (--out) or delete it"
         )
-    check_sources(manifest, folder, {"train": config.data.train_index, "val": config.data.val_index})
+    check_sources(manifest, folder, {"train": config.data.train_index, "val": config.data.val_index}, config.overridden)
     return manifest
 
 

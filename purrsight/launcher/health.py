@@ -72,7 +72,7 @@ def check_data(config: Config, node_rank: int = 0) -> str:
         try:
             manifest = read_manifest(Path(data.prepared))
             if node_rank == 0:  # made from these indexes (a hash of each: no media file touched)
-                check_sources(manifest, Path(data.prepared), {"train": data.train_index, "val": data.val_index})
+                check_sources(manifest, Path(data.prepared), {"train": data.train_index, "val": data.val_index}, config.overridden)
         except PreparedSetError as err:
             raise CheckFailedError(str(err)) from None
         counts = ", ".join(f"{split} {entry['samples']} samples" for split, entry in manifest["splits"].items())

@@ -199,6 +199,8 @@ def test_only_node_0_reads_every_index_line_and_a_prepared_set_needs_its_manifes
 
 
 def test_node_0_refuses_a_prepared_set_made_from_another_index_before_torchrun(synthetic_dir: Path, tmp_path: Path) -> None:
+    """The index this command names (an override) against the one the set was made from; the set's own
+    source is not read (it may be gone, or changed: the prepared set is what trains)."""
     from purrsight.datasets.prepare_job import prepare_set
     from tests.helpers import tiny_config
 
@@ -210,10 +212,17 @@ def test_node_0_refuses_a_prepared_set_made_from_another_index_before_torchrun(s
     prepare_set(config, tmp_path / "set", processes=1, part=(0, 1), shard_size=64)
     prepared = config.model_copy(update={"data": config.data.model_copy(update={"prepared": str(tmp_path / "set")})})
     assert "train 128 samples" in check_data(prepared, node_rank=0)
-    index.write_text(index.read_text().replace("The cat is red.", "The cat is blue."))
-    with pytest.raises(CheckFailedError, match=r"was made from another content of .*train.jsonl .*run prepare again"):
-        check_data(prepared, node_rank=0)
-    assert "train 128 samples" in check_data(prepared, node_rank=1)  # other nodes read no index: rank 0 refuses it too
+    index.unlink()  # the source gone: the prepared set trains alone
+    assert "train 128 samples" in check_data(prepared, node_rank=0)
+    other = prepared.model_copy(
+        update={"data": prepared.data.model_copy(update={"train_index": str(synthetic_dir / "train.jsonl")})}
+    )
+    other._overridden = frozenset()  # as the config file's own value: the raw path's index, not this run's
+    assert "train 128 samples" in check_data(other, node_rank=0)
+    other._overridden = frozenset({"data.train_index"})  # named by this command's overrides: refused, naming both
+    with pytest.raises(CheckFailedError, match=r"data.train_index=.*synthetic.*train.jsonl names other data than data.prepared="):
+        check_data(other, node_rank=0)
+    assert "train 128 samples" in check_data(other, node_rank=1)  # other nodes check the manifest only: rank 0 refuses
 
 
 def test_a_node_names_itself_for_exclusion_only_for_failures_of_its_own(tmp_path: Path) -> None:

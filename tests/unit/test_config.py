@@ -21,6 +21,8 @@ def test_precedence_cli_over_file_over_defaults(tmp_path: Path) -> None:
     assert config.trainer.max_steps == 9  # CLI wins over the file
     assert config.trainer.accumulate_grad_batches == 3  # file wins over the default (1)
     assert config.trainer.gradient_clip_val == Config().trainer.gradient_clip_val == 1.0  # default
+    assert config.overridden == {"trainer.max_steps"}  # what this command said, as against the file (a prepared set's check)
+    assert config.model_copy().overridden == config.overridden
 
 
 def test_bare_yaml_off_means_off(tmp_path: Path) -> None:

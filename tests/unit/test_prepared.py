@@ -159,10 +159,19 @@ def test_a_stale_set_is_refused_naming_what_differs(real_media: Path, synthetic_
         build_datasets(with_prepared(config, folder, max_length=48), 1)
     with pytest.raises(PreparedSetError, match=r"other settings \(audio.seconds differ"):
         build_datasets(with_prepared(config, folder, audio_seconds=2.0), 1)
-    changed = tmp_path / "changed.jsonl"
-    changed.write_text((real_media / "index.jsonl").read_text().replace("It is the photo.", "It is a photo."))
-    with pytest.raises(PreparedSetError, match=r"made from another content of .*changed.jsonl.*run prepare again"):
-        build_datasets(with_prepared(config, folder, train_index=str(changed)), 1)
+    # A prepared set trains alone: its source is not read (nor needed) at a start, and an index the
+    # config file names is the raw path's; one this command's overrides name, if another, is refused.
+    other = tmp_path / "other.jsonl"
+    other.write_text((real_media / "index.jsonl").read_text().replace("It is the photo.", "It is a photo."))
+    standing = with_prepared(config, folder, train_index=str(tmp_path / "gone.jsonl"))
+    standing._overridden = frozenset()
+    build_datasets(standing, 1)
+    said = with_prepared(config, folder, train_index=str(other))
+    said._overridden = frozenset({"data.train_index"})
+    with pytest.raises(
+        PreparedSetError, match=r"data.train_index=.*other.jsonl names other data than data.prepared=.* was made from"
+    ):
+        build_datasets(said, 1)
     # The same folder cannot take a prepare of something else: its plan names what it holds.
     with pytest.raises(PreparedSetError, match=r"holds a prepare of other sources or settings \(settings.max_length differ"):
         prepare_set(with_prepared(config, folder, max_length=48), folder, processes=1, part=(0, 1), shard_size=4)
