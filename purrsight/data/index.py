@@ -149,6 +149,9 @@ def read_index(
         )
     if fmt != "purrsight":
         return _conversation_index(path, fmt, check_media, max_problems, options)
+    # data.media_root means the same for every format, raw or prepared: our JSONL's paths are joined
+    # to it here as a LLaVA file's are (prepared, they always were; raw, they were the file's folder's).
+    root = (options or _default_options()).root_of(path)
     records: list[dict[str, Any]] = []
     problems: list[str] = []
     seen_ids: dict[str, int] = {}
@@ -158,7 +161,7 @@ def read_index(
                 continue
             where = f"{path}:{number}"
             try:
-                clean = check_record(_parse(line, where), where, path.parent, check_media)
+                clean = check_record(_parse(line, where), where, root, check_media)
                 if clean["id"] in seen_ids:
                     raise IndexFileError(f"{where}: duplicate id {clean['id']!r} (first on line {seen_ids[clean['id']]})")
             except IndexFileError as err:
@@ -168,6 +171,8 @@ def read_index(
                 continue
             seen_ids[clean["id"]] = number
             problem = prompt_problem(clean["prompt"], clean["response"], clean["image"] is not None, clean["audio"] is not None)
+            if root != path.parent:  # the dataset joins a relative path to the index's folder
+                clean |= {k: os.path.abspath(root / clean[k]) for k in MEDIA_FIELDS if clean[k] is not None}
             records.append({**clean, "line": number, "problem": problem})  # decode errors in training name it too
     if problems:
         if max_problems == 1:

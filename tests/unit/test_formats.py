@@ -479,3 +479,21 @@ def test_a_refusals_advice_followed_into_the_same_folder_prepares(synthetic_dir:
     assert manifest is not None and manifest["splits"]["train"]["samples"] == 2
     with pytest.raises(PreparedSetError, match=r"holds a prepare of other sources or settings \(on_bad_sample"):
         prepare_set(refusing, tmp_path / "set", processes=1, part=(0, 1), shard_size=2)  # shards that left bad samples out
+
+
+def test_media_root_means_the_same_for_our_jsonl_raw_and_prepared(synthetic_dir: Path, tmp_path: Path) -> None:
+    """Our JSONL's media paths are relative to data.media_root when it is set, on the raw path as in
+    `prepare` and as for LLaVA files (raw, they were relative to the index's folder whatever it said)."""
+    (tmp_path / "elsewhere").mkdir()
+    index = tmp_path / "elsewhere" / "train.jsonl"
+    index.write_text("\n".join((synthetic_dir / "train.jsonl").read_text().splitlines()[:3]) + "\n")
+    with pytest.raises(IndexFileError, match=r"image file .*elsewhere/images/.* does not exist"):
+        read_index(index)  # no media_root: the index's folder
+    records = read_index(index, options=ReadOptions(media_root=synthetic_dir))
+    media = [Path(record[kind]) for record in records for kind in ("image", "audio") if record[kind]]
+    assert media and all(path.is_file() and path.is_relative_to(synthetic_dir) for path in media)
+    config = tiny_config(
+        synthetic_dir, tmp_path, data__train_index=str(index), data__val_index="null", data__media_root=str(synthetic_dir)
+    )
+    manifest = prepare_set(config, tmp_path / "set", processes=1, part=(0, 1), shard_size=8)
+    assert manifest is not None and manifest["splits"]["train"]["samples"] == 3
