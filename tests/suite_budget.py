@@ -6,8 +6,8 @@ Two halves:
 
 - a pytest plugin (``tests/conftest.py`` loads it): when ``PURRSIGHT_DURATIONS`` names a file,
   the controlling pytest process writes there its tier's wall time and every test's seconds
-  (setup, call and teardown summed) and start, ``{"tier", "wall_s", "tests": {nodeid: s},
-  "began": {nodeid: epoch s}}``;
+  (setup, call and teardown summed) and start, and the CPU seconds each test used, ``{"tier",
+  "wall_s", "tests": {nodeid: s}, "began": {nodeid: epoch s}, "cpu": {nodeid: s}}``;
 - ``python -m tests.suite_budget FILE...``: each file's tier against its budget, the whole run's
   time against the ``whole`` row when ``--whole-s`` gives it, the slowest tests of each tier
   named; exit 1 when anything is over budget.
@@ -23,13 +23,15 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 README = Path(__file__).resolve().parent / "README.md"
 DURATIONS_ENV = "PURRSIGHT_DURATIONS"
+CPU_PROPERTY = "purrsight_cpu_s"  # the user property a test's CPU seconds travel in
 TIER_ENV = "PURRSIGHT_TIER"
 SLOWEST_SHOWN = 5
 # A budget row of tests/README.md: | `tier` | what runs | 17 min |
@@ -49,20 +51,22 @@ class TierTime:
     tier: str
     wall_s: float
     tests: dict[str, float]
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per test (files before 2026-11-27: none)
 
     @classmethod
     def read(cls, path: Path) -> TierTime:
         data = json.loads(path.read_text())
-        return cls(str(data["tier"]), float(data["wall_s"]), {str(k): float(v) for k, v in data["tests"].items()})
+        cpu = {str(k): float(v) for k, v in data.get("cpu", {}).items()}
+        return cls(str(data["tier"]), float(data["wall_s"]), {str(k): float(v) for k, v in data["tests"].items()}, cpu)
 
 
 def verdicts(times: list[TierTime], limits: dict[str, float], whole_s: float | None = None) -> tuple[list[str], bool]:
     """One line per tier (and the whole run), the slowest tests under each; and whether all fit."""
     lines, fits = [], True
-    measured = [(t.tier, t.wall_s, t.tests) for t in times]
+    measured = [(t.tier, t.wall_s, t.tests, t.cpu) for t in times]
     if whole_s is not None:
-        measured.append(("whole", whole_s, {}))
-    for tier, wall_s, tests in measured:
+        measured.append(("whole", whole_s, {}, {}))
+    for tier, wall_s, tests, cpu in measured:
         if tier not in limits:
             lines.append(f"{tier}: {wall_s / 60:.1f} min, no budget in tests/README.md: add a row for it")
             fits = False
@@ -74,33 +78,79 @@ def verdicts(times: list[TierTime], limits: dict[str, float], whole_s: float | N
         lines.append(f"{tier}: {wall_s / 60:.1f} min of {limits[tier] / 60:.0f} ({share}): {verdict}")
         for nodeid, seconds in sorted(tests.items(), key=lambda item: -item[1])[:SLOWEST_SHOWN]:
             lines.append(f"    {seconds:7.1f} s  {nodeid}")
+        if cpu:  # what each test costs the suite, whatever ran beside it
+            lines.append(f"  CPU: {sum(cpu.values()) / 60:.1f} min in the tests' own processes; the costliest:")
+            for nodeid, seconds in sorted(cpu.items(), key=lambda item: -item[1])[:SLOWEST_SHOWN]:
+                lines.append(f"    {seconds:7.1f} CPU-s  {nodeid}")
     return lines, fits
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time and that of its children it has waited for (theirs, in turn, included)."""
+    used = os.times()
+    return used.user + used.system + used.children_user + used.children_system
+
+
+class CpuPerTest:
+    """In the process that runs the tests (an xdist worker, or pytest itself): each test's CPU seconds,
+    its own and its waited-for subprocesses' (a torchrun job and its workers, a launcher, a trainer),
+    carried to the controller in the teardown report's user properties.
+
+    Wall time on two busy cores says how crowded the machine was; CPU says what a test costs the
+    suite (one 6-CPU-second script took 67 s in a full run). Not counted: processes no test waits
+    for (SLURM's and Ray's daemons and their jobs, in the serial tier), which the wall time shows."""
+
+    def __init__(self) -> None:
+        self._started: dict[str, float] = {}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        self._started[item.nodeid] = cpu_seconds()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        if call.when == "teardown" and item.nodeid in self._started:
+            item.user_properties.append((CPU_PROPERTY, cpu_seconds() - self._started.pop(item.nodeid)))
+        yield
+
+
 class DurationsWriter:
-    """The plugin: every test's seconds and the session's wall time, written at the session's end."""
+    """The plugin: every test's seconds and CPU seconds and the session's wall time, written at the session's end."""
 
     def __init__(self, path: Path, tier: str) -> None:
         self.path, self.tier = path, tier
         self.started = time.monotonic()
         self.tests: dict[str, float] = {}
         self.began: dict[str, float] = {}  # when each test's setup began (epoch s): the run's timeline
+        self.cpu: dict[str, float] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.tests[report.nodeid] = self.tests.get(report.nodeid, 0.0) + report.duration
         self.began.setdefault(report.nodeid, report.start)
+        for name, value in report.user_properties:
+            if name == CPU_PROPERTY:
+                self.cpu[report.nodeid] = round(float(value), 2)  # type: ignore[arg-type]  # user properties are objects
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        record = {"tier": self.tier, "wall_s": time.monotonic() - self.started, "tests": self.tests, "began": self.began}
+        record = {
+            "tier": self.tier,
+            "wall_s": time.monotonic() - self.started,
+            "tests": self.tests,
+            "began": self.began,
+            "cpu": self.cpu,
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def register(config: pytest.Config) -> None:
-    """Called by tests/conftest.py: the writer in the controlling process only (not in xdist's workers,
-    whose reports reach the controller anyway)."""
+    """Called by tests/conftest.py: the CPU counter where tests run, the writer in the controlling
+    process only (not in xdist's workers, whose reports reach the controller anyway)."""
     path = os.environ.get(DURATIONS_ENV)
-    if path and not hasattr(config, "workerinput"):
+    if not path:
+        return
+    config.pluginmanager.register(CpuPerTest(), "purrsight-cpu-per-test")  # where tests run: here, or in each worker
+    if not hasattr(config, "workerinput"):
         config.pluginmanager.register(DurationsWriter(Path(path), os.environ.get(TIER_ENV, "pytest")), "purrsight-durations")
 
 

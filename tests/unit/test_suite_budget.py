@@ -37,11 +37,16 @@ def test_a_tier_over_its_budget_fails_and_names_its_slowest_tests() -> None:
 
 def test_pytest_writes_each_tests_seconds_and_the_check_reads_them(tmp_path: Path) -> None:
     """A real pytest run with the plugin (through tests/conftest.py), then the check as scripts/test.sh runs it."""
-    (tmp_path / "test_two.py").write_text("import time\n\ndef test_slow():\n    time.sleep(0.3)\n\ndef test_fast():\n    pass\n")
+    burn = "import time\\nend = time.process_time() + 0.5\\nwhile time.process_time() < end: pass"
+    (tmp_path / "test_two.py").write_text(
+        "import subprocess, sys, time\n\ndef test_slow():\n    time.sleep(0.3)\n\n"
+        f"def test_busy_child():\n    subprocess.run([sys.executable, '-c', '{burn}'], check=True)\n"
+    )
     durations = tmp_path / "quick.json"
     env = {"PURRSIGHT_DURATIONS": str(durations), "PURRSIGHT_TIER": "quick", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.suite_budget", "-p", "no:cacheprovider", str(tmp_path / "test_two.py")],
+    done = subprocess.run(  # two xdist workers, as scripts/test.sh runs the tiers: the CPU is counted in each
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "tests.suite_budget", "-p", "no:cacheprovider",
+         str(tmp_path / "test_two.py")],
         cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:]
@@ -50,6 +55,9 @@ def test_pytest_writes_each_tests_seconds_and_the_check_reads_them(tmp_path: Pat
     slow = next(seconds for nodeid, seconds in record["tests"].items() if nodeid.endswith("test_slow"))
     assert slow >= 0.3 and len(record["tests"]) == 2
     assert record["wall_s"] >= slow
+    cpu = {nodeid.rsplit("::", 1)[1]: seconds for nodeid, seconds in record["cpu"].items()}
+    assert cpu["test_busy_child"] >= 0.5 and cpu["test_slow"] < 0.2, cpu  # a child's CPU counts, a sleep's wait does not
     check = subprocess.run([sys.executable, "-m", "tests.suite_budget", str(durations)], cwd=REPO, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
-    assert check.stdout.startswith("quick: 0.0 min of 4") and "test_slow" in check.stdout.splitlines()[1]
+    assert check.stdout.startswith("quick: 0.0 min of 4") and "test_slow" in "".join(check.stdout.splitlines()[1:3])
+    assert "CPU-s  " in check.stdout and "test_busy_child" in check.stdout.split("CPU:", 1)[1].splitlines()[1], check.stdout
