@@ -532,7 +532,7 @@ def path_problems(config: Config, source: str, overrides: list[str] | None = Non
     for key, value in {"data.train_index": config.data.train_index, "data.val_index": config.data.val_index}.items():
         if value is None or Path(value).is_file() or Path(value) in generated:
             continue
-        if config.data.prepared is not None and key == "data.train_index":
+        if config.data.prepared is not None:
             continue  # a prepared set trains alone: its sources need not be here (prepared_manifest.check_sources)
         if any(mark in value for mark in "*?[{"):  # a glob or brace range of shards: its reader names a missing file
             continue

@@ -23,7 +23,7 @@ from typing import Any
 from purrsight.config import Config, ConfigError, path_problems, with_paths_under
 from purrsight.data.formats.records import read_options
 from purrsight.data.index import read_index
-from purrsight.data.prepared_manifest import read_manifest
+from purrsight.data.prepared_manifest import check_sources, read_manifest
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
 from purrsight.errors import SIGNAL_BASE, ClusterError, ExitCode
 from purrsight.placement import decide
@@ -62,6 +62,7 @@ def base_folder(config: Config, cwd: Path) -> Path:
 def prepared_config(config: Config, source: str) -> Config:
     """Absolute paths, the synthetic set generated, the indexes read: what every worker will find."""
     base = base_folder(config, Path.cwd())
+    typed = config  # the indexes as the command named them (a prepared set's source is compared so)
     config = with_paths_under(config, base)
     problems = path_problems(config, f"{source} (paths under {base})")
     if problems:
@@ -69,7 +70,11 @@ def prepared_config(config: Config, source: str) -> Config:
     config.tokenizer_dir()  # a config without any tokenizer fails here, not in every worker
     ensure_synthetic_set(config)  # what the DataModule would do on each node, once here
     if config.data.prepared is not None:
-        read_manifest(Path(config.data.prepared))  # complete (rank 0 checks that it matches the config)
+        manifest = read_manifest(Path(config.data.prepared))  # complete (rank 0 checks that it matches the config)
+        # An index this command's overrides name must be the set's source (the workers' copy of the
+        # config no longer knows what the command said).
+        indexes = {"train": typed.data.train_index, "val": typed.data.val_index}
+        check_sources(manifest, Path(config.data.prepared), indexes, typed.overridden)
         return config
     # A bad line stops the job before any worker starts (and restarts); read as the workers read it.
     data, options = config.data, read_options(config.data)

@@ -386,10 +386,12 @@ def test_an_opening_assistant_turn_is_dropped_as_llava_drops_it(tmp_path: Path) 
     ]
 
 
-def test_a_cut_tar_keeps_the_samples_before_the_damage_under_skip(tmp_path: Path, synthetic_dir: Path) -> None:
-    """A shard cut short (a copy that stopped): under skip the samples before the cut are kept and the
-    rest is one bad sample, listed; under error the prepare is refused naming the file. The whole
-    prepare stopped on it before."""
+@pytest.mark.parametrize("damage", ["inside a member", "at a member's boundary", "a header's checksum"])
+def test_a_cut_tar_keeps_the_samples_before_the_damage_under_skip(tmp_path: Path, synthetic_dir: Path, damage: str) -> None:
+    """A shard cut short (a copy that stopped) or with a bad header: under skip the samples before the
+    damage are kept and the rest is one bad sample, listed; under error the prepare is refused naming
+    the file. The whole prepare stopped on a cut inside a member, and tarfile read the other two as
+    the tar's end: the samples after them were lost without a word."""
     import tarfile
 
     folder = tmp_path / "cut"
@@ -398,20 +400,29 @@ def test_a_cut_tar_keeps_the_samples_before_the_damage_under_skip(tmp_path: Path
         for n in range(4):
             add_member(tar, f"s{n}.png", ICON.read_bytes())
             add_member(tar, f"s{n}.txt", f"a blue present {n}".encode())
-    whole = (folder / "00000.tar").read_bytes()
+    whole = bytearray((folder / "00000.tar").read_bytes())
     with tarfile.open(folder / "00000.tar") as tar:
-        cut_at = tar.getmember("s2.png").offset_data + 100  # inside the third picture
-    (folder / "00000.tar").write_bytes(whole[:cut_at])
+        third, fourth = tar.getmember("s2.png"), tar.getmember("s3.png")
+    kept = {"inside a member": 2, "at a member's boundary": 3, "a header's checksum": 3}[damage]
+    if damage == "inside a member":
+        damaged = whole[: third.offset_data + 100]  # inside the third picture
+    elif damage == "at a member's boundary":
+        damaged = whole[: fourth.offset]  # s0-s2 whole, then nothing: no end-of-archive blocks
+    else:
+        damaged = whole
+        damaged[fourth.offset + 148] ^= 0xFF  # the fourth sample's header checksum
+    (folder / "00000.tar").write_bytes(bytes(damaged))
     index = str(folder / "{00000..00000}.tar")
     config = tiny_config(synthetic_dir, tmp_path, data__train_index=index, data__val_index="null", data__on_bad_sample="skip")
     manifest = prepare_set(config, tmp_path / "set", processes=1, part=(0, 1), shard_size=2)
-    assert manifest is not None and manifest["splits"]["train"]["samples"] == 2, manifest  # s0 and s1
+    assert manifest is not None and manifest["splits"]["train"]["samples"] == kept, manifest
     (bad,) = [json.loads(line) for line in (tmp_path / "set" / BAD_SAMPLES_NAME).read_text().splitlines()]
-    assert bad["where"].endswith("00000.tar") and bad["error"].startswith("tar file cut or damaged after sample 2 ("), bad
+    assert bad["where"].endswith("00000.tar") and bad["error"].startswith(f"tar file cut or damaged after sample {kept} ("), bad
     refusing = tiny_config(synthetic_dir, tmp_path, data__train_index=index, data__val_index="null")
     with pytest.raises(PreparedSetError) as refused:
         prepare_set(refusing, tmp_path / "refused", processes=1, part=(0, 1), shard_size=2)
-    assert any("00000.tar: tar file cut or damaged after sample 2" in line for line in refused.value.lines()), refused.value.lines()
+    named = f"00000.tar: tar file cut or damaged after sample {kept}"
+    assert any(named in line for line in refused.value.lines()), refused.value.lines()
 
 
 def test_tar_pairing_messages_say_why_a_pair_was_not_made(tmp_path: Path) -> None:
@@ -453,8 +464,19 @@ def test_parquet_media_in_a_column_the_config_does_not_name_is_refused_and_decod
     pq.write_table(
         pa.table({"id": ["a"], "caption": ["a blue present"], "photo": pa.array([photo], media)}), tmp_path / "photo.parquet"
     )
-    with pytest.raises(RecordError, match=r"photo.parquet: column 'photo' holds media \(bytes\) that data.fields does not name"):
+    with pytest.raises(
+        RecordError, match=r"photo.parquet: column 'photo' holds media \(\{bytes, path\} structs\) that data.fields"
+    ):
         list(read_records(tmp_path / "photo.parquet", "parquet", load_media=False))
+    # Named columns are read, a second picture column beside a named one is the user's to name, and a
+    # binary digest is no picture: none of them refused.
+    digest = pa.array([b"\x00" * 16])
+    table = pa.table(
+        {"id": ["a"], "caption": ["x"], "image": pa.array([photo], media), "mask": pa.array([photo], media), "md5": digest}
+    )
+    pq.write_table(table, tmp_path / "named.parquet")
+    ((_, named),) = read_records(tmp_path / "named.parquet", "parquet", load_media=False)
+    assert isinstance(named, Record) and named.problem is None
 
     wave = np.sin(np.linspace(0, 200, 1600)).astype(np.float32)
     decoded = pa.struct([("array", pa.list_(pa.float32())), ("sampling_rate", pa.int64()), ("path", pa.string())])
@@ -464,6 +486,12 @@ def test_parquet_media_in_a_column_the_config_does_not_name_is_refused_and_decod
     assert isinstance(record, Record) and record.problem is None and isinstance(record.audio, MediaBlob)
     samples, rate = soundfile.read(io.BytesIO(record.audio.data), dtype="float32")
     assert rate == 16000 and np.allclose(samples, wave)
+    stereo = pa.struct([("array", pa.list_(pa.list_(pa.float32()))), ("sampling_rate", pa.int64()), ("path", pa.string())])
+    both = pa.array([{"array": [wave.tolist(), wave.tolist()], "sampling_rate": 16000, "path": None}], stereo)
+    pq.write_table(pa.table({"id": ["c"], "caption": ["two"], "audio": both}), tmp_path / "stereo.parquet")
+    ((_, two),) = read_records(tmp_path / "stereo.parquet", "parquet")  # datasets' mono=False: (channels, samples)
+    assert isinstance(two, Record) and isinstance(two.audio, MediaBlob)
+    assert soundfile.read(io.BytesIO(two.audio.data))[0].shape == (1600, 2)
 
 
 def test_a_refusals_advice_followed_into_the_same_folder_prepares(synthetic_dir: Path, tmp_path: Path) -> None:

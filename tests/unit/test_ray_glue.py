@@ -280,3 +280,16 @@ def test_the_driver_reads_a_llava_file_with_its_media_root_under_the_shared_dir(
     assert prepared.data.media_root == str(media)
     with pytest.raises(IndexFileError, match=r"image file .*annotations/coco/a.png does not exist"):
         driver.prepared_config(load_config(DEFAULT_CONFIG, overrides, check_paths=False), "cfg.yaml")
+
+
+def test_the_driver_refuses_an_index_the_command_names_that_is_not_the_prepared_sets_source(tmp_path: Path) -> None:
+    """The workers' copy of the config no longer knows what the command said: the driver compares."""
+    (tmp_path / "v1").mkdir()
+    sources = {"train": {"index": "data/a.jsonl", "format": "purrsight", "sha256": "0" * 64, "records": 4}}
+    (tmp_path / "v1" / "manifest.json").write_text(json.dumps({"format": 1, "sources": sources, "splits": {}}))
+    shared = [f"ray.shared_dir={tmp_path}", "data.prepared=v1", "data.val_index=null"]
+    config = load_config(DEFAULT_CONFIG, [*shared, "data.train_index=data/b.jsonl"], check_paths=False)
+    with pytest.raises(PreparedSetError, match=r"data.train_index=data/b.jsonl names other data than data.prepared="):
+        driver.prepared_config(config, "cfg.yaml")
+    same = load_config(DEFAULT_CONFIG, [*shared, "data.train_index=data/a.jsonl"], check_paths=False)
+    assert driver.prepared_config(same, "cfg.yaml").data.prepared == str(tmp_path / "v1")

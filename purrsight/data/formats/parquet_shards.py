@@ -23,30 +23,31 @@ BATCH_ROWS = 64
 
 
 def _media_kind(column: Any) -> str | None:
-    """What a column's Arrow type holds when it holds media: "bytes" (raw bytes, or the ``datasets``
-    Image/Audio features' ``{bytes, path}`` structs), "decoded audio" (``{array, sampling_rate}``,
-    the Audio feature decoded), else None. Lists of them alike."""
+    """What a column's Arrow type holds when it surely holds media: the ``datasets`` Image/Audio
+    features' ``{bytes, path}`` structs, or decoded audio (``{array, sampling_rate}``), else None.
+    Lists of them alike. (A plain binary column may be media or a digest: not counted.)"""
     import pyarrow as pa
 
     kind = column.type
     while pa.types.is_list(kind) or pa.types.is_large_list(kind):
         kind = kind.value_type
-    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
-        return "bytes"
     if pa.types.is_struct(kind):
         children = {kind.field(i).name for i in range(kind.num_fields)}
         if {"array", "sampling_rate"} <= children:
             return "decoded audio"
-        if "bytes" in children:
-            return "bytes"
+        if {"bytes", "path"} <= children:
+            return "{bytes, path} structs"
     return None
 
 
 def _unnamed_media(path: Path, schema: Any, chosen: dict[str, str | None], fields: FieldNames) -> str | None:
-    """A column with media that data.fields does not name: without this line its pictures or sounds
-    were left out of every sample, and the prepare said "complete, 0 left out"."""
+    """Media in a column data.fields does not name, in a file where no media column was found: without
+    this line the set prepared as text only, and the prepare said "complete, 0 left out"."""
+    if chosen["image"] or chosen["audio"]:
+        return None  # media read from the columns named; a second one is the user's choice
+    named = {*fields.image, *fields.audio, *fields.caption, *fields.conversations, fields.prompt, fields.response, fields.id}
     for column in schema:
-        if column.name not in chosen.values() and _media_kind(column) is not None:
+        if column.name not in named and _media_kind(column) is not None:
             return (
                 f"{path}: column {column.name!r} holds media ({_media_kind(column)}) that data.fields does not name "
                 f"(image: {', '.join(fields.image)}; audio: {', '.join(fields.audio)}): add it, as "
@@ -101,8 +102,11 @@ def _wav(samples: Any, rate: int) -> bytes:
     import numpy as np
     import soundfile
 
+    wave = np.asarray(samples, dtype=np.float32)
+    if wave.ndim == 2 and wave.shape[0] < wave.shape[1]:
+        wave = wave.T  # datasets' mono=False gives (channels, samples); soundfile takes (samples, channels)
     buffer = io.BytesIO()
-    soundfile.write(buffer, np.asarray(samples, dtype=np.float32), rate, format="WAV", subtype="FLOAT")
+    soundfile.write(buffer, wave, rate, format="WAV", subtype="FLOAT")
     return buffer.getvalue()
 
 
@@ -161,8 +165,11 @@ def _record(
             return Record(sample_id, number, where, [], problem="no text in the row")
     except RecordError as err:
         return Record(sample_id, number, where, [], problem=str(err).removeprefix(f"{where}: "))
-    images = _media(values.get(chosen["image"] or ""), where, root)
-    audios = _media(values.get(chosen["audio"] or ""), where, root)
+    try:
+        images = _media(values.get(chosen["image"] or ""), where, root)
+        audios = _media(values.get(chosen["audio"] or ""), where, root)
+    except (ValueError, RuntimeError, TypeError) as err:  # decoded audio soundfile cannot write: this row is bad
+        return Record(sample_id, number, where, [], problem=f"unreadable media in the row ({err})")
     return conversation_record(
         sample_id, number, where, turns, images[0] if images else None, audios[0] if audios else None,
         {"image": len(images), "audio": len(audios)},

@@ -119,9 +119,12 @@ def tar_records(
         try:
             tar = tarfile.open(fileobj=handle, mode="r:")  # noqa: SIM115 (the generator below holds it; closing ``handle`` ends it)
         except tarfile.ReadError as err:
-            if offset:
-                return  # the end-of-archive blocks: no sample after the offset
-            raise RecordError(f"{path}: not a readable tar file ({err}); compressed tars: unpack to .tar first") from None
+            if not offset:
+                raise RecordError(f"{path}: not a readable tar file ({err}); compressed tars: unpack to .tar first") from None
+            ending = _ending_problem(handle, offset)  # the end-of-archive blocks (no sample after the offset), or damage
+            if ending is not None:  # where a read from the start met it too: the same bad record
+                yield offset, _damaged(path, ordinal, ending)
+            return
         key: str | None = None
         start, members = offset, dict[str, bytes]()
         done: set[str] = set()  # keys already yielded: one seen again stands apart from its pair
@@ -147,11 +150,38 @@ def tar_records(
                     continue
                 extracted = tar.extractfile(info)
                 members[ext] = extracted.read() if extracted is not None else b""
-        except (tarfile.TarError, OSError) as err:
+            ending = _ending_problem(handle, tar.offset)
+            if ending is not None and key is not None:  # the members read are whole: their sample stands
+                ordinal += 1
+                yield start, _sample(path, ordinal, key, members, fields, caption_prompt, key in done)
+                key, start = None, tar.offset
+        except (tarfile.TarError, OSError) as err:  # inside a member: that sample is part of the loss
+            ending = f"({err})"
+        if ending is not None:
             # A cut or damaged shard: the samples before the damage were yielded and stay; the rest
             # of the file is one bad record (skipped under data.on_bad_sample=skip, named under error).
-            reason = f"tar file cut or damaged after sample {ordinal} ({err}); the rest of it is lost"
-            yield start, DamagedFileError(str(path), reason, ordinal)
+            yield start, _damaged(path, ordinal, ending)
             return
         if key is not None:
             yield start, _sample(path, ordinal + 1, key, members, fields, caption_prompt, key in done)
+
+
+def _damaged(path: Path, ordinal: int, ending: str) -> DamagedFileError:
+    return DamagedFileError(str(path), f"tar file cut or damaged after sample {ordinal} {ending}; the rest of it is lost", ordinal)
+
+
+END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE  # two zero blocks end a tar (POSIX); writers pad with more zeros
+
+
+def _ending_problem(handle: Any, end: int) -> str | None:
+    """Why a tar whose reading stopped at ``end`` did not end there as a tar ends, or None.
+
+    tarfile stops silently at a header it cannot read past the first member (a bad checksum, a
+    file cut at a member's boundary), as at the end-of-archive blocks: what follows ``end`` tells."""
+    handle.seek(end)
+    rest = handle.read(1 << 20)
+    if len(rest) < END_OF_ARCHIVE:
+        return f"(it ends {len(rest)} bytes after its last member, without the end-of-archive blocks: cut short)"
+    if rest.count(0) != len(rest):
+        return f"(an unreadable member header at byte {end})"
+    return None
