@@ -170,6 +170,6 @@ finish_run() {
     end_without_requeue "${rc}" "not requeueing: already requeued ${RESTARTS} times (MAX_REQUEUES)"
   fi
   log "run ended with code ${rc}${STOP_SIGNAL:+ after SIG${STOP_SIGNAL}}: requeueing; the next run resumes"
-  scontrol requeue "${SLURM_JOB_ID}" # ends this script; SLURM starts the job again later
+  scontrol requeue "${SLURM_JOB_ID}" # SLURM starts the job again later; its SIGTERM to this script is only recorded now
   exit "${rc}"
 }

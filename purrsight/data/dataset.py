@@ -170,8 +170,11 @@ def check_prompt_lengths(
     prompt_length: Callable[[str], int],
     max_length: int,
     turns_length: Callable[[list[tuple[str, str]]], int] | None = None,
+    refuse_bad: bool = False,
 ) -> None:
-    """Fail before training when a prompt (a conversation's turns before its first answer) leaves no room for its response."""
+    """Fail before training when a prompt (a conversation's turns before its first answer) leaves no room
+    for its response; a conversation the chat template refuses is a bad sample, refused here too under
+    ``refuse_bad`` (data.on_bad_sample=error: at the start, not when the run reaches it)."""
     for record in records:
         if record.get("problem"):
             continue  # a bad sample, met as one when read
@@ -179,6 +182,8 @@ def check_prompt_lengths(
         try:
             length = turns_length(json.loads(turns)) if turns and turns_length else prompt_length(record["prompt"])
         except TemplateRefusedError as err:  # a bad sample under data.on_bad_sample, met as one when read
+            if refuse_bad:
+                raise SampleError(f"{index}:{record['line']} (id {record['id']!r}): {err}") from None
             record["problem"] = str(err)
             continue
         if length >= max_length:
@@ -188,10 +193,13 @@ def check_prompt_lengths(
             )
 
 
-def raw_conversations(dataset: Any) -> bool:
-    """Whether ``dataset`` is a raw index holding conversations (LLaVA or messages records of more than
-    one question and answer), whose length proxy changed with the grouping's version 2."""
+def raw_conversations(dataset: Any, fmt: str = "auto", fields: Any = None) -> bool:
+    """Whether ``dataset`` is a raw index of a conversation format (LLaVA or messages), whose samples'
+    lengths changed with the grouping's version 2: a conversation's characters where its JSON's were
+    counted, and turns that version 2 reads otherwise (an opening answer dropped, an empty one bad).
+    From the file's format, not from its records as read now: those are version 2's."""
+    from purrsight.data.formats.sources import detect
+
     if not isinstance(dataset, MultiModalDataset):
         return False  # a prepared set: its lengths are stored tokens
-    turns = dataset.index.records.table["turns"]
-    return bool(turns.null_count < len(turns))
+    return detect([Path(dataset.index.path)], fmt, fields) in ("llava", "messages")

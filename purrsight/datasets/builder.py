@@ -177,7 +177,8 @@ def scanned_index(index: str, text: TextEncoder, max_length: int, config: Config
     """Every line validated, media files present, every prompt fits: on rank 0 only."""
     fmt, options = (config.data.format, read_options(config)) if config is not None else ("auto", None)
     records = read_index(index, fmt=fmt, options=options, max_problems=MAX_LISTED_PROBLEMS)
-    check_prompt_lengths(index, records, text.prompt_length, max_length, text.first_prompt_length)
+    refuse_bad = config is not None and config.data.on_bad_sample == "error"
+    check_prompt_lengths(index, records, text.prompt_length, max_length, text.first_prompt_length, refuse_bad)
     return records
 
 

@@ -182,17 +182,30 @@ class StepBoard:
             if self._stop.is_set():
                 return
 
+    def _answers(self) -> bool:
+        """Whether the store's port takes a connection now (one attempt, FIRING_READ_S at most): the
+        TCPStore client retries a refused connection with backoff for its whole timeout, and logs
+        each try's C++ stack."""
+        try:
+            with socket.create_connection(self.address, timeout=FIRING_READ_S):
+                return True
+        except OSError:
+            return False
+
     def announce_firing(self, line: str) -> None:
         """Say in the store that this rank's watchdog fired, and why: its peers, whose collectives
         then fail, report the hang instead of the transport's error. Best effort, one short try."""
         try:
-            self._client().set(self.fired_key, line)
+            if self._answers():
+                self._client(FIRING_READ_S).set(self.fired_key, line)
         except Exception as error:  # the store is gone or frozen: the peers report their own error
             log.debug("watchdog firing not announced: %s", error)
 
     def firing(self) -> str | None:
         """The line a rank's watchdog announced in this generation, or None (none fired, or no store)."""
         try:
+            if not self._answers():
+                return None
             store = self._client(FIRING_READ_S)
             return bytes(store.get(self.fired_key)).decode() if store.check([self.fired_key]) else None
         except Exception as error:

@@ -151,9 +151,6 @@ class ProgressWatchdog(pl.Callback):
                     ExitCode.WATCHDOG,
                 )
                 self._record(rank, verdict)
-                if self.board is not None:
-                    node = self.board.mine.node
-                    self.board.announce_firing(f"rank {rank} (node {node}) made no progress for {idle:.0f} s; {verdict}")
                 if self.run_dir is not None and self.board is not None:
                     dumped = flight_recorder.dump(self.run_dir, rank)
                     if dumped is not None:
@@ -161,6 +158,9 @@ class ProgressWatchdog(pl.Callback):
                 sys.stderr.flush()
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
+                if self.board is not None and "the job's store" not in verdict:  # not when the store is the trouble
+                    node = self.board.mine.node
+                    self.board.announce_firing(f"rank {rank} (node {node}) made no progress for {idle:.0f} s; {verdict}")
                 if self.board is not None and self.board.hosts_store:
                     time.sleep(LINGER_S)  # the other ranks' watchdogs are reading the store this process hosts
                 os._exit(ExitCode.WATCHDOG)  # no clean-up: it could block on the same stuck collective
@@ -199,8 +199,25 @@ class ProgressWatchdog(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._finish()
-        if self.board is not None and isinstance(exception, RuntimeError):  # a collective's failure (gloo, NCCL)
+        if self.board is not None and transport_failure(exception):
             self.peer_firing = self.board.firing()  # train() raises it as PeerHungError: one line, exit 86
+            if self.peer_firing is not None:  # this rank's own error, in one line beside the hang's
+                log.error(
+                    "this rank's collective failed after another rank's watchdog fired: %s: %s", type(exception).__name__, exception
+                )
+
+
+# What a collective raises when a peer's process is gone: gloo's RuntimeError texts, NCCL's DistBackendError.
+TRANSPORT_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def transport_failure(exception: BaseException) -> bool:
+    """Whether ``exception`` is a collective's failure because a peer went away (not this rank's own bug)."""
+    import torch.distributed as dist
+
+    if isinstance(exception, dist.DistBackendError):
+        return True
+    return isinstance(exception, RuntimeError) and any(text in str(exception) for text in TRANSPORT_FAILURES)
 
 
 def raise_for_peer_firing(callbacks: list[pl.Callback], error: BaseException) -> None:

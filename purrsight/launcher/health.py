@@ -43,6 +43,11 @@ class CheckFailedError(Exception):
     """A failed check; the message is the line the user reads."""
 
 
+class DataContentError(CheckFailedError):
+    """The data's content is wrong (a bad index line, a prepared set of other sources): the same on
+    every node, so no node is named for it; a requeue excluding node 0 would only repeat it."""
+
+
 class CheckSkippedError(Exception):
     """A check that does not apply on this node (GPUs on a CPU node); the message says why."""
 
@@ -53,6 +58,7 @@ class Result:
     status: str  # PASS, FAIL or SKIP
     detail: str
     seconds: float
+    nodes_fault: bool = True  # a failure that says something against this node (bad_nodes.py)
 
 
 def check_data(config: Config, node_rank: int = 0) -> str:
@@ -72,8 +78,13 @@ def check_data(config: Config, node_rank: int = 0) -> str:
         try:
             manifest = read_manifest(Path(data.prepared))
             if node_rank == 0:  # made from these indexes (a hash of each: no media file touched)
-                check_sources(manifest, Path(data.prepared), {"train": data.train_index, "val": data.val_index}, config.overridden)
-        except PreparedSetError as err:
+                try:
+                    check_sources(
+                        manifest, Path(data.prepared), {"train": data.train_index, "val": data.val_index}, config.overridden
+                    )
+                except PreparedSetError as err:
+                    raise DataContentError(str(err)) from None
+        except PreparedSetError as err:  # no manifest here: a mount this node lacks, or a prepare never run
             raise CheckFailedError(str(err)) from None
         counts = ", ".join(f"{split} {entry['samples']} samples" for split, entry in manifest["splits"].items())
         return f"prepared {data.prepared}: {counts} (rank 0 checks the settings match the config)"
@@ -96,8 +107,8 @@ def check_data(config: Config, node_rank: int = 0) -> str:
             f"{index}: {len(read_index(index, fmt=data.format, options=options, max_problems=MAX_LISTED_PROBLEMS))} samples"
             for index in indexes
         ]
-    except IndexFileError as err:
-        raise CheckFailedError("\n".join(err.lines())) from None  # every problem of the pass, one line each
+    except IndexFileError as err:  # read on node 0 only: the index's content, not this node
+        raise DataContentError("\n".join(err.lines())) from None  # every problem of the pass, one line each
     return "; ".join(sizes)
 
 
@@ -193,6 +204,7 @@ def run_check(name: str, check: Callable[[], str]) -> Result:
         detail, status = str(skip), "SKIP"
     except CheckFailedError as failed:
         detail, status = str(failed), "FAIL"
+        return Result(name, status, detail, time.monotonic() - start, nodes_fault=not isinstance(failed, DataContentError))
     return Result(name, status, detail, time.monotonic() - start)
 
 
@@ -229,6 +241,6 @@ def run_checks(
     say(f"health: {summary}" + (f"; failed: {', '.join(r.name for r in failed)}" if failed else ""))
     for result in failed:
         say(f"error: health check {result.name}: {result.detail}")
-    if failed and name_bad_node([r.name for r in failed]):
+    if failed and name_bad_node([r.name for r in failed if r.nodes_fault]):
         say(f"health: this node is named in {os.environ[BAD_NODES_ENV]}: the job excludes it when it requeues")
     return [r.name for r in failed]

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from purrsight.config import Config
 from purrsight.data.dataset import Collator, Sample, raw_conversations
+from purrsight.data.formats.records import read_options
 from purrsight.data.formats.sources import file_digest, sources_digest
 from purrsight.data.loader_worker import init_loader_worker
 from purrsight.data.prepared_manifest import MANIFEST_NAME
@@ -228,7 +229,8 @@ class Phase2DataModule(pl.LightningDataModule):
         data = self.config.data
         size = len(self.train_set)  # type: ignore[arg-type]
         whole = grouping_window(size, data.length_group_size, data.length_group_window)
-        return whole == data.length_group_size * data.length_group_window and not raw_conversations(self.train_set)
+        conversations = raw_conversations(self.train_set, data.format, read_options(data).fields)
+        return whole == data.length_group_size * data.length_group_window and not conversations
 
     def resume_from(self, checkpoint: dict[str, Any]) -> None:
         """Take the data position a checkpoint holds, and count its epoch's done batches in this run's units.

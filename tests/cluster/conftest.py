@@ -163,6 +163,10 @@ def check_node_names() -> None:
             pytest.fail(f"{node} resolves to {resolved[:1]}, not to {addr} that /etc/hosts names first (nsswitch.conf?)")
 
 
+# What SLURM's clients say when the controller is too busy to answer (not "Invalid job id": that is an answer).
+BUSY_CONTROLLER = ("timed out", "unable to contact", "zero bytes were transmitted", "connection refused", "try again")
+
+
 @dataclass
 class SlurmCluster:
     root: Path
@@ -175,7 +179,8 @@ class SlurmCluster:
         tries = 5 if query else 1
         for attempt in range(tries):
             done = subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=60)
-            if done.returncode == 0 or attempt == tries - 1:
+            busy = any(text in done.stderr.lower() for text in BUSY_CONTROLLER)
+            if done.returncode == 0 or not busy or attempt == tries - 1:
                 break
             time.sleep(2)
         if check and done.returncode != 0:

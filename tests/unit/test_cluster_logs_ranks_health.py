@@ -180,6 +180,12 @@ def test_only_node_0_reads_every_index_line_and_a_prepared_set_needs_its_manifes
     both = r"(?s)train.jsonl:5 \(id 'x'\): image file .*absent.png does not exist\n.*:6 .*gone.png"
     with pytest.raises(CheckFailedError, match=both):
         check_data(config, node_rank=0)
+    # The index's content is the same on every node: node 0, which reads it, is not named a bad node for it.
+    from purrsight.launcher.health import run_check
+
+    assert not run_check("data", lambda: check_data(config, node_rank=0)).nodes_fault
+    assert run_check("data", lambda: check_data(config.model_copy(update={"data": config.data.model_copy(
+        update={"prepared": str(tmp_path / "absent-set")})}), node_rank=0)).nodes_fault  # fmt: skip
     llava = tmp_path / "llava.json"
     turns = [{"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "a cat"}]
     llava.write_text(json.dumps([{"id": n, "image": f"images/{n}.png", "conversations": turns} for n in ("p", "q", "r")]))

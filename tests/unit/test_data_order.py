@@ -71,3 +71,17 @@ def test_a_checkpoint_of_the_first_grouping_resumes_where_its_order_is_the_same_
         else:
             with pytest.raises(DataChangedError, match=r"the length grouping's version .*: 1 -> 2"):
                 data._order_checked({"purrsight": {ORDER_KEY: old}}, position)
+    # A raw LLaVA file of the same 128 samples, at the windows that kept the order above: its lengths
+    # were its JSON's in version 1 (whatever its records read as now): refused.
+    from tests.format_sets import items_of, write_llava
+
+    llava = write_llava(tmp_path, items_of(synthetic_dir, 128))
+    config = tiny_config(
+        synthetic_dir, tmp_path, data__group_by_length=True, data__length_group_size=8, data__train_index=str(llava)
+    )
+    config.data.length_group_window = 8
+    data = Phase2DataModule(config)
+    data.setup("fit")
+    old = {key: value for key, value in data.data_order().items() if key != "grouping"}
+    with pytest.raises(DataChangedError, match=r"the length grouping's version .*: 1 -> 2"):
+        data._order_checked({"purrsight": {ORDER_KEY: old}}, position)

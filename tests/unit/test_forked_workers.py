@@ -35,18 +35,22 @@ seen = {
     "comm": open("/proc/self/comm").read().strip(),
     "lightning_rank": getattr(sys.modules["lightning_fabric.utilities.rank_zero"].rank_zero_only, "rank", None),
 }
+# torch's multiprocessing context records the first worker it sees fail, and stops the rest: rank 2
+# raises once torchrun, having seen rank 1's exit, asks it to stop (not before, or the job's code would
+# depend on which of the two exits torchrun saw first); rank 1 exits once rank 2 listens for that.
+asked = []
+if rank == 2:
+    signal.signal(signal.SIGTERM, lambda *_: asked.append(1))
 with open(f"{out}/rank{rank}.json", "w") as sink:
     json.dump(seen, sink)
 atexit.register(lambda: open(f"{out}/rank{rank}.exit", "w").write("ran"))
 if rank == 2:
-    # torch's multiprocessing context records the first worker it sees fail, and stops the rest:
-    # rank 2 raises once torchrun, having seen rank 1's exit, asks it to stop (not before, or the
-    # job's code would depend on which of the two exits torchrun saw first).
-    asked = []
-    signal.signal(signal.SIGTERM, lambda *_: asked.append(1))
     while not asked:
         time.sleep(0.05)
     raise RuntimeError("boom from rank two")
+if rank == 1:
+    while not os.path.exists(f"{out}/rank2.json"):
+        time.sleep(0.05)
 sys.exit(2 if rank == 1 else 0)
 """
 

@@ -131,7 +131,9 @@ def test_a_chat_template_that_refuses_the_turns_makes_a_named_bad_sample(tmp_pat
         {"id": "s", "line": 1, "prompt": "what colour?", "response": "red", "turns": json.dumps(with_system)},
         {"id": "u", "line": 2, "prompt": "what colour?", "response": "red"},
     ]
-    check_prompt_lengths(tmp_path / "chat.jsonl", records, text.prompt_length, 64, text.first_prompt_length)
+    with pytest.raises(SampleError, match=r"chat\.jsonl:1 \(id 's'\): the tokenizer's chat template refuses"):
+        check_prompt_lengths(tmp_path / "chat.jsonl", records, text.prompt_length, 64, text.first_prompt_length, refuse_bad=True)
+    check_prompt_lengths(tmp_path / "chat.jsonl", records, text.prompt_length, 64, text.first_prompt_length)  # skip
     assert "System role not supported" in records[0]["problem"] and "problem" not in records[1]  # bad when read
     index = SampleIndex(tmp_path / "chat.jsonl", RecordTable([{**r, "image": None, "audio": None} for r in records]))
     with pytest.raises(SampleError, match=r"chat\.jsonl:1 \(id 's'\): the tokenizer's chat template refuses"):
