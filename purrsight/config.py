@@ -380,6 +380,12 @@ class Config(_Section):
     def overridden(self) -> frozenset[str]:
         return self._overridden
 
+    def __eq__(self, other: object) -> bool:
+        """The settings alike: where each came from (``overridden``) is no part of a config's value."""
+        if not isinstance(other, Config):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
     @model_validator(mode="after")
     def _sharding_compiles_nothing(self) -> Config:
         if self.distributed.strategy == "fsdp" and self.trainer.compile:

@@ -76,7 +76,8 @@ def main() -> None:
     print(f"{'':24s} {'build s':>8s} {'read us':>8s} {'first table s':>14s}")
     ours, ours_s = timed(RecordTable, rows)
     theirs, theirs_s = timed(from_datasets, rows)
-    assert ours[positions[0]] == theirs[positions[0]]  # the same record either way
+    mine = {key: value for key, value in ours[positions[0]].items() if key != "chars"}  # conversations' column: null here
+    assert mine == theirs[positions[0]]  # the same record either way
     contenders = (("RecordTable (pyarrow)", ours, ours_s, "RecordTable"), ("datasets.from_list", theirs, theirs_s, "from_datasets"))
     for name, table, built, builder in contenders:
         first = first_table_seconds(builder, args.repeats)

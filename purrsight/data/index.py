@@ -175,7 +175,7 @@ def read_index(
                 clean |= {k: os.path.abspath(root / clean[k]) for k in MEDIA_FIELDS if clean[k] is not None}
             records.append({**clean, "line": number, "problem": problem})  # decode errors in training name it too
     if problems:
-        if max_problems == 1:
+        if len(problems) == 1:  # one line says it all
             raise IndexFileError(problems[0])
         more = f" (the first {max_problems}; the scan stopped there)" if len(problems) >= max_problems else ""
         raise IndexFileError(problems=[*problems, f"{path}: {len(problems)} bad line(s){more}"])

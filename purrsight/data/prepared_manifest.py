@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from purrsight.data.formats.sources import file_digest
+from purrsight.data.formats.sources import SourceError, file_digest, sources_digest
 from purrsight.errors import UserError
 
 FORMAT_VERSION = 1
@@ -102,17 +102,27 @@ def same_source(index: str, recorded: str) -> bool:
     return index == recorded or os.path.abspath(index) == os.path.abspath(recorded)
 
 
+def _same_content(index: str, digest: str) -> bool:
+    try:
+        return bool(sources_digest(index) == digest)
+    except (OSError, SourceError):
+        return False
+
+
 def check_sources(manifest: dict[str, Any], folder: Path, indexes: dict[str, str | None], overridden: frozenset[str]) -> None:
     """PreparedSetError when an index this command's overrides name (``overridden``: ``data.train_index``
-    ...) is not the source its split was prepared from. Nothing is read: a prepared set trains alone,
-    its sources neither needed nor hashed at a start; the config file's own index is its raw path's,
+    ...) is not the source its split was prepared from (by its path, else by its content: read only
+    then). A prepared set trains alone, its sources neither needed nor hashed at a start; the config
+    file's own index is its raw path's,
     not this run's (the README's flow: a config, `prepare` with `data.train_index=shards/...`, then
     `data.prepared=DIR`)."""
     for split, index in indexes.items():
         source = manifest["sources"].get(split)
-        if index is None or source is None or same_source(index, source["index"]):
+        if index is None or source is None or same_source(index, source["index"]) or f"data.{split}_index" not in overridden:
             continue
-        if f"data.{split}_index" in overridden:
+        # Named by this command, spelled otherwise than at the prepare (another folder, a relative
+        # path): the same content is the same source. Read only here, where the command asked.
+        if not _same_content(index, source["sha256"]):
             raise PreparedSetError(
                 f"data.{split}_index={index} names other data than data.prepared={folder} was made from ({source['index']}, "
                 f"{source['records']} samples): a prepared set trains alone; drop data.{split}_index, or prepare {index} "

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 from purrsight.config import Config
-from purrsight.data.sampler import GROUPING_VERSION
 from purrsight.errors import UserError
 
 ORDER_KEY = "data_order"  # inside the checkpoint's "purrsight" section, beside the position
@@ -29,8 +28,9 @@ class DataChangedError(UserError):
     """A resume onto a training set, seed or grouping other than the checkpoint's."""
 
 
-def order_of(config: Config, samples: int, content: str) -> dict[str, Any]:
-    """What decides the training order of ``samples`` samples of content ``content`` under ``config``."""
+def order_of(config: Config, samples: int, content: str, grouping: int) -> dict[str, Any]:
+    """What decides the training order of ``samples`` samples of content ``content`` under ``config``,
+    ``grouping`` the version of the length grouping that orders it (data/sampler.py, GROUPING_VERSION)."""
     data = config.data
     order: dict[str, Any] = {
         "samples": samples,
@@ -42,7 +42,7 @@ def order_of(config: Config, samples: int, content: str) -> dict[str, Any]:
         order |= {
             "length_group_size": data.length_group_size,
             "length_group_window": data.length_group_window,
-            "grouping": GROUPING_VERSION,
+            "grouping": grouping,
         }
     return order
 

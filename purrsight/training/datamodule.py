@@ -23,7 +23,14 @@ from purrsight.data.formats.records import read_options
 from purrsight.data.formats.sources import file_digest, sources_digest
 from purrsight.data.loader_worker import init_loader_worker
 from purrsight.data.prepared_manifest import MANIFEST_NAME
-from purrsight.data.sampler import GlobalPositionSampler, batches_done, grouping_fit, grouping_window, sample_lengths
+from purrsight.data.sampler import (
+    GROUPING_VERSION,
+    GlobalPositionSampler,
+    batches_done,
+    grouping_fit,
+    grouping_window,
+    sample_lengths,
+)
 from purrsight.datasets.builder import build_datasets
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
 from purrsight.internals.lightning_loops import drop_loader_states, epoch_batches_of, saved_epoch_ended, set_batches_done
@@ -194,7 +201,7 @@ class Phase2DataModule(pl.LightningDataModule):
         assert self.train_set is not None, "setup() runs before a checkpoint is saved or loaded"
         if self._content is None:
             self._content = content_digest(self.config)
-        return order_of(self.config, len(self.train_set), self._content)  # type: ignore[arg-type]
+        return order_of(self.config, len(self.train_set), self._content, GROUPING_VERSION)  # type: ignore[arg-type]
 
     def _order_checked(self, checkpoint: dict[str, Any], position: DataPosition) -> DataPosition:
         """``position``, or where the next epoch starts when the data changed and the user asked for that."""

@@ -220,13 +220,17 @@ def test_node_0_refuses_a_prepared_set_made_from_another_index_before_torchrun(s
     assert "train 128 samples" in check_data(prepared, node_rank=0)
     index.unlink()  # the source gone: the prepared set trains alone
     assert "train 128 samples" in check_data(prepared, node_rank=0)
-    other = prepared.model_copy(
+    same = prepared.model_copy(
         update={"data": prepared.data.model_copy(update={"train_index": str(synthetic_dir / "train.jsonl")})}
     )
+    assert "train 128 samples" in check_data(same, node_rank=0)  # named at another path, the same content: the same source
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text((synthetic_dir / "train.jsonl").read_text().replace("The cat is red.", "The cat is blue."))
+    other = prepared.model_copy(update={"data": prepared.data.model_copy(update={"train_index": str(changed)})})
     other._overridden = frozenset()  # as the config file's own value: the raw path's index, not this run's
     assert "train 128 samples" in check_data(other, node_rank=0)
     other._overridden = frozenset({"data.train_index"})  # named by this command's overrides: refused, naming both
-    with pytest.raises(CheckFailedError, match=r"data.train_index=.*synthetic.*train.jsonl names other data than data.prepared="):
+    with pytest.raises(CheckFailedError, match=r"data.train_index=.*changed.jsonl names other data than data.prepared="):
         check_data(other, node_rank=0)
     assert "train 128 samples" in check_data(other, node_rank=1)  # other nodes check the manifest only: rank 0 refuses
 
