@@ -103,8 +103,9 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, synthetic_di
     log = (tmp_path / "logs" / "latest_node0.log").read_text()
     resumed = re.search(r"resume=auto: continuing from .*step-(\d+)\.ckpt", log)
     # Signalled while held after step 40: with 2 micro-batches a step the vote started at step 41's
-    # first is read at its second, so the stop lands at 41 exactly (docs/RELIABILITY.md).
-    assert resumed and int(resumed.group(1)) == 41, log[-3000:]
+    # first is read at its second, so the stop lands at 41 at the latest; at 40 when step 40's
+    # validation pass, which reads the vote at each batch, comes first (docs/RELIABILITY.md).
+    assert resumed and 40 <= int(resumed.group(1)) <= 41, log[-3000:]
     assert (checkpoints / f"step-{steps:08d}.ckpt").exists()
     # 128 samples, 2 ranks x 4 x 2 per step: 8 steps an epoch, 6 epochs in 48 steps.
     every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
