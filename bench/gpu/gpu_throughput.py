@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from bench.common import (
     synthetic_tokenizer,
 )
 from purrsight.config import Config, load_config
+from purrsight.estimate.memory import estimate
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.observability.flops import gpu_peak_tflops, model_flops_per_token
 from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
@@ -89,6 +91,30 @@ def build(preset: str | None, overrides: list[str], device: torch.device) -> tup
         config = load_config(path, [*options, *overrides], check_paths=False)
         frozen = frozen_dtype("bf16-mixed" if device.type == "cuda" else "32-true")
         return config, build_model(config, frozen).model.to(device)
+
+
+def estimate_bytes(preset: str, overrides: list[str], seq_len: int) -> int:
+    """The estimate's ddp figure for one GPU at exactly what ``measure`` trains (bench/model/estimate_vs_gpu.py)."""
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+        path, llm = PRESETS[preset]
+        options = [*random_init_overrides(synthetic_tokenizer(Path(tmp) / "synthetic"), llm), *overrides]
+        config = load_config(path, [*options, f"data.max_length={seq_len}", "trainer.precision=bf16-mixed"], check_paths=False)
+        return estimate(config, 1).per_gpu["ddp"].total
+
+
+def write_rows(path: Path, preset: str, compiled: bool, batch: int, results: list[dict[str, float]], estimates: list[int]) -> None:
+    """Adds this run's rows to ``path`` (bench/gpu_session.sh gathers every run's rows in one file)."""
+    table: dict[str, Any] = (
+        json.loads(path.read_text())
+        if path.exists()
+        else {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": []}
+    )
+    for result, estimated in zip(results, estimates, strict=True):
+        row = {"preset": preset, "compile": compiled, "seq_len": result["seq_len"], "batch": batch, "mfu": result["mfu"]}
+        row |= {"step_s": result["step_s"], "first_step_s": result["first_step_s"], "tokens_per_s": result["tokens_per_s"]}
+        row |= {"peak_bytes": int(result["peak_mem_gib"] * 2**30), "estimate_bytes": estimated}
+        table["rows"].append(row)
+    path.write_text(json.dumps(table, indent=2) + "\n")
 
 
 def make_step(config: Config, model: PurrSightModel, data: dict[str, Any], optimizer: torch.optim.Optimizer) -> Callable[[], None]:
@@ -160,6 +186,7 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="compile the decoder layers (trainer.compile=true)")
     parser.add_argument("--smoke", action="store_true", help="tiny default on CPU, 2 steps: checks the script, measures nothing")
     parser.add_argument("--cpu", action="store_true", help="tiny default on CPU, timed (compile's gain where no GPU is)")
+    parser.add_argument("--json", type=Path, help="add this run's rows, with the estimate's figure for each, to this file (a GPU)")
     args = parser.parse_args()
     if args.smoke:
         args.cpu, args.seq_lens, args.steps, args.warmup = True, [16, 32], 2, 1
@@ -171,7 +198,10 @@ def main() -> int:
     if args.compile:
         compile_decoder_layers(model)
     model.train()
-    results = [measure(config, model, seq, config.data.batch_size, args.steps, args.warmup, device) for seq in args.seq_lens]
+    results = []
+    for seq in args.seq_lens:  # printed as measured: a length that runs out of memory leaves the others' figures
+        results.append(measure(config, model, seq, config.data.batch_size, args.steps, args.warmup, device))
+        print(f"measured {seq} tokens: {results[-1]}", flush=True)
 
     name = (
         torch.cuda.get_device_name(0)
@@ -191,6 +221,9 @@ def main() -> int:
             f"| {r['seq_len']} | {r['first_step_s']:.2f} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} "
             f"| {r['peak_mem_gib']:.1f} |"
         )
+    if args.json and device.type == "cuda":
+        estimates = [estimate_bytes(args.preset, args.overrides, int(r["seq_len"])) for r in results]
+        write_rows(args.json, args.preset, args.compile, config.data.batch_size, results, estimates)
     return 0
 
 
