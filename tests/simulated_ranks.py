@@ -47,7 +47,7 @@ class Shape:
     accumulation: int
     workers: int
 
-    def config(self, seed: int, val_every: int, grouped: bool = False) -> Config:
+    def config(self, seed: int, val_every: int, grouped: bool = False, extra: tuple[str, ...] = ()) -> Config:
         # Grouped: groups of 6 samples sorted in windows of 3 groups, so 160 samples make many windows.
         grouping = ["data.group_by_length=true", "data.length_group_size=6", "data.length_group_window=3"] if grouped else []
         overrides = [
@@ -57,6 +57,7 @@ class Shape:
             f"trainer.accumulate_grad_batches={self.accumulation}",
             f"trainer.val_every_n_steps={val_every}",
             f"run.seed={seed}",
+            *extra,
         ]
         return load_config(DEFAULT_CONFIG, overrides, check_paths=False)
 
@@ -147,7 +148,9 @@ class OneWeight(pl.LightningModule):
 
     def __init__(self, job: SimulatedJob, record: Record, stop_at: int | None, legacy: str | None) -> None:
         super().__init__()
-        self.legacy = legacy
+        layout, _, self.saved_when = (legacy or "").partition("+")  # e.g. "torchdata+mid-window"
+        self.legacy = layout or None
+        self.mid_window = self.legacy == "mid-window" or self.saved_when == "mid-window"
         self.weight = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
         self.job = job
         self.record = record
@@ -160,11 +163,11 @@ class OneWeight(pl.LightningModule):
         for view in self.job.views:
             view.count_trained_batch(self.current_epoch)
         self.micro_batches_here += 1
-        if self.stop_at is not None and self.micro_batches_here == self.stop_at and self.legacy != "mid-window":
+        if self.stop_at is not None and self.micro_batches_here == self.stop_at and not self.mid_window:
             saver(self.trainer).stop.request(signal.SIGTERM)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.legacy == "mid-window" and self.micro_batches_here == self.stop_at:  # the stop did not wait then
+        if self.mid_window and self.micro_batches_here == self.stop_at:  # the stop did not wait then
             saver(self.trainer).save(self.trainer)
             self.trainer.should_stop = True
 
@@ -216,6 +219,23 @@ class OneWeight(pl.LightningModule):
 LEGACY_LAYOUTS = ("torchdata", "no-loader-state", "sampler-state", "sampler-snapshot")
 WORLDLESS_LAYOUTS = ("torchdata", "no-loader-state")  # kept no world size
 # "mid-window": today's entry, but saved between a step's micro-batches, as a stop was before 2026-11-25.
+# A layout may name when it was saved too: "<layout>+mid-window" (a stop, before 2026-11-25), or
+# "<layout>+train-end" (the last step saved in on_train_end, where Lightning had already closed the
+# epoch, as before feeade4 on 2026-11-23).
+
+
+def save_the_last_step_at_train_end(saver: CheckpointSaver) -> None:
+    """The saver as it was before feeade4: the last step's checkpoint written by on_train_end (the
+    step count a multiple of every_n_steps was still saved at its batch end)."""
+    at_batch_end = saver.on_train_batch_end
+
+    def on_train_batch_end(trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        at_batch_end(trainer, pl_module, *args)
+        step = trainer.global_step
+        if step >= trainer.max_steps and step % saver.every_n_steps != 0 and not saver.stopped_by_signal:
+            saver._save_due = False
+
+    saver.on_train_batch_end = on_train_batch_end  # type: ignore[method-assign]
 
 
 def write_legacy_position(checkpoint: dict[str, Any], layout: str, view: RankView) -> None:
@@ -253,12 +273,13 @@ def fit(
     resume: bool = False,
     legacy: str | None = None,
     grouped: bool = False,
+    overrides: tuple[str, ...] = (),
 ) -> Record:
     """One fit of the simulated job; ``resume`` continues from the newest checkpoint in ``folder``;
     ``legacy`` writes the data position as an earlier version did (LEGACY_LAYOUTS); ``grouped``
-    batches by length (data.group_by_length, the lengths SampleIds reports)."""
+    batches by length (data.group_by_length, the lengths SampleIds reports); ``overrides`` are more config settings."""
     val_every = 3
-    config = shape.config(seed, val_every, grouped)
+    config = shape.config(seed, val_every, grouped, overrides)
     views = [RankView(config, size, shape.world, rank) for rank in range(shape.world)]
     job = SimulatedJob(views, val_samples=2)
     record = Record()
@@ -284,6 +305,8 @@ def fit(
         default_root_dir=str(folder),
     )
     validate_at_optimizer_steps(trainer, val_every)
+    if legacy is not None and legacy.endswith("+train-end"):
+        save_the_last_step_at_train_end(saver(trainer))
     found = newest_checkpoint(checkpoints) if resume else None
     trainer.fit(module, datamodule=job, ckpt_path=str(found[0]) if found else None)
     record.final_step = trainer.global_step

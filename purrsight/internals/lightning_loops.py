@@ -31,6 +31,7 @@ from purrsight.errors import UserError
 
 FIT_LOOP = "fit_loop"
 BATCH_PROGRESS = "epoch_loop.batch_progress"  # the epoch loop's batch counters in the fit loop's state
+EPOCH_PROGRESS = "epoch_progress"  # the fit loop's epoch counters
 COUNTERS = ("ready", "started", "processed", "completed")
 LOADER_STATES = "combined_loader"  # loaders' own states, written by earlier PurrSight versions
 
@@ -145,16 +146,48 @@ def epoch_batches(checkpoint: dict[str, Any]) -> dict[str, int]:
     return current  # type: ignore[no-any-return]  # the checkpoint's own dict, changed in place by the caller
 
 
-def set_batches_done(checkpoint: dict[str, Any], done: int) -> None:
+def set_batches_done(checkpoint: dict[str, Any], done: int, epoch_ended: bool = False) -> None:
     """Make Lightning count ``done`` of the epoch's batches as taken when it restores this checkpoint.
 
     Every counter moves by the same amount: their offsets to each other say at which point of
-    a batch the checkpoint was saved, and Lightning's restore reads them.
+    a batch the checkpoint was saved, and Lightning's restore reads them. ``epoch_ended``: the
+    count is the whole epoch, and Lightning's restore must move on to the next one, which it does
+    only for a checkpoint saved at its epoch's last batch (``is_last_batch``).
     """
     current = epoch_batches(checkpoint)
     shift = done - current["ready"]
     for counter in COUNTERS:
         current[counter] += shift
+    if epoch_ended:
+        checkpoint["loops"][FIT_LOOP][BATCH_PROGRESS]["is_last_batch"] = True
+
+
+def reopen_closed_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Make a checkpoint saved after Lightning closed its epoch look saved at that epoch's last batch end.
+
+    Before feeade4 (2026-11-23) the last step was saved in ``on_train_end``: Lightning had counted
+    the epoch as completed (``epoch`` one on, the epoch counters all equal) while the batch counters
+    still held the closed epoch's micro-batches, so a resume with a larger ``trainer.max_steps``
+    started the next epoch and left the rest of this one out. A batch-end save is taken with the
+    epoch started but not processed, and the batch not yet completed: the counters are set so.
+    Returns whether the checkpoint was such a save.
+    """
+    fit_loop = checkpoint.get("loops", {}).get(FIT_LOOP, {})
+    epochs = fit_loop.get(EPOCH_PROGRESS, {})
+    current, total = epochs.get("current", {}), epochs.get("total", {})
+    batches = fit_loop.get(BATCH_PROGRESS, {}).get("current", {})
+    closed = all(counter in current for counter in COUNTERS) and len({current[c] for c in COUNTERS}) == 1
+    if not closed or current["completed"] < 1 or int(batches.get("ready", 0)) < 1:
+        return False
+    for counters in (current, total):
+        for counter in ("processed", "completed"):
+            if counter in counters:
+                counters[counter] -= 1
+    for counters in (batches, fit_loop[BATCH_PROGRESS].get("total", {})):
+        if "completed" in counters:
+            counters["completed"] -= 1
+    checkpoint["epoch"] = int(checkpoint.get("epoch", 1)) - 1
+    return True
 
 
 def drop_loader_states(checkpoint: dict[str, Any]) -> None:

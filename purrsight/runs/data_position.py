@@ -30,6 +30,15 @@ class PositionError(UserError):
     """A checkpoint's data position is unreadable (hand-edited or from another program)."""
 
 
+class InexactPositionError(PositionError):
+    """A checkpoint whose counts cannot place its position exactly; ``epoch`` is the epoch it stopped in
+    (data.on_data_change=next_epoch starts the one after it at sample 0)."""
+
+    def __init__(self, message: str, epoch: int) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+
+
 @dataclass(frozen=True)
 class DataPosition:
     epoch: int
@@ -81,8 +90,9 @@ def _position_before_this_entry(checkpoint: dict[str, Any], world_now: int, size
     - our training sampler's state in torchdata's StatefulDataLoader state, without loader
       workers: ``{epoch, consumed, world_size}``, exact;
     - the same inside the workers' snapshot, taken ahead of training: then the fit loop's count
-      of the epoch's batches, in the saving world's units, gives the position (exact unless that
-      epoch had already changed world size, which with workers those versions miscounted anyway);
+      of the epoch's batches, in the saving world's units, gives the position; exact when the step
+      count agrees with that world's, else the epoch had changed world size (which with workers
+      those versions miscounted) and the resume is refused (InexactPositionError);
     - torchdata's StatefulDistributedSampler, ``{"yielded": N}`` (rank 0's count in its own
       shard), or no loader state at all (torch's DistributedSampler): both drew the order our
       sampler draws from position 0, and kept no world size. The fit loop's batch count gives the
@@ -108,24 +118,48 @@ def _position_before_this_entry(checkpoint: dict[str, Any], world_now: int, size
     if ready is None:
         return None
     snapshot = _find_sampler_state(loader_states)
+    steps = int(checkpoint.get("global_step", 0))
     if snapshot is not None:
         world = int(snapshot["world_size"])
-        log.warning("checkpoint from an earlier PurrSight with loader workers: data position taken from its batch count")
+        if size is not None and not _steps_fit(size, batch_size, accumulation, epoch, int(ready), steps, world):
+            # The batch count is in the saving world's micro-batches only if the epoch kept one world.
+            raise InexactPositionError(
+                f"this checkpoint, from a PurrSight before 2026-11-25 with loader workers, changed its number of "
+                f"processes during epoch {epoch}: its batch count ({ready} micro-batches, step {steps}) cannot place "
+                "the data position. Resume from a checkpoint of an earlier epoch, or set data.on_data_change=next_epoch "
+                f"to start epoch {epoch + 1} at sample 0",
+                epoch,
+            )
     elif size is None:
         return None
     else:
-        steps = int(checkpoint.get("global_step", 0))
         world = saving_world(size, batch_size, accumulation, epoch, int(ready), steps, world_now)
     return DataPosition(epoch, int(ready) * batch_size * world, world, batch_size, accumulation)
+
+
+def steps_after(ready: int, epoch_batches: int, accumulation: int) -> int:
+    """Optimizer steps Lightning took in an epoch of ``epoch_batches`` micro-batches after ``ready`` of them:
+    one at every ``accumulation``-th, and one at the epoch's last when its window is short. A save
+    between a step's micro-batches (a stop before 2026-11-25) counts only the steps before it."""
+    return ready // accumulation + (1 if ready == epoch_batches and epoch_batches % accumulation else 0)
+
+
+def _steps_fit(size: int, batch: int, accumulation: int, epoch: int, ready: int, steps: int, world: int) -> bool:
+    """Whether ``world`` processes, each epoch on the same world, count ``steps`` at (``epoch``, ``ready``)."""
+    epoch_batches = (size // world) // batch
+    whole_epoch = -(-epoch_batches // accumulation)
+    return ready <= epoch_batches and epoch * whole_epoch + steps_after(ready, epoch_batches, accumulation) == steps
 
 
 def saving_world(size: int, batch: int, accumulation: int, epoch: int, ready: int, steps: int, world_now: int) -> int:
     """The number of processes that saved a checkpoint which did not record it.
 
-    Its optimizer step count is ``epoch`` whole epochs plus the steps of ``ready`` micro-batches,
-    and an epoch's steps depend on the world size: the sizes that fit are the candidates. This run's
-    is taken when it is one; another single candidate is named; with nothing to go on (epoch 0
-    fits every size) the resume is refused: PURRSIGHT_SAVED_WORLD_SIZE names it.
+    Its optimizer step count is ``epoch`` whole epochs plus the steps of ``ready`` micro-batches
+    (steps_after: a save inside a window counts the steps before it), and an epoch's steps depend
+    on the world size: the sizes that fit are the candidates. This run's is taken when it is one;
+    another single candidate is named; with nothing to go on (epoch 0 fits every size) the resume
+    is refused: PURRSIGHT_SAVED_WORLD_SIZE names it. A last step saved where Lightning had already
+    closed its epoch (before 2026-11-23) is reopened before this count (lightning_loops.reopen_closed_epoch).
     """
     given = os.environ.get(SAVED_WORLD_VARIABLE)
     if given:
@@ -138,11 +172,10 @@ def saving_world(size: int, batch: int, accumulation: int, epoch: int, ready: in
             f"{what}, and its step count in epoch 0 cannot tell; set {SAVED_WORLD_VARIABLE} to the number of "
             "processes (nodes x GPUs) of the job that saved it and resume again"
         )
-    in_epoch = -(-ready // accumulation)
     candidates = [
         world
         for world in range(1, min(size // batch, 1 << 16) + 1)
-        if epoch * -(-((size // world) // batch) // accumulation) + in_epoch == steps
+        if _steps_fit(size, batch, accumulation, epoch, ready, steps, world)
     ]
     if world_now in candidates:
         if len(candidates) > 1:

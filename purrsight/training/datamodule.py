@@ -33,9 +33,15 @@ from purrsight.data.sampler import (
 )
 from purrsight.datasets.builder import build_datasets
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
-from purrsight.internals.lightning_loops import drop_loader_states, epoch_batches_of, saved_epoch_ended, set_batches_done
+from purrsight.internals.lightning_loops import (
+    drop_loader_states,
+    epoch_batches_of,
+    reopen_closed_epoch,
+    saved_epoch_ended,
+    set_batches_done,
+)
 from purrsight.runs.data_order import ORDER_KEY, DataChangedError, differences, only_the_grouping_version, order_of
-from purrsight.runs.data_position import DataPosition, saved_position
+from purrsight.runs.data_position import DataPosition, InexactPositionError, saved_position
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +257,19 @@ class Phase2DataModule(pl.LightningDataModule):
         if self.train_set is None:
             return
         size, batch = len(self.train_set), self.config.data.batch_size  # type: ignore[arg-type]
-        position = saved_position(checkpoint, world, size)
+        if reopen_closed_epoch(checkpoint):
+            log.info(
+                "resume: the checkpoint's last step was saved after its epoch closed (before 2026-11-23): epoch %d continues",
+                checkpoint["epoch"],
+            )
+        try:
+            position = saved_position(checkpoint, world, size)
+        except InexactPositionError as err:
+            if self.config.data.on_data_change == "refuse":
+                raise
+            position = DataPosition(err.epoch + 1, 0, world, batch, self.config.trainer.accumulate_grad_batches)
+            self.resume_note = f"position not exact ({err}): epoch {position.epoch} from sample 0"
+            log.warning("resume: %s; data.on_data_change=next_epoch: epoch %d starts at sample 0", err, position.epoch)
         drop_loader_states(checkpoint)
         if position is None:
             return
@@ -264,17 +282,15 @@ class Phase2DataModule(pl.LightningDataModule):
             position = _whole_steps(position, epoch_batches_of(checkpoint))
         position = self._order_checked(checkpoint, position)
         self._resume_at = position
-        if position.epoch > int(checkpoint.get("epoch", 0)):
-            done = epoch_batches  # saved as its epoch ended: Lightning's restore moves on to the next
-        else:
-            # Exact, not rounded to whole steps: Lightning finds the epoch's last batch by this
-            # count (a rounded one missed it, and the epoch's last micro-batches joined the next
-            # epoch's first step). Checkpoints are taken at step ends, so on the same world size
-            # the count is whole steps; after a change of world size the first step takes the
-            # micro-batches left to the new world's next step boundary (runs/step_windows.py
-            # makes that step the mean of what it took).
-            done = batches_done(size, world, batch, position.consumed)
-        set_batches_done(checkpoint, done)
+        # Saved as its epoch ended, or the next epoch asked for: Lightning's restore moves on. Else
+        # exact, not rounded to whole steps: Lightning finds the epoch's last batch by this count (a
+        # rounded one missed it, and the epoch's last micro-batches joined the next epoch's first
+        # step). Checkpoints are taken at step ends, so on the same world size the count is whole
+        # steps; after a change of world size the first step takes the micro-batches left to the new
+        # world's next step boundary (runs/step_windows.py makes that step the mean of what it took).
+        ended = position.epoch > int(checkpoint.get("epoch", 0))
+        done = epoch_batches if ended else batches_done(size, world, batch, position.consumed)
+        set_batches_done(checkpoint, done, epoch_ended=ended)
 
     def val_dataloader(self) -> DataLoader[Sample] | list[Any]:
         if self.val_set is None:

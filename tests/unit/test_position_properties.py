@@ -26,11 +26,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from purrsight.data.sampler import GlobalPositionSampler
-from purrsight.runs.data_position import PositionError
+from purrsight.runs.checkpoint_files import newest_checkpoint
+from purrsight.runs.data_position import InexactPositionError, PositionError
 from tests.sample_ids import SampleIds
 from tests.simulated_ranks import LEGACY_LAYOUTS, WORLDLESS_LAYOUTS, Record, Shape, fit
 
@@ -214,3 +216,56 @@ def test_a_resume_from_an_epochs_last_step_with_loader_workers_trains_the_uninte
     reference = fit(shape, 128, 16, tmp_path / "reference")
     assert [epoch for epoch, _, _ in after.micro_batches] == [1] * 8
     assert before.micro_batches + after.micro_batches == reference.micro_batches
+
+
+@pytest.mark.parametrize("layout", WORLDLESS_LAYOUTS)
+def test_a_checkpoint_that_kept_no_world_size_saved_inside_a_window_derives_its_world(layout: str, tmp_path: Path) -> None:
+    """A stop of a version before 2026-11-23 saved between a step's micro-batches: its step count
+    holds only the steps before them (40 samples on 2 ranks x 2 x 3: 10 micro-batches an epoch, 4
+    steps; stopped at epoch 1's fifth micro-batch, step 5). The world is derived from that count
+    (rounding the window up fitted no number), and the micro-batches since step 5 train again."""
+    shape = Shape(world=2, batch=2, accumulation=3, workers=0)
+    reference = fit(shape, 40, 8, tmp_path / "reference")
+    before = fit(shape, 40, 8, tmp_path / "run", stop_at=15, legacy=f"{layout}+mid-window")
+    with pytest.raises(PositionError, match="its step count says 2 and this run has 3: resume it once on 2 processes"):
+        fit(Shape(3, 2, 3, 0), 40, 8, tmp_path / "run", resume=True)
+    after = fit(shape, 40, 8, tmp_path / "run", resume=True)
+    assert len(before.micro_batches) == 15
+    assert before.micro_batches[:13] + after.micro_batches == reference.micro_batches
+
+
+@pytest.mark.parametrize("max_steps", [5, 6])  # inside epoch 2 (2 of its 3 micro-batches), and at its end
+@pytest.mark.parametrize("layout", [*WORLDLESS_LAYOUTS, "sampler-state"])
+def test_a_last_step_saved_after_lightning_closed_its_epoch_resumes_inside_that_epoch(
+    layout: str, max_steps: int, tmp_path: Path
+) -> None:
+    """Before feeade4 (2026-11-23) the last step was saved in on_train_end, where Lightning had
+    counted its epoch as completed: a resume with a larger trainer.max_steps started the next
+    epoch, and a checkpoint that kept no world size was refused naming a wrong number. 23 samples
+    on 2 ranks x 3 x 2 (3 micro-batches an epoch, 2 steps); the resume trains to step 8 in the
+    uninterrupted order."""
+    shape = Shape(world=2, batch=3, accumulation=2, workers=0)
+    reference = fit(shape, 23, 8, tmp_path / "reference")
+    before = fit(shape, 23, max_steps, tmp_path / "run", legacy=f"{layout}+train-end")
+    after = fit(shape, 23, 8, tmp_path / "run", resume=True)
+    assert before.micro_batches + after.micro_batches == reference.micro_batches
+
+
+def test_a_loader_workers_checkpoint_whose_epoch_changed_world_is_refused_or_starts_the_next_epoch(tmp_path: Path) -> None:
+    """The worker-snapshot layout (before 2026-11-25) places its position by the fit loop's batch
+    count, in the saving world's units: exact when the step count is that world's, which the
+    resume checks. A count that is not (here: the step count moved by one, as after a change of
+    world inside the epoch) is refused with one line naming data.on_data_change, and with
+    next_epoch the run starts the next epoch at sample 0, in the uninterrupted run's order."""
+    shape = Shape(world=2, batch=3, accumulation=2, workers=0)
+    reference = fit(shape, 23, 8, tmp_path / "reference")
+    fit(shape, 23, 8, tmp_path / "run", stop_at=5, legacy="sampler-snapshot")  # epoch 1, step 4
+    path, _ = newest_checkpoint(tmp_path / "run" / "checkpoints")
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["global_step"] += 1
+    torch.save(checkpoint, path)
+    with pytest.raises(InexactPositionError, match=r"during epoch 1: .* set data.on_data_change=next_epoch to start epoch 2 at"):
+        fit(shape, 23, 8, tmp_path / "run", resume=True)
+    after = fit(shape, 23, 8, tmp_path / "run", resume=True, overrides=("data.on_data_change=next_epoch",))
+    epoch_2 = [batch for batch in reference.micro_batches if batch[0] == 2]
+    assert after.micro_batches[: len(epoch_2)] == epoch_2
