@@ -86,7 +86,7 @@ ray_cluster_up() {
   local -a watch=()
   RAY_LOG_DIR="$(realpath -m "${LOG_DIR:-logs}")/ray-${RAY_JOB}" # each node's log: <node>.log
   mkdir -p "${RAY_LOG_DIR}" || return 2
-  rm -f "${RAY_LOG_DIR}/.teardown" "${RAY_LOG_DIR}"/*.ended # a requeued run's own
+  rm -f "${RAY_LOG_DIR}/.teardown" "${RAY_LOG_DIR}"/*.ended "${RAY_LOG_DIR}"/*.down # a requeued run's own
   ray_make_token || return
   export RAY_USAGE_STATS_ENABLED=0
   # How long `ray job stop` lets the driver and its workers checkpoint before SIGKILL (Ray's default: 3 s).
@@ -176,19 +176,35 @@ ray_train() {
 }
 
 ray_cluster_down() {
-  local pid deadline=$((SECONDS + RAY_TEARDOWN_S))
+  local pid index name deadline=$((SECONDS + RAY_TEARDOWN_S))
+  local -a silent=()
   if [[ -n "${RAY_WAIT_PID}" ]]; then kill -s TERM "${RAY_WAIT_PID}" 2>/dev/null || true; fi
   if [[ -n "${RAY_LOG_DIR}" ]]; then rm -f "${RAY_LOG_DIR}/.auth-token" "${RAY_LOG_DIR}/.dashboard"; fi
   ((${#RAY_STEP_PIDS[@]})) || return 0
   log "stopping this job's Ray on every node"
-  # The file for launchers whose task a signal cannot reach (ssh); the signal for the rest.
+  # The file reaches every launcher's task (pbsdsh and ssh forward no USR2); each node answers
+  # with <node>.down once its Ray is down. A step whose local client ended without that answer
+  # (a dropped ssh connection, a node that died) may still have its task running over there.
   : >"${RAY_LOG_DIR}/.teardown"
   ray_stop_nodes "${RAY_STEP_PIDS[@]}"
+  for index in "${!RAY_STEP_PIDS[@]}"; do
+    name="${RAY_NODE_NAMES[index]}" pid="${RAY_STEP_PIDS[index]}"
+    while [[ ! -e "${RAY_LOG_DIR}/${name}.down" ]] && kill -0 "${pid}" 2>/dev/null && ((SECONDS < deadline)); do
+      sleep 0.5
+    done
+    [[ -e "${RAY_LOG_DIR}/${name}.down" ]] || silent+=("${name}")
+  done
   for pid in "${RAY_STEP_PIDS[@]}"; do
-    while kill -0 "${pid}" 2>/dev/null && ((SECONDS < deadline)); do sleep 1; done
+    while kill -0 "${pid}" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
     kill -s KILL "${pid}" 2>/dev/null || true
     wait "${pid}" 2>/dev/null || true
   done
   RAY_STEP_PIDS=()
-  rm -f "${RAY_LOG_DIR}/.teardown"
+  if ((${#silent[@]})); then
+    # Kept: a node that has not seen it yet still may (a shared filesystem's cache); the next
+    # bring-up of this job removes it.
+    log "warning: no answer to the teardown from ${silent[*]} within ${RAY_TEARDOWN_S} s; ${RAY_LOG_DIR}/.teardown is kept for them"
+  else
+    rm -f "${RAY_LOG_DIR}/.teardown"
+  fi
 }

@@ -41,6 +41,7 @@ from purrsight.ray_node.temp import MAX_TEMP_DIR, make_temp_dir, wanted
 JOB_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 TEARDOWN_SIGNAL = signal.SIGUSR2  # the batch script's own: Ray down now
 ENDED_SUFFIX = ".ended"  # <log dir>/<node>.ended: why this node's step ended, for the wait
+DOWN_SUFFIX = ".down"  # <log dir>/<node>.down: this node's Ray is down, the teardown's answer (batch/ray_cluster.sh)
 
 
 class Stop:
@@ -74,6 +75,19 @@ def record_end(args: argparse.Namespace, reason: str, line: str) -> None:
         Path(args.log_dir, f"{args.name}{ENDED_SUFFIX}").write_text(f"{reason}\t{line}\n")
 
 
+def record_down(args: argparse.Namespace, left: list[int]) -> None:
+    """This node's answer to the teardown: its Ray is down (or the pids it could not stop).
+
+    The batch script keeps its teardown file until every node has answered: under pbsdsh or ssh
+    the local client's exit says nothing of the remote task, and a node polling the file on a
+    shared filesystem may see it only after its attribute cache expires (about 30 s on NFS).
+    """
+    if args.log_dir:
+        answer = Path(args.log_dir, f"{args.name}{DOWN_SUFFIX}")
+        if not answer.exists():  # the first answer stands: start()'s own, then its wrapper's for an early end
+            answer.write_text(f"left {left}\n" if left else "down\n")
+
+
 def wait_for_head(args: argparse.Namespace, gcs: int, address: str, stop: Stop, say: Say) -> bool:
     """Until the head's GCS port answers from here; False after ``--head-wait`` s or a stop."""
     deadline = time.monotonic() + args.head_wait
@@ -99,7 +113,12 @@ def wait_for_head(args: argparse.Namespace, gcs: int, address: str, stop: Stop, 
 def spawn_with_job_stop_held(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``command`` started with the job-wide stop signals blocked: it and everything it starts inherit that.
 
-    It dies with this process (a parent-death SIGKILL): with the stop signals blocked, a Ray whose
+    It runs in a session of its own: a scheduler that stops a job by session (OpenPBS's MoM
+    sends qdel's SIGTERM to each task's session) reaches this node process, not its Ray. Ray's
+    dashboard, the job server, exits on SIGTERM by a handler of its own whatever the mask, and
+    without it the batch script cannot ask the driver to stop the run with a checkpoint.
+
+    It dies with this process (a parent-death SIGKILL): with the stop signals held, a Ray whose
     node process was SIGKILLed would otherwise live on unknown to the scheduler, holding its GPUs.
     ``ray start --block`` takes its daemons down with it (Ray's fate sharing), and they their workers.
     """
@@ -107,7 +126,7 @@ def spawn_with_job_stop_held(command: list[str], env: dict[str, str] | None = No
     try:
         # preexec_fn is safe here: the node process runs no other thread (one holding a lock at the
         # fork could hang the child).
-        return subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
+        return subprocess.Popen(command, env=env, preexec_fn=die_with_parent, start_new_session=True)
     finally:
         # A stop that came in meanwhile stays pending here and is handled as soon as this returns.
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
@@ -150,6 +169,14 @@ def run_until_stopped(child: subprocess.Popen[bytes], args: argparse.Namespace, 
 
 
 def start(args: argparse.Namespace) -> int:
+    """One node's Ray until the teardown; whatever ends it (a failed start too) answers the teardown."""
+    try:
+        return _start(args)
+    finally:
+        record_down(args, [])
+
+
+def _start(args: argparse.Namespace) -> int:
     stop = Stop()
     stop.install()  # first: a stop during the head's wait or Ray's start must find its handler
     say = Say(args.name)
@@ -215,6 +242,7 @@ def start(args: argparse.Namespace) -> int:
     if left:
         say(f"could not stop pids {left} of this job's Ray")
     shutil.rmtree(temp, ignore_errors=True)
+    record_down(args, left)
     if stop.asked:
         return 0  # asked to stop: the batch script's teardown, not a failure
     if child.returncode:
@@ -254,6 +282,6 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--head-wait", type=float, default=300.0, help="seconds a worker waits for the head (default: %(default)s)")
     run.add_argument("--stop-grace", type=float, default=300.0, help="seconds Ray outlives the job's SIGTERM without a teardown")
     run.add_argument("--teardown-file", help="a file whose appearance asks for the teardown (launchers that cannot signal)")
-    run.add_argument("--log-dir", help="where this node records why its step ended early (<node>.ended)")
+    run.add_argument("--log-dir", help="where this node records why its step ended early (<node>.ended) and its end (<node>.down)")
     run.add_argument("--ray", default=shutil.which("ray") or "ray")
     run.set_defaults(port_range=int(os.environ.get("RAY_PORT_BASE", PORT_BASE)))

@@ -9,7 +9,10 @@ torchrun, gloo and the trainer.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -21,16 +24,24 @@ from tests.cluster.conftest import SlurmCluster
 from tests.helpers import REPO, tiny_overrides
 
 
-def run_pbs(
-    tmp: Path, synthetic_dir: Path, workdir: Path = REPO, **extra_env: str
-) -> tuple[subprocess.CompletedProcess[str], float]:
+def pbs_job(
+    tmp: Path,
+    synthetic_dir: Path,
+    script: str,
+    workdir: Path = REPO,
+    *,
+    max_steps: int = 20,
+    hosts: tuple[str, str] = ("127.0.0.1", "localhost"),
+    extra_env: dict[str, str] | None = None,
+) -> tuple[Path, dict[str, str]]:
+    """A copy of pbs/SCRIPT in a PBS spool folder and the environment PBS runs it with, on two hosts of two cores."""
     fake_bin = tmp / "bin"
     fake_bin.mkdir(exist_ok=True)
     (fake_bin / "pbsdsh").unlink(missing_ok=True)
     (fake_bin / "pbsdsh").symlink_to(REPO / "tests" / "cluster" / "fake_pbsdsh")
     nodefile = tmp / "nodefile"
-    nodefile.write_text("127.0.0.1\n127.0.0.1\nlocalhost\nlocalhost\n")  # two hosts, two cores each
-    overrides = tiny_overrides(synthetic_dir, tmp / "runs", trainer__max_steps=20)
+    nodefile.write_text("".join(f"{host}\n{host}\n" for host in hosts))  # two hosts, two cores each
+    overrides = tiny_overrides(synthetic_dir, tmp / "runs", trainer__max_steps=max_steps)
     env = {
         "PATH": f"{fake_bin}:{REPO / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin",
         "HOME": str(tmp),
@@ -43,10 +54,17 @@ def run_pbs(
         "OMP_NUM_THREADS": "1",
         "RDZV_TIMEOUT": "120",
         "FAKE_PBSDSH_CALLS": str(tmp / "calls"),
-        **extra_env,
+        **(extra_env or {}),
     }
     spooled = tmp / "4242.pbs-server.SC"  # PBS runs a copy of the script from its spool folder
-    spooled.write_text((REPO / "pbs" / "train.pbs").read_text())
+    spooled.write_text((REPO / "pbs" / script).read_text())
+    return spooled, env
+
+
+def run_pbs(
+    tmp: Path, synthetic_dir: Path, workdir: Path = REPO, **extra_env: str
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    spooled, env = pbs_job(tmp, synthetic_dir, "train.pbs", workdir, extra_env=extra_env)
     start = time.monotonic()
     done = subprocess.run(["bash", str(spooled)], cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
     return done, time.monotonic() - start
@@ -119,6 +137,70 @@ def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: 
     assert shown.count("env file mode 600") == 2 and "hf_secret" not in shown and "one secret" not in shown, shown
     assert "wandb_secret" not in shown and "mlflow_secret" not in shown, shown
     assert not list((workdir / "logs").glob(".pbs-env-*"))  # read and removed on each node
+
+
+def tagged(tag: str) -> dict[int, str]:
+    """The processes carrying the job's tag in their environment (the MoM's own record of the job's
+    processes stands in for its session or cgroup: nothing the scripts' teardown walks), with their titles."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"FAKE_PBSDSH_TAG={tag}\0".encode() in (proc / "environ").read_bytes():
+                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+        except OSError:
+            continue
+    return found
+
+
+def test_ray_pbs_under_a_pbsdsh_that_forwards_only_hup_int_term_stops_with_a_checkpoint_and_leaves_nothing(
+    synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """pbs/ray.pbs with OpenPBS's pbsdsh as it behaves (fake_pbsdsh: the task no child of the client,
+    HUP/INT/TERM forwarded, any other signal fatal to the client alone). A qdel as the MoM sends
+    it: SIGTERM to every process of the job's sessions (its script's and each task's), the kill
+    delay after. The run stops with a checkpoint at the step it reached; every node answers the
+    teardown, whose file goes only then; no process of the job is left on any "host" by the MoM's
+    own count (the job's tag, which every process it started inherits)."""
+    tag = f"job-{tmp_path.name}"
+    spooled, env = pbs_job(
+        tmp_path, synthetic_dir, "ray.pbs", max_steps=100000, hosts=("127.0.0.2", "127.0.0.3"),
+        extra_env={"FAKE_PBSDSH_TAG": tag, "FAKE_PBSDSH_TASKS": str(tmp_path / "tasks"), "PBS_JOBID": "4343.pbs-server"},
+    )  # fmt: skip
+    out = tmp_path / "job.out"
+    with out.open("w") as sink:
+        job = subprocess.Popen(
+            ["bash", str(spooled)], cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while "step 5/" not in out.read_text(errors="replace"):
+            assert job.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        assert len(tagged(tag)) > 4  # the script, the clients, the MoMs, the nodes and their Ray
+        sessions = {job.pid, *map(int, (tmp_path / "tasks").read_text().split())}
+        for pid in tagged(tag):  # qdel: SIGTERM to every process of the job's sessions
+            with contextlib.suppress(OSError):
+                if os.getsid(pid) in sessions:
+                    os.kill(pid, signal.SIGTERM)
+        job.wait(timeout=150)
+        deadline = time.monotonic() + 5  # the MoMs' last word to clients already gone
+        while tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = tagged(tag)
+    finally:
+        for pid in tagged(tag):  # the kill delay's SIGKILL, whatever happened above
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    text = out.read_text(errors="replace")
+    assert left == {}, (left, text[-3000:])
+    stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", text)
+    assert len(stopped) == 1, text[-3000:]
+    assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / f"step-{int(stopped[0]):08d}.ckpt").exists()
+    ray_logs = tmp_path / "logs" / "ray-4343"
+    for node in ("127.0.0.2", "127.0.0.3"):
+        assert (ray_logs / f"{node}.down").read_text() == "down\n"
+    assert not (ray_logs / ".teardown").exists()  # removed once every node had answered
+    assert not list(Path("/tmp").glob("prs-4343-*")), "the job's Ray temp dirs left"
 
 
 # --- PBS through a real batch system ------------------------------------------------------------

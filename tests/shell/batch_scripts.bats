@@ -1,7 +1,7 @@
 #!/usr/bin/env bats
 # The batch scripts' own shell: slurm/prepare.sbatch's part of an array, the CPUs an srun step
-# asks for (slurm/job.sh), and batch/ray_cluster.sh's bring-up (a failed step stops it; a stop
-# signal ends it at once).
+# asks for (slurm/job.sh), and batch/ray_cluster.sh's bring-up and teardown (a failed step stops
+# the bring-up; a stop signal ends it at once; the teardown file stays until every node answers).
 #
 # Python is a stand-in here (a script that records its arguments and plays one answer per
 # command): these tests are about what the shell does with the answers. The real ones run in
@@ -134,6 +134,24 @@ EOF
   [ "${status}" -eq 143 ]
   grep -q "ray_run: 143" "${BATS_TEST_TMPDIR}/out"
   [ "$(grep -c '^started' "${BATS_TEST_TMPDIR}/started")" -eq 2 ] # both nodes were starting, and were stopped
+}
+
+@test "ray_cluster.sh: the teardown file stays until every node has answered, and the silent ones are named" {
+  # As under ssh: no signal reaches the tasks, the file does. node0 answers once it sees the file;
+  # node1's client ends without an answer (a dropped connection), so its task may still run.
+  ray_script
+  sed -i -e 's|^ray_on_node() .*|ray_on_node() { local index="$1"; shift; if ((index == 0)); then until [[ -e "${RAY_LOG_DIR}/.teardown" ]]; do sleep 0.1; done; echo down >"${RAY_LOG_DIR}/node0.down"; else exec sleep 1; fi; }|' \
+    -e 's|^ray_stop_nodes() .*|ray_stop_nodes() { :; }|' "${BATS_TEST_TMPDIR}/bring_up.sh"
+  run bash "${BATS_TEST_TMPDIR}/bring_up.sh"
+  [ "${status}" -eq 0 ]
+  grep -q "warning: no answer to the teardown from node1 within 20 s; .*/ray-7/.teardown is kept for them" <<<"${output}"
+  [ -e "${LOG_DIR}/ray-7/.teardown" ]
+  # Both answer: the file goes.
+  sed -i -e 's|else exec sleep 1; fi|else until [[ -e "${RAY_LOG_DIR}/.teardown" ]]; do sleep 0.1; done; echo down >"${RAY_LOG_DIR}/node1.down"; fi|' "${BATS_TEST_TMPDIR}/bring_up.sh"
+  run bash "${BATS_TEST_TMPDIR}/bring_up.sh"
+  [ "${status}" -eq 0 ]
+  ! grep -q "no answer to the teardown" <<<"${output}"
+  [ ! -e "${LOG_DIR}/ray-7/.teardown" ]
 }
 
 @test "job.sh: a stop signal after the run is recorded, not fatal, and the first still decides" {

@@ -42,6 +42,21 @@ def test_the_process_a_node_starts_with_stop_signals_held_dies_when_the_node_pro
         time.sleep(0.05)
 
 
+def test_the_nodes_ray_runs_in_a_session_of_its_own() -> None:
+    """OpenPBS's MoM sends qdel's SIGTERM to each task's session, and Ray's dashboard (the job
+    server) exits on it by a handler of its own: the node's Ray is started out of its session."""
+    starter = "import sys\nfrom purrsight.ray_node.node import spawn_with_job_stop_held\n"
+    starter += "child = spawn_with_job_stop_held(['sleep', '60'])\nprint(child.pid, flush=True)\nchild.wait()"
+    node = subprocess.Popen([sys.executable, "-c", starter], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert node.stdout is not None
+        started = int(node.stdout.readline())
+        assert os.getsid(started) == started != os.getsid(node.pid)
+    finally:
+        node.kill()
+        node.wait(timeout=10)
+
+
 def _blocked(pid: int) -> list[int]:
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
     mask = int(next(line for line in status if line.startswith("SigBlk:")).split()[1], 16)
