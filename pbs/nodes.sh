@@ -16,6 +16,8 @@
 #
 # PBS_LAUNCHER picks how a host's task starts: pbsdsh where PBS has it; srun where the PBS job
 # runs on SLURM (slurm-wlm-torque's qsub), which has no pbsdsh; else passwordless ssh.
+# PBS_SSH is the ssh command, split on spaces (default `ssh -o BatchMode=yes`): a site's port,
+# key or jump host goes there (`PBS_SSH="ssh -o BatchMode=yes -p 2222"`), or in ~/.ssh/config.
 
 # What reaches every node: pbsdsh and ssh start a bare environment there, and the launcher
 # promises that a variable you exported is never overridden, so this job's own settings go
@@ -101,7 +103,11 @@ pbs_run_on() {
   case "${launcher}" in
     pbsdsh) exec pbsdsh -n "${PBS_HOST_INDEXES[index]}" -- "${task[@]}" ;;
     # ssh takes one command string; every word is quoted for the remote shell, never evaluated here.
-    *) exec ssh -o BatchMode=yes "${PBS_HOSTS[index]}" "$(printf '%q ' "${task[@]}")" ;;
+    *)
+      local -a ssh_command
+      read -r -a ssh_command <<<"${PBS_SSH:-ssh -o BatchMode=yes}"
+      exec "${ssh_command[@]}" "${PBS_HOSTS[index]}" "$(printf '%q ' "${task[@]}")"
+      ;;
   esac
 }
 

@@ -6,9 +6,10 @@
 #   bash scripts/test.sh tests/unit -x   # extra arguments go to pytest (lint and bats still run)
 #
 # System tools (shellcheck, bats, iproute2, slurm-wlm + munge for the real SLURM cluster
-# that tests/cluster starts, slurm-wlm-torque for PBS's qsub/qdel/qrerun over it, and alsa-utils + sound-theme-freedesktop for the real speech and
-# sound recordings that tests/unit/test_real_media.py decodes) come from Debian's packages
-# when missing and we are root. The CPU build of torch is pinned (torch==2.13.0) in the same pip
+# that tests/cluster starts, slurm-wlm-torque for PBS's qsub/qdel/qrerun over it, openssh-server
+# for the sshd that PBS_LAUNCHER=ssh's test starts, and alsa-utils + sound-theme-freedesktop for
+# the real speech and sound recordings that tests/unit/test_real_media.py decodes) come from
+# Debian's packages when missing and we are root. The CPU build of torch is pinned (torch==2.13.0) in the same pip
 # run as the requirements: requirements.txt holds a range (right for GPU users) that it meets,
 # so pip fetches nothing larger.
 # pip runs only when the requirement files changed since the last install into this .venv
@@ -18,7 +19,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 readonly VENV_DIR="${VENV_DIR:-.venv}"
 readonly WORKERS="${PYTEST_WORKERS:-2}"
-readonly SYSTEM_PACKAGES=(shellcheck bats iproute2 slurm-wlm slurm-wlm-torque munge alsa-utils sound-theme-freedesktop)
+readonly SYSTEM_PACKAGES=(shellcheck bats iproute2 slurm-wlm slurm-wlm-torque munge alsa-utils sound-theme-freedesktop
+  openssh-server)
 
 log() { printf '[test.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }
 die() { printf '[test.sh] error: %s\n' "$*" >&2; exit 1; }

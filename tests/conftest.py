@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import settings
 
 if TYPE_CHECKING:
     from tests.preloaded import PreloadedTrainer
@@ -63,6 +64,15 @@ QUICK_FOLDERS = ("unit",)
 # tests/cluster, the session's Ray cluster in tests/ray): marked `serial`, they run one at a time
 # (scripts/test.sh runs them in a pytest of their own, beside the two workers of the others).
 SERIAL_FOLDERS = ("cluster", "ray")
+
+
+# Property tests (hypothesis) in CI draw the same examples on every run, from the test's own
+# name (derandomize): a failure there reproduces on any machine with the same command, and a
+# change that breaks a drawn case fails every time, not by chance. Elsewhere they draw afresh,
+# which keeps looking into new corners; `--hypothesis-profile=ci` reproduces CI's draw.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -13,15 +13,18 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.cluster.conftest import SlurmCluster
-from tests.helpers import REPO, tiny_overrides
+from tests.helpers import REPO, free_port, tiny_overrides
+from tests.host_scan import processes_using
 
 
 def pbs_job(
@@ -139,66 +142,116 @@ def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: 
     assert not list((workdir / "logs").glob(".pbs-env-*"))  # read and removed on each node
 
 
-def tagged(tag: str) -> dict[int, str]:
-    """The processes carrying the job's tag in their environment (the MoM's own record of the job's
-    processes stands in for its session or cgroup: nothing the scripts' teardown walks), with their titles."""
-    found = {}
+def job_processes(tag: str, tmp: Path, ray_job: str) -> dict[int, str]:
+    """The job's processes on every "host", by what the scripts' own teardown never walks: the
+    tag in their environment (the MoM's record of the job: what pbsdsh's tasks inherit), their
+    command line naming the job's folder, or a working folder or open file in its Ray temp dirs
+    (Ray's renamed workers; under ssh, where sshd gives the task a fresh environment)."""
+    found = processes_using(f"/tmp/prs-{ray_job}-")
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and f"FAKE_PBSDSH_TAG={tag}\0".encode() in (proc / "environ").read_bytes():
-                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            title = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if f"FAKE_PBSDSH_TAG={tag}\0".encode() in (proc / "environ").read_bytes() or str(tmp) in title:
+                found[int(proc.name)] = title[:120]
         except OSError:
             continue
     return found
 
 
-def test_ray_pbs_under_a_pbsdsh_that_forwards_only_hup_int_term_stops_with_a_checkpoint_and_leaves_nothing(
-    synthetic_dir: Path, tmp_path: Path
-) -> None:
-    """pbs/ray.pbs with OpenPBS's pbsdsh as it behaves (fake_pbsdsh: the task no child of the client,
-    HUP/INT/TERM forwarded, any other signal fatal to the client alone). A qdel as the MoM sends
-    it: SIGTERM to every process of the job's sessions (its script's and each task's), the kill
-    delay after. The run stops with a checkpoint at the step it reached; every node answers the
-    teardown, whose file goes only then; no process of the job is left on any "host" by the MoM's
-    own count (the job's tag, which every process it started inherits)."""
-    tag = f"job-{tmp_path.name}"
-    spooled, env = pbs_job(
-        tmp_path, synthetic_dir, "ray.pbs", max_steps=100000, hosts=("127.0.0.2", "127.0.0.3"),
-        extra_env={"FAKE_PBSDSH_TAG": tag, "FAKE_PBSDSH_TASKS": str(tmp_path / "tasks"), "PBS_JOBID": "4343.pbs-server"},
+@contextlib.contextmanager
+def real_sshd(tmp: Path, hosts: tuple[str, ...]) -> Iterator[str]:
+    """OpenSSH's sshd on ``hosts`` (loopback addresses), root's logins by a key made here; yields
+    the ssh command (PBS_SSH) that reaches them. Root: sshd changes to the user it logs in."""
+    keys = tmp / "ssh"
+    keys.mkdir()
+    for name in ("host_key", "id"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)], check=True)
+    (keys / "authorized_keys").write_text((keys / "id.pub").read_text())
+    port = free_port()
+    config = keys / "sshd_config"
+    config.write_text(
+        f"Port {port}\n" + "".join(f"ListenAddress {host}\n" for host in hosts)
+        + f"HostKey {keys / 'host_key'}\nPidFile {keys / 'sshd.pid'}\nAuthorizedKeysFile {keys / 'authorized_keys'}\n"
+        "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+        "UsePAM no\nStrictModes no\n"
     )  # fmt: skip
-    out = tmp_path / "job.out"
-    with out.open("w") as sink:
-        job = subprocess.Popen(
-            ["bash", str(spooled)], cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    client = keys / "ssh_config"
+    client.write_text(
+        f"Host {' '.join(hosts)}\n  Port {port}\n  IdentityFile {keys / 'id'}\n  IdentitiesOnly yes\n"
+        "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
+    )
+    Path("/run/sshd").mkdir(exist_ok=True)  # its privilege separation folder
+    sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stderr=(keys / "sshd.log").open("w"))
     try:
-        deadline = time.monotonic() + 300
-        while "step 5/" not in out.read_text(errors="replace"):
-            assert job.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")[-3000:]
-            time.sleep(0.5)
-        assert len(tagged(tag)) > 4  # the script, the clients, the MoMs, the nodes and their Ray
-        sessions = {job.pid, *map(int, (tmp_path / "tasks").read_text().split())}
-        for pid in tagged(tag):  # qdel: SIGTERM to every process of the job's sessions
-            with contextlib.suppress(OSError):
-                if os.getsid(pid) in sessions:
-                    os.kill(pid, signal.SIGTERM)
-        job.wait(timeout=150)
-        deadline = time.monotonic() + 5  # the MoMs' last word to clients already gone
-        while tagged(tag) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = tagged(tag)
+        deadline = time.monotonic() + 30
+        while not all(port_answers(host, port) for host in hosts):
+            assert sshd.poll() is None and time.monotonic() < deadline, (keys / "sshd.log").read_text()
+            time.sleep(0.1)
+        yield f"ssh -F {client} -o BatchMode=yes"
     finally:
-        for pid in tagged(tag):  # the kill delay's SIGKILL, whatever happened above
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        sshd.terminate()  # the listener only: sessions live on in their own sshd processes, as a real sshd's
+        sshd.wait(timeout=30)
+
+
+def port_answers(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+        return True
+    return False
+
+
+@pytest.mark.parametrize("launcher", ["pbsdsh", pytest.param("ssh", marks=pytest.mark.root)])
+def test_ray_pbs_stopped_by_qdel_through_pbsdsh_or_ssh_checkpoints_and_leaves_nothing_on_any_host(
+    launcher: str, synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """pbs/ray.pbs with its tasks started as a real site starts them: OpenPBS's pbsdsh as it behaves
+    (fake_pbsdsh: the task no child of the client, HUP/INT/TERM forwarded, any other signal fatal to
+    the client alone), or a real sshd on two loopback addresses (ssh forwards no signal). A qdel as
+    the MoM sends it: SIGTERM to every process of the job's sessions (its script's, and each
+    pbsdsh task's; an ssh task's session is sshd's, which PBS does not know), the kill delay after.
+    The run stops with a checkpoint at the step it reached; every node answers the teardown,
+    whose file goes only then; no process of the job is left on any "host" (job_processes)."""
+    hosts, tag = ("127.0.0.2", "127.0.0.3"), f"job-{tmp_path.name}"
+    with contextlib.ExitStack() as stack:
+        extra = {"FAKE_PBSDSH_TAG": tag, "FAKE_PBSDSH_TASKS": str(tmp_path / "tasks"), "PBS_JOBID": "4343.pbs-server"}
+        if launcher == "ssh":
+            extra |= {"PBS_LAUNCHER": "ssh", "PBS_SSH": stack.enter_context(real_sshd(tmp_path, hosts))}
+        spooled, env = pbs_job(tmp_path, synthetic_dir, "ray.pbs", max_steps=100000, hosts=hosts, extra_env=extra)
+        out = tmp_path / "job.out"
+        with out.open("w") as sink:
+            job = subprocess.Popen(
+                ["bash", str(spooled)], cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            deadline = time.monotonic() + 300
+            while "step 5/" not in out.read_text(errors="replace"):
+                assert job.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")[-3000:]
+                time.sleep(0.5)
+            assert any(title.startswith("ray::") for title in job_processes(tag, tmp_path, "4343").values())
+            tasks = tmp_path / "tasks"
+            sessions = {job.pid, *(map(int, tasks.read_text().split()) if tasks.exists() else ())}
+            for pid in job_processes(tag, tmp_path, "4343"):  # qdel: SIGTERM to every process of the job's sessions
+                with contextlib.suppress(OSError):
+                    if os.getsid(pid) in sessions:
+                        os.kill(pid, signal.SIGTERM)
+            job.wait(timeout=150)
+            deadline = time.monotonic() + 10  # the MoMs' and sshd's last words to clients already gone
+            while job_processes(tag, tmp_path, "4343") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            left = job_processes(tag, tmp_path, "4343")
+        finally:
+            for pid in job_processes(tag, tmp_path, "4343"):  # the kill delay's SIGKILL, whatever happened above
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
     text = out.read_text(errors="replace")
     assert left == {}, (left, text[-3000:])
     stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", text)
     assert len(stopped) == 1, text[-3000:]
     assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / f"step-{int(stopped[0]):08d}.ckpt").exists()
     ray_logs = tmp_path / "logs" / "ray-4343"
-    for node in ("127.0.0.2", "127.0.0.3"):
-        assert (ray_logs / f"{node}.down").read_text() == "down\n"
+    for node in hosts:
+        assert (ray_logs / f"{node}.down").read_text() == "down\n", (ray_logs / f"{node}.log").read_text()[-2000:]
     assert not (ray_logs / ".teardown").exists()  # removed once every node had answered
     assert not list(Path("/tmp").glob("prs-4343-*")), "the job's Ray temp dirs left"
 
