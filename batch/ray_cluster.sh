@@ -184,12 +184,15 @@ ray_cluster_down() {
   log "stopping this job's Ray on every node"
   # The file reaches every launcher's task (pbsdsh and ssh forward no USR2); each node answers
   # with <node>.down once its Ray is down. A step whose local client ended without that answer
-  # (a dropped ssh connection, a node that died) may still have its task running over there.
+  # (a node that died) may still have its task running over there; where the client's end says
+  # nothing of the task's (RAY_TASK_OUTLIVES_CLIENT=1: an ssh client, which the job's SIGTERM
+  # ends), the answer is awaited as long as the teardown's time allows.
   : >"${RAY_LOG_DIR}/.teardown"
   ray_stop_nodes "${RAY_STEP_PIDS[@]}"
   for index in "${!RAY_STEP_PIDS[@]}"; do
     name="${RAY_NODE_NAMES[index]}" pid="${RAY_STEP_PIDS[index]}"
-    while [[ ! -e "${RAY_LOG_DIR}/${name}.down" ]] && kill -0 "${pid}" 2>/dev/null && ((SECONDS < deadline)); do
+    while [[ ! -e "${RAY_LOG_DIR}/${name}.down" ]] && ((SECONDS < deadline)); do
+      [[ "${RAY_TASK_OUTLIVES_CLIENT:-0}" == 1 ]] || kill -0 "${pid}" 2>/dev/null || break
       sleep 0.5
     done
     [[ -e "${RAY_LOG_DIR}/${name}.down" ]] || silent+=("${name}")

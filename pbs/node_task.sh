@@ -12,4 +12,9 @@ if [[ "${1:-}" == --env ]]; then
   rm -f "$2"
   shift 2
 fi
+# A task started by ssh carries sshd's session variables, and a bash that sees SSH_CLIENT with a
+# low SHLVL believes sshd started it and reads ~/.bashrc even non-interactively (Debian's bash).
+# Ray starts its workers through `bash -c` with an environment of its own making: a ~/.bashrc
+# that puts pyenv or conda first on PATH then ran the job's driver under another Python.
+unset SSH_CLIENT SSH2_CLIENT SSH_CONNECTION SSH_TTY
 exec "$@"

@@ -41,7 +41,7 @@ from purrsight.internals.lightning_loops import (
     set_batches_done,
 )
 from purrsight.runs.data_order import ORDER_KEY, DataChangedError, differences, only_the_grouping_version, order_of
-from purrsight.runs.data_position import DataPosition, InexactPositionError, saved_position
+from purrsight.runs.data_position import POSITION_KEY, DataPosition, InexactPositionError, saved_position
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,8 @@ class Phase2DataModule(pl.LightningDataModule):
         if self.train_set is None:
             return
         size, batch = len(self.train_set), self.config.data.batch_size  # type: ignore[arg-type]
-        if reopen_closed_epoch(checkpoint):
+        has_position = isinstance(checkpoint.get("purrsight"), dict) and POSITION_KEY in checkpoint["purrsight"]
+        if not has_position and reopen_closed_epoch(checkpoint):  # only versions before our position entry
             log.info(
                 "resume: the checkpoint's last step was saved after its epoch closed (before 2026-11-23): epoch %d continues",
                 checkpoint["epoch"],

@@ -292,3 +292,21 @@ def test_a_loader_workers_checkpoint_whose_epoch_changed_world_is_refused_or_sta
     after = fit(shape, 23, 8, tmp_path / "run", resume=True, overrides=("data.on_data_change=next_epoch",))
     epoch_2 = [batch for batch in reference.micro_batches if batch[0] == 2]
     assert after.micro_batches[: len(epoch_2)] == epoch_2
+
+
+@pytest.mark.parametrize("layout", [None, "no-loader-state"])
+def test_a_second_resume_after_a_stop_at_an_epochs_end_trains_the_uninterrupted_order(
+    layout: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a resume from an epoch's last step Lightning keeps its epoch counters equal for the rest
+    of the run, as a save after a closed epoch has them: a later checkpoint is no closed epoch.
+    40 samples on 2 ranks x 2 (10 steps an epoch): stopped at step 10, then at 14, then to 25 (the
+    layout without a world size is told it: in epoch 0 its step count cannot)."""
+    monkeypatch.setenv("PURRSIGHT_SAVED_WORLD_SIZE", "2")
+    shape = Shape(world=2, batch=2, accumulation=1, workers=0)
+    reference = fit(shape, 40, 25, tmp_path / "reference")
+    first = fit(shape, 40, 25, tmp_path / "run", stop_at=10, legacy=layout)
+    second = fit(shape, 40, 25, tmp_path / "run", resume=True, stop_at=4, legacy=layout)
+    last = fit(shape, 40, 25, tmp_path / "run", resume=True)
+    assert (first.final_step, second.final_step) == (10, 14)
+    assert first.micro_batches + second.micro_batches + last.micro_batches == reference.micro_batches
