@@ -185,8 +185,9 @@ ray_cluster_down() {
   # The file reaches every launcher's task (pbsdsh and ssh forward no USR2); each node answers
   # with <node>.down once its Ray is down. A step whose local client ended without that answer
   # (a node that died) may still have its task running over there; where the client's end says
-  # nothing of the task's (RAY_TASK_OUTLIVES_CLIENT=1: an ssh client, which the job's SIGTERM
-  # ends), the answer is awaited as long as the teardown's time allows.
+  # nothing of the task's (RAY_TASK_OUTLIVES_CLIENT=1: pbsdsh, which exits once it has forwarded a
+  # signal; an ssh client, which the job's SIGTERM ends), the answer is awaited as long as the
+  # teardown's time allows.
   : >"${RAY_LOG_DIR}/.teardown"
   ray_stop_nodes "${RAY_STEP_PIDS[@]}"
   for index in "${!RAY_STEP_PIDS[@]}"; do
@@ -206,7 +207,7 @@ ray_cluster_down() {
   if ((${#silent[@]})); then
     # Kept: a node that has not seen it yet still may (a shared filesystem's cache); the next
     # bring-up of this job removes it.
-    log "warning: no answer to the teardown from ${silent[*]} within ${RAY_TEARDOWN_S} s; ${RAY_LOG_DIR}/.teardown is kept for them"
+    log "warning: no answer to the teardown from ${silent[*]} (their step ended without one, or ${RAY_TEARDOWN_S} s passed); ${RAY_LOG_DIR}/.teardown is kept for them"
   else
     rm -f "${RAY_LOG_DIR}/.teardown"
   fi

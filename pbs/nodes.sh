@@ -9,7 +9,11 @@
 #   pbs_run_on INDEX CMD...   run CMD on host INDEX, in the job's folder with the job's settings
 #                             (PBS_LAUNCHER: pbsdsh, srun or ssh; see below). It execs: call it
 #                             in the background (&), and $! is the task's own pid
-#   pbs_forget_env            at the job's end: the settings files of tasks that never started
+#   pbs_forget_env            at the job's end: the settings files of tasks that never started,
+#                             and the tasks' exit-code files
+#   pbs_task_code INDEX CODE AGO  the exit code of host INDEX's task once it has ended (its client's
+#                             exit code CODE, AGO seconds since the client ended), or nothing while
+#                             it may still be running
 #   pbs_stop_tasks SIG PID... ask the tasks started through pbs_run_on to end (SIGTERM), or their
 #                             Ray to go down (SIGUSR2)
 #   pbs_rerun_check           RESUME=auto when this job id ran before (qrerun, a server restart)
@@ -83,23 +87,32 @@ pbs_launcher() {
   fi
 }
 
+# Each task writes its exit code here when it ends (node_task.sh --status): OpenPBS's pbsdsh
+# exits 0 once its task has ended whatever the task's code, and 1 right after forwarding a
+# signal while the task runs on; an ssh client ends on the job's SIGTERM, its task running on.
+pbs_status_file() {
+  printf '%s\n' "${WORKDIR}/logs/.pbs-status-$(pbs_job_number)-$1"
+}
+
 pbs_run_on() {
   local index="$1"
   shift
-  local launcher env_file
+  local launcher env_file status_file
   launcher="$(pbs_launcher)"
   env_file="${WORKDIR}/logs/.pbs-env-$(pbs_job_number)-${index}"
+  status_file="$(pbs_status_file "${index}")"
+  rm -f "${status_file}" # a rerun's own
   if [[ "${launcher}" == srun ]]; then
     # srun hands the job's environment over itself, the scheduler's own way: nothing to write.
     exec srun --overlap --nodes=1 --ntasks=1 --cpus-per-task="$(pbs_host_cpus "${index}")" \
-      --nodelist="${PBS_HOSTS[index]}" "${WORKDIR}/pbs/node_task.sh" "${WORKDIR}" "$@"
+      --nodelist="${PBS_HOSTS[index]}" "${WORKDIR}/pbs/node_task.sh" "${WORKDIR}" --status "${status_file}" "$@"
   fi
   # pbsdsh and ssh start a bare environment: the job's settings go in a file only this user
   # can read (on the job's folder, which every node mounts), never as `env NAME=VALUE`
   # arguments, which /proc/PID/cmdline shows every local user for the task's whole life.
   # node_task.sh reads it and removes it.
   (umask 077 && mkdir -p "${WORKDIR}/logs" && forwarded_env >"${env_file}")
-  local task=("${WORKDIR}/pbs/node_task.sh" "${WORKDIR}" --env "${env_file}" "$@")
+  local task=("${WORKDIR}/pbs/node_task.sh" "${WORKDIR}" --env "${env_file}" --status "${status_file}" "$@")
   case "${launcher}" in
     pbsdsh) exec pbsdsh -n "${PBS_HOST_INDEXES[index]}" -- "${task[@]}" ;;
     # ssh takes one command string; every word is quoted for the remote shell, never evaluated here.
@@ -117,9 +130,35 @@ pbs_host_cpus() {
   awk -v host="${PBS_HOSTS[$1]}" '$1 == host { slots++ } END { print (slots > 0 ? slots : 1) }' "${PBS_NODEFILE}"
 }
 
-# The env files of tasks that never started (a failed pbsdsh): removed at the job's end.
+# The env files of tasks that never started (a failed pbsdsh), and the tasks' exit codes: removed
+# at the job's end.
 pbs_forget_env() {
-  rm -f "${WORKDIR}/logs/.pbs-env-$(pbs_job_number)-"*
+  rm -f "${WORKDIR}/logs/.pbs-env-$(pbs_job_number)-"* "${WORKDIR}/logs/.pbs-status-$(pbs_job_number)-"*
+}
+
+# pbs_task_code INDEX CLIENT_CODE AGO: host INDEX's task's exit code, its client (pbsdsh, ssh or
+# srun) having ended with CLIENT_CODE AGO seconds ago; nothing while the task may still run. The task's own answer when
+# it gave one; else srun's code, which is its task's. Otherwise the task may still be running, or
+# its answer not yet visible here (a shared filesystem's attribute cache: about 30 s on NFS): a
+# pbsdsh that ended 0 (its task ended, or never spawned) is given PBS_STATUS_WAIT_S (30) for the
+# answer to appear, any other client end (pbsdsh after forwarding a signal, ssh) PBS_TASK_WAIT_S
+# (300) for the task to end; then the task counts as failed.
+pbs_task_code() {
+  local index="$1" client="$2" ago="$3" file limit
+  file="$(pbs_status_file "${index}")"
+  if [[ -s "${file}" ]]; then
+    cat "${file}"
+    return 0
+  fi
+  if [[ "$(pbs_launcher)" == srun ]]; then
+    printf '%s\n' "${client}"
+    return 0
+  fi
+  limit="${PBS_TASK_WAIT_S:-300}"
+  [[ "$(pbs_launcher)" != pbsdsh || "${client}" != 0 ]] || limit="${PBS_STATUS_WAIT_S:-30}"
+  if ((ago >= limit)); then
+    printf '%s\n' "$((client == 0 ? 1 : client))"
+  fi
 }
 
 pbs_stop_tasks() {

@@ -85,9 +85,13 @@ def test_every_node_gets_its_rank_and_training_completes(synthetic_dir: Path, tm
 
 
 def test_one_failing_node_fails_the_job_and_stops_the_others(synthetic_dir: Path, tmp_path: Path) -> None:
-    done, elapsed = run_pbs(tmp_path, synthetic_dir, FAKE_PBSDSH_FAIL_INDEX="2")
-    assert done.returncode == 7, (done.stdout + done.stderr)[-4000:]
-    assert "node 1 failed with exit code 7: stopping the other nodes" in done.stdout
+    """A node whose spawn fails: OpenPBS's pbsdsh prints it and exits 0, as it does when a task
+    ends, whatever the task's code; no answer from the task (node_task.sh's exit code) within
+    PBS_STATUS_WAIT_S fails the job."""
+    done, elapsed = run_pbs(tmp_path, synthetic_dir, FAKE_PBSDSH_FAIL_INDEX="2", PBS_STATUS_WAIT_S="3")
+    assert done.returncode == 1, (done.stdout + done.stderr)[-4000:]
+    assert "pbsdsh: spawn failed on node 2" in done.stderr, done.stderr[-2000:]
+    assert "node 1 failed with exit code 1: stopping the other nodes" in done.stdout
     assert elapsed < 60, elapsed  # node 0 was stopped, not left waiting for its rendezvous timeout
     time.sleep(2)
     leftover = [
@@ -96,6 +100,15 @@ def test_one_failing_node_fails_the_job_and_stops_the_others(synthetic_dir: Path
         if str(tmp_path) in " ".join(p.info["cmdline"] or []) and "cluster_train" in " ".join(p.info["cmdline"] or [])
     ]
     assert leftover == []
+
+
+def test_a_task_that_fails_fails_the_job_though_pbsdsh_exits_0(synthetic_dir: Path, tmp_path: Path) -> None:
+    """OpenPBS's pbsdsh exits 0 once its task has ended, whatever the task's code: the job's code is
+    the tasks' own (node_task.sh writes it), not the clients'. A config override the trainer
+    refuses ends every node with 2; the job must too, and must not say it finished."""
+    done, _ = run_pbs(tmp_path, synthetic_dir, OVERRIDES="trainer.max_steps=twenty")
+    assert done.returncode == 2, (done.stdout + done.stderr)[-4000:]
+    assert "failed with exit code 2" in done.stdout and "training finished" not in done.stdout
 
 
 def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: Path) -> None:

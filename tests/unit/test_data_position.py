@@ -8,7 +8,7 @@ import pytest
 
 from purrsight.config import dump_config, load_config
 from purrsight.internals.lightning_loops import BATCH_PROGRESS
-from purrsight.runs.data_position import DataPosition, PositionError, saved_position
+from purrsight.runs.data_position import DataPosition, InexactPositionError, PositionError, saved_position
 from purrsight.training.datamodule import Phase2DataModule
 from tests.helpers import DEFAULT_CONFIG
 
@@ -87,3 +87,25 @@ def test_a_resume_counts_done_batches_in_this_runs_units(saved: DataPosition, ep
     sampler = data.train_dataloader().sampler
     sampler.set_epoch(saved.epoch)  # type: ignore[attr-defined]
     assert len(list(sampler)) == 120 - saved.consumed  # type: ignore[arg-type]
+
+
+def test_a_loader_workers_checkpoint_is_exact_after_world_changes_at_epoch_ends_and_refused_after_one_inside() -> None:
+    """The worker-snapshot layout (before 2026-11-25) counts its epoch's micro-batches in its world's
+    units. 40 samples in batches of 10 make 4, 2 or 1 steps an epoch on 1, 2 or 3-4 processes: at
+    epoch 2, one micro-batch into it on 2 processes, step 6 is 5 steps of two whole epochs (4 + 1:
+    worlds changed at the epochs' ends) plus 1, exact; step 8 is no such count (7 from two epochs),
+    refused by name."""
+    shape = dump_config(load_config(DEFAULT_CONFIG, ["data.batch_size=10"], check_paths=False))
+
+    def snapshot(steps: int) -> dict[str, Any]:
+        checkpoint = checkpoint_with(1, epoch=2, config=shape)
+        checkpoint["global_step"] = steps
+        state = {"epoch": 2, "consumed": 40, "world_size": 2}
+        checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [
+            {"_snapshot": {"_main_snapshot": {"_sampler_iter_state": {"sampler_state": state}}}}
+        ]
+        return checkpoint
+
+    assert saved_position(snapshot(6), 2, size=40) == DataPosition(2, 1 * 10 * 2, 2, 10, 1)
+    with pytest.raises(InexactPositionError, match="changed its number of processes during epoch 2"):
+        saved_position(snapshot(8), 2, size=40)
