@@ -27,9 +27,10 @@ fi
 unset SSH_CLIENT SSH2_CLIENT SSH_CONNECTION SSH_TTY
 [[ -n "${status_file}" ]] || exec "$@"
 
-# The stop signals reach COMMAND with the rest of the task's session (the MoM's tm_kill, SLURM);
-# here they only interrupt the wait, which goes on until COMMAND has ended (a trap, not an
-# ignore: an ignored signal would be ignored by COMMAND too).
+# With --status (pbsdsh and ssh, never srun: SLURM may signal the task's process alone, which
+# then must be COMMAND) the stop signals reach COMMAND with the rest of the task's session (the
+# MoM's tm_kill); here they only interrupt the wait, which goes on until COMMAND has ended (a
+# trap, not an ignore: an ignored signal would be ignored by COMMAND too).
 trap ':' TERM INT HUP
 "$@" &
 child=$!

@@ -87,9 +87,10 @@ pbs_launcher() {
   fi
 }
 
-# Each task writes its exit code here when it ends (node_task.sh --status): OpenPBS's pbsdsh
-# exits 0 once its task has ended whatever the task's code, and 1 right after forwarding a
-# signal while the task runs on; an ssh client ends on the job's SIGTERM, its task running on.
+# A pbsdsh or ssh task writes its exit code here when it ends (node_task.sh --status): OpenPBS's
+# pbsdsh exits 0 once its task has ended whatever the task's code, and 1 right after forwarding
+# a signal while the task runs on; an ssh client ends on the job's SIGTERM, its task running on.
+# (srun's code is its task's.)
 pbs_status_file() {
   printf '%s\n' "${WORKDIR}/logs/.pbs-status-$(pbs_job_number)-$1"
 }
@@ -104,8 +105,9 @@ pbs_run_on() {
   rm -f "${status_file}" # a rerun's own
   if [[ "${launcher}" == srun ]]; then
     # srun hands the job's environment over itself, the scheduler's own way: nothing to write.
+    # Its code is its task's, and SLURM signals the task's process: node_task.sh execs it.
     exec srun --overlap --nodes=1 --ntasks=1 --cpus-per-task="$(pbs_host_cpus "${index}")" \
-      --nodelist="${PBS_HOSTS[index]}" "${WORKDIR}/pbs/node_task.sh" "${WORKDIR}" --status "${status_file}" "$@"
+      --nodelist="${PBS_HOSTS[index]}" "${WORKDIR}/pbs/node_task.sh" "${WORKDIR}" "$@"
   fi
   # pbsdsh and ssh start a bare environment: the job's settings go in a file only this user
   # can read (on the job's folder, which every node mounts), never as `env NAME=VALUE`
