@@ -6,7 +6,7 @@
 # 0600), for launchers that start a bare environment: exported here, then removed. --status FILE
 # receives COMMAND's exit code when it ends: OpenPBS's pbsdsh exits 0 once its task has ended,
 # whatever the task's code (1 after forwarding a signal), and ssh's code is lost with the
-# connection, so the batch script reads the task's own answer there (pbs_task_status).
+# connection, so the batch script reads the task's own answer there (pbs_task_code).
 set -euo pipefail
 cd "${1:?usage: node_task.sh WORKDIR [--env FILE] [--status FILE] COMMAND [ARGS...]}"
 shift
@@ -32,15 +32,21 @@ unset SSH_CLIENT SSH2_CLIENT SSH_CONNECTION SSH_TTY
 # MoM's tm_kill); here they only interrupt the wait, which goes on until COMMAND has ended (a
 # trap, not an ignore: an ignored signal would be ignored by COMMAND too).
 trap ':' TERM INT HUP
-"$@" &
+# Without job control bash starts a background command with INT and QUIT ignored: restored here.
+(trap - INT QUIT && exec "$@") &
 child=$!
-code=0
-while kill -0 "${child}" 2>/dev/null; do
-  wait "${child}" && code=0 || code=$? # a trapped signal ends the wait early: >128, COMMAND still running
+while :; do
+  code=0
+  wait "${child}" || code=$?
+  # A trapped signal ends the wait early (>128) while COMMAND runs on; an unreaped COMMAND keeps its pid.
+  ((code > 128)) && kill -0 "${child}" 2>/dev/null && continue
+  break
 done
-last=0
-wait "${child}" 2>/dev/null || last=$?
-((last == 127)) || code="${last}" # 127: already reaped by the loop's wait, whose code stands
+if ((code > 128)); then # the signal's code, or COMMAND's own: COMMAND's if it is still to be reaped
+  last=0
+  wait "${child}" 2>/dev/null || last=$?
+  ((last == 127)) || code="${last}"
+fi
 rm -f "${status_file}"
 printf '%s\n' "${code}" >"${status_file}.tmp" && mv -f "${status_file}.tmp" "${status_file}"
 exit "${code}"

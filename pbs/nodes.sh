@@ -102,7 +102,6 @@ pbs_run_on() {
   launcher="$(pbs_launcher)"
   env_file="${WORKDIR}/logs/.pbs-env-$(pbs_job_number)-${index}"
   status_file="$(pbs_status_file "${index}")"
-  rm -f "${status_file}" # a rerun's own
   if [[ "${launcher}" == srun ]]; then
     # srun hands the job's environment over itself, the scheduler's own way: nothing to write.
     # Its code is its task's, and SLURM signals the task's process: node_task.sh execs it.
@@ -141,8 +140,8 @@ pbs_forget_env() {
 # pbs_task_code INDEX CLIENT_CODE AGO: host INDEX's task's exit code, its client (pbsdsh, ssh or
 # srun) having ended with CLIENT_CODE AGO seconds ago; nothing while the task may still run. The task's own answer when
 # it gave one; else srun's code, which is its task's. Otherwise the task may still be running, or
-# its answer not yet visible here (a shared filesystem's attribute cache: about 30 s on NFS): a
-# pbsdsh that ended 0 (its task ended, or never spawned) is given PBS_STATUS_WAIT_S (30) for the
+# its answer not yet visible here (a shared filesystem's attribute cache: NFS's acdirmax is 60 s): a
+# pbsdsh that ended 0 (its task ended, or never spawned) is given PBS_STATUS_WAIT_S (60) for the
 # answer to appear, any other client end (pbsdsh after forwarding a signal, ssh) PBS_TASK_WAIT_S
 # (300) for the task to end; then the task counts as failed.
 pbs_task_code() {
@@ -157,7 +156,7 @@ pbs_task_code() {
     return 0
   fi
   limit="${PBS_TASK_WAIT_S:-300}"
-  [[ "$(pbs_launcher)" != pbsdsh || "${client}" != 0 ]] || limit="${PBS_STATUS_WAIT_S:-30}"
+  [[ "$(pbs_launcher)" != pbsdsh || "${client}" != 0 ]] || limit="${PBS_STATUS_WAIT_S:-60}"
   if ((ago >= limit)); then
     printf '%s\n' "$((client == 0 ? 1 : client))"
   fi
@@ -180,6 +179,7 @@ pbs_rerun_check() {
   # PBS keeps the job id across qrerun; a marker per job id tells a rerun from a first start.
   local marker="${WORKDIR}/logs/.pbs-ran-${PBS_JOBID:-0}"
   mkdir -p "${WORKDIR}/logs"
+  rm -f "${WORKDIR}/logs/.pbs-status-$(pbs_job_number)-"* # an earlier attempt's (a kill_delay's SIGKILL left them)
   if [[ -e "${marker}" ]]; then
     export RESUME=auto
     log "job ${PBS_JOBID:-0} ran before (qrerun): resuming from the newest checkpoint"

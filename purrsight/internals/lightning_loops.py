@@ -176,11 +176,15 @@ def reopen_closed_epoch(checkpoint: dict[str, Any]) -> bool:
     epochs = fit_loop.get(EPOCH_PROGRESS, {})
     current, total = epochs.get("current", {}), epochs.get("total", {})
     batches = fit_loop.get(BATCH_PROGRESS, {}).get("current", {})
-    # Equal epoch counters alone do not say it: after a resume from an epoch's last step Lightning
-    # keeps them equal for the rest of the run. A batch-end save is taken before its batch is
-    # counted completed; on_train_end's, after.
-    closed = all(counter in current for counter in COUNTERS) and len({current[c] for c in COUNTERS}) == 1
-    batch_completed = all(counter in batches for counter in COUNTERS) and batches["completed"] == batches["processed"]
+    # The epoch counted processed and completed says it, but not alone: after a resume from an
+    # epoch's last step Lightning keeps all four equal for the rest of the run, and then counts a
+    # closed epoch's processed and completed one past its ready and started. A batch-end save is
+    # taken before its batch is counted completed; on_train_end's, after.
+    if not all(counter in current for counter in COUNTERS) or not all(counter in batches for counter in COUNTERS):
+        return False
+    closed = current["processed"] == current["completed"] and current["ready"] == current["started"]
+    closed &= current["ready"] in (current["processed"], current["processed"] - 1)
+    batch_completed = batches["completed"] == batches["processed"]
     if not closed or not batch_completed or current["completed"] < 1 or int(batches["ready"]) < 1:
         return False
     for counters in (current, total):

@@ -91,9 +91,9 @@ def _position_before_this_entry(checkpoint: dict[str, Any], world_now: int, size
       workers: ``{epoch, consumed, world_size}``, exact;
     - the same inside the workers' snapshot, taken ahead of training: then the fit loop's count
       of the epoch's batches, in the saving world's units, gives the position; exact when the step
-      count can be that epoch on that world after whole epochs on any (_epoch_kept_its_world), else
-      the epoch had changed world size (which with workers those versions miscounted) and the
-      resume is refused (InexactPositionError);
+      count can be that epoch on that world after whole epochs on it or this run's world
+      (_epoch_kept_its_world), else refused (InexactPositionError): the epoch may have changed world
+      size, which with workers those versions miscounted;
     - torchdata's StatefulDistributedSampler, ``{"yielded": N}`` (rank 0's count in its own
       shard), or no loader state at all (torch's DistributedSampler): both drew the order our
       sampler draws from position 0, and kept no world size. The fit loop's batch count gives the
@@ -122,7 +122,8 @@ def _position_before_this_entry(checkpoint: dict[str, Any], world_now: int, size
     steps = int(checkpoint.get("global_step", 0))
     if snapshot is not None:
         world = int(snapshot["world_size"])
-        if size is not None and not _epoch_kept_its_world(size, batch_size, accumulation, epoch, int(ready), steps, world):
+        fits = _epoch_kept_its_world(size, batch_size, accumulation, epoch, int(ready), steps, world, world_now) if size else True
+        if not fits:
             # The batch count is in the saving world's micro-batches only if the epoch kept one world.
             raise InexactPositionError(
                 f"this checkpoint, from a PurrSight before 2026-11-25 with loader workers, changed its number of "
@@ -152,24 +153,20 @@ def _steps_fit(size: int, batch: int, accumulation: int, epoch: int, ready: int,
     return ready <= epoch_batches and epoch * whole_epoch + steps_after(ready, epoch_batches, accumulation) == steps
 
 
-def _epoch_kept_its_world(size: int, batch: int, accumulation: int, epoch: int, ready: int, steps: int, world: int) -> bool:
+def _epoch_kept_its_world(
+    size: int, batch: int, accumulation: int, epoch: int, ready: int, steps: int, world: int, world_now: int
+) -> bool:
     """Whether ``steps`` can be ``ready`` micro-batches of ``epoch`` on ``world`` processes after
-    ``epoch`` whole epochs each on some world (a resume at an epoch's end may change it). A count
-    that cannot was made across a change of world inside this epoch."""
+    ``epoch`` whole epochs on that world or on this run's (a resume at an epoch's end may have
+    changed it). A count that cannot was made across a change of world inside this epoch, or over a
+    third world size, which the checkpoint cannot tell apart: refused, data.on_data_change=next_epoch
+    starts the next epoch."""
     epoch_batches = (size // world) // batch
     before = steps - steps_after(ready, epoch_batches, accumulation)
     if ready > epoch_batches or before < 0:
         return False
-    whole_epochs = {-(-((size // w) // batch) // accumulation) for w in range(1, max(1, size // batch) + 1)}
-    reachable, mask = 1, (1 << (before + 1)) - 1  # bit n: n steps reachable in the epochs so far
-    for _ in range(epoch):
-        shifted = 0
-        for epoch_steps in whole_epochs:
-            shifted |= reachable << epoch_steps
-        reachable = shifted & mask
-        if not reachable:
-            return False
-    return bool(reachable >> before & 1)
+    saved, now = (-(-((size // w) // batch) // accumulation) for w in (world, world_now))
+    return any(on_saved * saved + (epoch - on_saved) * now == before for on_saved in range(epoch + 1))
 
 
 def saving_world(size: int, batch: int, accumulation: int, epoch: int, ready: int, steps: int, world_now: int) -> int:

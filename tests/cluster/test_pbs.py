@@ -108,7 +108,47 @@ def test_a_task_that_fails_fails_the_job_though_pbsdsh_exits_0(synthetic_dir: Pa
     refuses ends every node with 2; the job must too, and must not say it finished."""
     done, _ = run_pbs(tmp_path, synthetic_dir, OVERRIDES="trainer.max_steps=twenty")
     assert done.returncode == 2, (done.stdout + done.stderr)[-4000:]
+    assert "trainer.max_steps" in done.stdout + done.stderr  # the trainer's own refusal, not another failure
     assert "failed with exit code 2" in done.stdout and "training finished" not in done.stdout
+
+
+def test_train_pbs_stopped_by_qdel_through_pbsdsh_checkpoints_on_every_node_and_leaves_nothing(
+    synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """pbs/train.pbs through OpenPBS's pbsdsh as it behaves (its clients exit 1 as soon as they have
+    forwarded qdel's SIGTERM, their tasks running on): the script waits for the tasks' own end,
+    both ranks checkpoint at the same step, and no process of the job is left (job_processes)."""
+    tag = f"job-{tmp_path.name}"
+    extra = {"FAKE_PBSDSH_TAG": tag, "FAKE_PBSDSH_TASKS": str(tmp_path / "tasks"), "PBS_JOBID": "4244.pbs-server"}
+    spooled, env = pbs_job(tmp_path, synthetic_dir, "train.pbs", max_steps=100000, extra_env=extra)
+    out = tmp_path / "job.out"
+    with out.open("w") as sink:
+        job = subprocess.Popen(
+            ["bash", str(spooled)], cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while "step 5/" not in out.read_text(errors="replace"):
+            assert job.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        sessions = {job.pid, *map(int, (tmp_path / "tasks").read_text().split())}
+        for pid in job_processes(tag, tmp_path, "4244"):  # qdel: SIGTERM to every process of the job's sessions
+            with contextlib.suppress(OSError):
+                if os.getsid(pid) in sessions:
+                    os.kill(pid, signal.SIGTERM)
+        job.wait(timeout=150)
+        left = job_processes(tag, tmp_path, "4244")
+    finally:
+        (REPO / "logs" / ".pbs-ran-4244.pbs-server").unlink(missing_ok=True)  # a stopped job's rerun marker
+        for pid in job_processes(tag, tmp_path, "4244"):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    text = out.read_text(errors="replace")
+    assert left == {}, (left, text[-3000:])
+    stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", text)
+    assert len(stopped) == 2 and stopped[0] == stopped[1], text[-3000:]  # both ranks, at the same step
+    assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / f"step-{int(stopped[0]):08d}.ckpt").exists()
+    assert "pbsdsh: killing task" in text  # the clients forwarded the signal, then left
 
 
 def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: Path) -> None:
@@ -256,6 +296,7 @@ def test_ray_pbs_stopped_by_qdel_through_pbsdsh_or_ssh_checkpoints_and_leaves_no
                 time.sleep(0.2)
             left = job_processes(tag, tmp_path, "4343")
         finally:
+            (REPO / "logs" / ".pbs-ran-4343.pbs-server").unlink(missing_ok=True)  # a stopped job's rerun marker
             for pid in job_processes(tag, tmp_path, "4343"):  # the kill delay's SIGKILL, whatever happened above
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)

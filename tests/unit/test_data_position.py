@@ -91,10 +91,10 @@ def test_a_resume_counts_done_batches_in_this_runs_units(saved: DataPosition, ep
 
 def test_a_loader_workers_checkpoint_is_exact_after_world_changes_at_epoch_ends_and_refused_after_one_inside() -> None:
     """The worker-snapshot layout (before 2026-11-25) counts its epoch's micro-batches in its world's
-    units. 40 samples in batches of 10 make 4, 2 or 1 steps an epoch on 1, 2 or 3-4 processes: at
-    epoch 2, one micro-batch into it on 2 processes, step 6 is 5 steps of two whole epochs (4 + 1:
-    worlds changed at the epochs' ends) plus 1, exact; step 8 is no such count (7 from two epochs),
-    refused by name."""
+    units. 40 samples in batches of 10 make 4 steps an epoch on 1 process, 2 on 2: saved on 2 at
+    epoch 2, one micro-batch into it, and resumed on 1, step 7 is two whole epochs on 1 and 2
+    processes (4 + 2: the world changed at an epoch's end) plus 1, exact; step 6 is no such count
+    (5 from two epochs of 4 or 2 steps), refused by name."""
     shape = dump_config(load_config(DEFAULT_CONFIG, ["data.batch_size=10"], check_paths=False))
 
     def snapshot(steps: int) -> dict[str, Any]:
@@ -106,6 +106,6 @@ def test_a_loader_workers_checkpoint_is_exact_after_world_changes_at_epoch_ends_
         ]
         return checkpoint
 
-    assert saved_position(snapshot(6), 2, size=40) == DataPosition(2, 1 * 10 * 2, 2, 10, 1)
+    assert saved_position(snapshot(7), 1, size=40) == DataPosition(2, 1 * 10 * 2, 2, 10, 1)
     with pytest.raises(InexactPositionError, match="changed its number of processes during epoch 2"):
-        saved_position(snapshot(8), 2, size=40)
+        saved_position(snapshot(6), 1, size=40)

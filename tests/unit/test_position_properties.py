@@ -310,3 +310,20 @@ def test_a_second_resume_after_a_stop_at_an_epochs_end_trains_the_uninterrupted_
     last = fit(shape, 40, 25, tmp_path / "run", resume=True)
     assert (first.final_step, second.final_step) == (10, 14)
     assert first.micro_batches + second.micro_batches + last.micro_batches == reference.micro_batches
+
+
+def test_a_last_step_saved_after_its_epoch_closed_in_a_resumed_run_resumes_inside_that_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a run resumed from an epoch's last step, Lightning counts a closed epoch's processed and
+    completed one past its ready and started: an on_train_end save there (before feeade4) is a
+    closed epoch too. 40 samples on 2 ranks x 2: stopped at step 10, resumed to max_steps 14 (saved
+    at train end), then to 25."""
+    monkeypatch.setenv("PURRSIGHT_SAVED_WORLD_SIZE", "2")
+    shape = Shape(world=2, batch=2, accumulation=1, workers=0)
+    reference = fit(shape, 40, 25, tmp_path / "reference")
+    first = fit(shape, 40, 25, tmp_path / "run", stop_at=10, legacy="no-loader-state")
+    second = fit(shape, 40, 14, tmp_path / "run", resume=True, legacy="no-loader-state+train-end")
+    last = fit(shape, 40, 25, tmp_path / "run", resume=True)
+    assert (first.final_step, second.final_step) == (10, 14)
+    assert first.micro_batches + second.micro_batches + last.micro_batches == reference.micro_batches
