@@ -137,6 +137,9 @@ def test_train_pbs_stopped_by_qdel_through_pbsdsh_checkpoints_on_every_node_and_
                 if os.getsid(pid) in sessions:
                     os.kill(pid, signal.SIGTERM)
         job.wait(timeout=150)
+        deadline = time.monotonic() + 10  # the MoMs' last words to clients already gone
+        while job_processes(tag, tmp_path, "4244") and time.monotonic() < deadline:
+            time.sleep(0.2)
         left = job_processes(tag, tmp_path, "4244")
     finally:
         (REPO / "logs" / ".pbs-ran-4244.pbs-server").unlink(missing_ok=True)  # a stopped job's rerun marker
