@@ -121,31 +121,11 @@ def test_train_pbs_stopped_by_qdel_through_pbsdsh_checkpoints_on_every_node_and_
     tag = f"job-{tmp_path.name}"
     extra = {"FAKE_PBSDSH_TAG": tag, "FAKE_PBSDSH_TASKS": str(tmp_path / "tasks"), "PBS_JOBID": "4244.pbs-server"}
     spooled, env = pbs_job(tmp_path, synthetic_dir, "train.pbs", max_steps=100000, extra_env=extra)
-    out = tmp_path / "job.out"
-    with out.open("w") as sink:
-        job = subprocess.Popen(
-            ["bash", str(spooled)], cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    job, out = start_job(spooled, env, tmp_path)
     try:
-        deadline = time.monotonic() + 300
-        while "step 5/" not in out.read_text(errors="replace"):
-            assert job.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")[-3000:]
-            time.sleep(0.5)
-        sessions = {job.pid, *map(int, (tmp_path / "tasks").read_text().split())}
-        for pid in job_processes(tag, tmp_path, "4244"):  # qdel: SIGTERM to every process of the job's sessions
-            with contextlib.suppress(OSError):
-                if os.getsid(pid) in sessions:
-                    os.kill(pid, signal.SIGTERM)
-        job.wait(timeout=150)
-        deadline = time.monotonic() + 10  # the MoMs' last words to clients already gone
-        while job_processes(tag, tmp_path, "4244") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = job_processes(tag, tmp_path, "4244")
+        left = qdel_at_step_5(job, out, tmp_path, tag, "4244", running="train_phase2.py")
     finally:
-        (REPO / "logs" / ".pbs-ran-4244.pbs-server").unlink(missing_ok=True)  # a stopped job's rerun marker
-        for pid in job_processes(tag, tmp_path, "4244"):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        end_job(tmp_path, tag, "4244")
     text = out.read_text(errors="replace")
     assert left == {}, (left, text[-3000:])
     stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", text)
@@ -218,6 +198,46 @@ def job_processes(tag: str, tmp: Path, ray_job: str) -> dict[int, str]:
     return found
 
 
+def start_job(spooled: Path, env: dict[str, str], tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """The spooled job script started as PBS starts it: a session of its own, its output in job.out."""
+    out = tmp / "job.out"
+    with out.open("w") as sink:
+        job = subprocess.Popen(
+            ["bash", str(spooled)], cwd=tmp, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return job, out
+
+
+def qdel_at_step_5(job: subprocess.Popen[bytes], out: Path, tmp: Path, tag: str, number: str, running: str) -> dict[int, str]:
+    """Once the run reached step 5 (and ``running`` is in a title the count finds: it sees the job):
+    SIGTERM to every process of the job's sessions (its script's and each pbsdsh task's, as the MoM
+    sends qdel's), the script's end awaited; the job's processes left."""
+    deadline = time.monotonic() + 300
+    while "step 5/" not in out.read_text(errors="replace"):
+        assert job.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")[-3000:]
+        time.sleep(0.5)
+    assert any(running in title for title in job_processes(tag, tmp, number).values()), job_processes(tag, tmp, number)
+    tasks = tmp / "tasks"
+    sessions = {job.pid, *(map(int, tasks.read_text().split()) if tasks.exists() else ())}
+    for pid in job_processes(tag, tmp, number):
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) in sessions:
+                os.kill(pid, signal.SIGTERM)
+    job.wait(timeout=150)
+    deadline = time.monotonic() + 10  # the MoMs' and sshd's last words to clients already gone
+    while job_processes(tag, tmp, number) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return job_processes(tag, tmp, number)
+
+
+def end_job(tmp: Path, tag: str, number: str) -> None:
+    """The kill delay's SIGKILL to whatever is left, and the stopped job's rerun marker in the repo's logs."""
+    (REPO / "logs" / f".pbs-ran-{number}.pbs-server").unlink(missing_ok=True)
+    for pid in job_processes(tag, tmp, number):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @contextlib.contextmanager
 def real_sshd(tmp: Path, hosts: tuple[str, ...]) -> Iterator[str]:
     """OpenSSH's sshd on ``hosts`` (loopback addresses), root's logins by a key made here; yields
@@ -276,33 +296,11 @@ def test_ray_pbs_stopped_by_qdel_through_pbsdsh_or_ssh_checkpoints_and_leaves_no
         if launcher == "ssh":
             extra |= {"PBS_LAUNCHER": "ssh", "PBS_SSH": stack.enter_context(real_sshd(tmp_path, hosts))}
         spooled, env = pbs_job(tmp_path, synthetic_dir, "ray.pbs", max_steps=100000, hosts=hosts, extra_env=extra)
-        out = tmp_path / "job.out"
-        with out.open("w") as sink:
-            job = subprocess.Popen(
-                ["bash", str(spooled)], cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        job, out = start_job(spooled, env, tmp_path)
         try:
-            deadline = time.monotonic() + 300
-            while "step 5/" not in out.read_text(errors="replace"):
-                assert job.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")[-3000:]
-                time.sleep(0.5)
-            assert any(title.startswith("ray::") for title in job_processes(tag, tmp_path, "4343").values())
-            tasks = tmp_path / "tasks"
-            sessions = {job.pid, *(map(int, tasks.read_text().split()) if tasks.exists() else ())}
-            for pid in job_processes(tag, tmp_path, "4343"):  # qdel: SIGTERM to every process of the job's sessions
-                with contextlib.suppress(OSError):
-                    if os.getsid(pid) in sessions:
-                        os.kill(pid, signal.SIGTERM)
-            job.wait(timeout=150)
-            deadline = time.monotonic() + 10  # the MoMs' and sshd's last words to clients already gone
-            while job_processes(tag, tmp_path, "4343") and time.monotonic() < deadline:
-                time.sleep(0.2)
-            left = job_processes(tag, tmp_path, "4343")
+            left = qdel_at_step_5(job, out, tmp_path, tag, "4343", running="ray::")
         finally:
-            (REPO / "logs" / ".pbs-ran-4343.pbs-server").unlink(missing_ok=True)  # a stopped job's rerun marker
-            for pid in job_processes(tag, tmp_path, "4343"):  # the kill delay's SIGKILL, whatever happened above
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+            end_job(tmp_path, tag, "4343")
     text = out.read_text(errors="replace")
     assert left == {}, (left, text[-3000:])
     stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", text)
