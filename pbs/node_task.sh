@@ -47,6 +47,5 @@ if ((code > 128)); then # the signal's code, or COMMAND's own: COMMAND's if it i
   wait "${child}" 2>/dev/null || last=$?
   ((last == 127)) || code="${last}"
 fi
-rm -f "${status_file}"
 printf '%s\n' "${code}" >"${status_file}.tmp" && mv -f "${status_file}.tmp" "${status_file}"
 exit "${code}"

@@ -166,7 +166,7 @@ def reopen_closed_epoch(checkpoint: dict[str, Any]) -> bool:
     """Make a checkpoint saved after Lightning closed its epoch look saved at that epoch's last batch end.
 
     Before feeade4 (2026-11-23) the last step was saved in ``on_train_end``: Lightning had counted
-    the epoch as completed (``epoch`` one on, the epoch counters all equal) while the batch counters
+    the epoch as processed and completed (``epoch`` one on) while the batch counters
     still held the closed epoch's micro-batches, so a resume with a larger ``trainer.max_steps``
     started the next epoch and left the rest of this one out. A batch-end save is taken with the
     epoch started but not processed, and the batch not yet completed: the counters are set so.

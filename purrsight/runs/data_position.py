@@ -146,13 +146,6 @@ def steps_after(ready: int, epoch_batches: int, accumulation: int) -> int:
     return ready // accumulation + (1 if ready == epoch_batches and epoch_batches % accumulation else 0)
 
 
-def _steps_fit(size: int, batch: int, accumulation: int, epoch: int, ready: int, steps: int, world: int) -> bool:
-    """Whether ``world`` processes, each epoch on the same world, count ``steps`` at (``epoch``, ``ready``)."""
-    epoch_batches = (size // world) // batch
-    whole_epoch = -(-epoch_batches // accumulation)
-    return ready <= epoch_batches and epoch * whole_epoch + steps_after(ready, epoch_batches, accumulation) == steps
-
-
 def _epoch_kept_its_world(
     size: int, batch: int, accumulation: int, epoch: int, ready: int, steps: int, world: int, world_now: int
 ) -> bool:
@@ -166,7 +159,11 @@ def _epoch_kept_its_world(
     if ready > epoch_batches or before < 0:
         return False
     saved, now = (-(-((size // w) // batch) // accumulation) for w in (world, world_now))
-    return any(on_saved * saved + (epoch - on_saved) * now == before for on_saved in range(epoch + 1))
+    if saved == now:
+        return epoch * saved == before
+    # on_saved epochs of `saved` steps and the rest of `now`: on_saved = (before - epoch * now) / (saved - now)
+    on_saved, remainder = divmod(before - epoch * now, saved - now)
+    return remainder == 0 and 0 <= on_saved <= epoch
 
 
 def saving_world(size: int, batch: int, accumulation: int, epoch: int, ready: int, steps: int, world_now: int) -> int:
@@ -193,7 +190,7 @@ def saving_world(size: int, batch: int, accumulation: int, epoch: int, ready: in
     candidates = [
         world
         for world in range(1, min(size // batch, 1 << 16) + 1)
-        if _steps_fit(size, batch, accumulation, epoch, ready, steps, world)
+        if _epoch_kept_its_world(size, batch, accumulation, epoch, ready, steps, world, world)  # one world throughout
     ]
     if world_now in candidates:
         if len(candidates) > 1:
