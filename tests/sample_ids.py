@@ -42,6 +42,7 @@ class WorkerSettings(Dataset[dict]):
         import logging
         import os
         import signal
+        import sys
 
         from PIL import Image
 
@@ -59,6 +60,7 @@ class WorkerSettings(Dataset[dict]):
             "sigterm_ignored": signal.getsignal(signal.SIGTERM) is signal.SIG_IGN,
             "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
             "log_format": handlers[0].formatter._fmt if handlers and handlers[0].formatter else "",  # type: ignore[union-attr]
+            "lightning": sorted(name for name in ("lightning_fabric", "pytorch_lightning") if name in sys.modules),
         }
 
 

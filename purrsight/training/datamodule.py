@@ -46,19 +46,22 @@ from purrsight.runs.data_position import POSITION_KEY, DataPosition, InexactPosi
 log = logging.getLogger(__name__)
 
 
+# What the loader's fork server imports once, so each worker only unpickles its dataset (tokenizer,
+# decoders); loader_fork_server leaves stop signals to the trainer (its docstring says why). No
+# Lightning: tests/unit/test_loader_workers.py checks what this list imports.
+LOADER_PRELOAD = (
+    "purrsight.data.loader_fork_server",
+    "purrsight.data.loader_worker",
+    "purrsight.data.dataset",
+    "purrsight.data.prepared",
+    "transformers",
+)
+
+
 def _worker_start() -> multiprocessing.context.BaseContext:
     """Loader workers forked from a fork server that imported the data stack once (not this process)."""
     context = multiprocessing.get_context("forkserver")
-    # Imported once by the server, so each worker only unpickles its dataset (tokenizer, decoders);
-    # loader_fork_server leaves stop signals to the trainer (its docstring says why).
-    preload = [
-        "purrsight.data.loader_fork_server",
-        "purrsight.data.loader_worker",  # Lightning's seeding with it: imported once, not in every worker
-        "purrsight.data.dataset",
-        "purrsight.data.prepared",
-        "transformers",
-    ]
-    context.set_forkserver_preload(preload)
+    context.set_forkserver_preload(list(LOADER_PRELOAD))
     return context
 
 

@@ -3,19 +3,27 @@ signals, with the trainer's process-wide settings."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import psutil
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from torch.utils.data import SequentialSampler
 
 from purrsight.config import load_config
+from purrsight.data.loader_worker import seed_like_lightning
 from purrsight.data.media import ImageDecoder
-from purrsight.training.datamodule import Phase2DataModule
+from purrsight.training.datamodule import LOADER_PRELOAD, Phase2DataModule
 from tests.helpers import DEFAULT_CONFIG, REPO
 from tests.sample_ids import WorkerSettings, first_item
 
@@ -123,3 +131,38 @@ def test_every_process_wide_setting_reaches_a_real_loader_worker(tmp_path: Path)
         assert item["torch_threads"] == 1
         assert item["sigterm_ignored"] and item["sigint_ignored"]
         assert "%(levelname)s %(name)s: %(message)s" in item["log_format"]
+        assert item["lightning"] == []  # seeded as Lightning seeds, without importing it (1.9 CPU-s a server)
+
+
+@settings(max_examples=200)
+@given(
+    base_seed=st.integers(0, 2**63 - 1), worker_id=st.integers(0, 63), rank=st.integers(0, 1023)
+)  # fmt: skip
+@example(base_seed=0, worker_id=0, rank=0)
+@example(base_seed=2**63 - 1, worker_id=63, rank=1023)  # the widest mix, before the 64-bit masks
+def test_workers_are_seeded_as_lightnings_own_init_function_seeds_them(base_seed: int, worker_id: int, rank: int) -> None:
+    """torch, Python and NumPy states after seed_like_lightning equal those after Lightning's
+    pl_worker_init_function, from the seed torch gives worker ``worker_id``: a resumed run keeps
+    the augmentations an earlier version drew."""
+    from lightning_fabric.utilities.seed import pl_worker_init_function
+
+    def states(seed_worker: Callable[[int, int], None]) -> tuple[object, ...]:
+        torch.manual_seed(base_seed + worker_id)  # what torch's worker loop does before the init function
+        seed_worker(worker_id, rank)
+        return torch.initial_seed(), random.getstate(), np.random.get_state()[1].tolist()
+
+    assert states(seed_like_lightning) == states(pl_worker_init_function)
+
+
+def test_the_loader_servers_preload_imports_no_lightning() -> None:
+    """The fork server's imports, in a fresh interpreter as the server starts: Lightning would cost
+    every trainer with loader workers 1.9 CPU-s more at its start (loader_worker.py)."""
+    probe = "import importlib, json, sys\nfor name in sys.argv[1:]: importlib.import_module(name)\n"
+    probe += "print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe, *LOADER_PRELOAD], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = set(json.loads(done.stdout))
+    assert "purrsight.data.dataset" in loaded and "transformers" in loaded  # the probe imported the list
+    assert not loaded & {"lightning_fabric", "pytorch_lightning", "torchmetrics"}, sorted(
+        loaded & {"lightning_fabric", "pytorch_lightning", "torchmetrics"}
+    )
