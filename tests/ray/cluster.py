@@ -102,23 +102,27 @@ class RayCluster:
         self.wait_for_job_agent(timeout=120)
 
     def wait_for_nodes(self, count: int, timeout: float) -> None:
+        """Until the head reports ``count`` nodes alive: asked by one child that imports Ray once
+        and asks every second (a `ray status` a poll cost 2 CPU-seconds each, and under the full
+        suite's load the polls took this start to 90 s)."""
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", NODES_UP, str(count), self.dashboard],
+            cwd=REPO, env=self.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for node in self.nodes:
-                if not node.is_running():
+        try:
+            while waiter.poll() is None:
+                if not all(node.is_running() for node in self.nodes):
                     logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in self.root.glob("*.log"))
                     raise RuntimeError(f"a ray start process exited:\n{logs}")
-            status = subprocess.run(
-                [RAY, "status", "--address", f"{HEAD_ADDR}:{self.gcs_port}"],
-                env=self.env(),
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            if status.returncode == 0 and status.stdout.count(" node_") >= count:
-                return
-            time.sleep(2)
-        raise RuntimeError(f"Ray cluster did not reach {count} nodes in {timeout:.0f} s")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"Ray cluster did not reach {count} nodes in {timeout:.0f} s")
+                time.sleep(0.5)
+            if waiter.returncode != 0:
+                raise RuntimeError(f"the node count failed:\n{waiter.communicate()[1][-2000:]}")
+        finally:
+            waiter.kill()
+            waiter.communicate()
 
     def wait_for_job_agent(self, timeout: float) -> None:
         """The job server takes submissions only once the head's agent has registered with it."""
@@ -170,6 +174,20 @@ class RayCluster:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         psutil.wait_procs(processes, timeout=30)
+
+
+# The head's count of alive nodes, asked until it reaches argv[1] (its dashboard may not answer yet).
+NODES_UP = """
+import sys, time
+from purrsight.ray_node.wait import alive_nodes
+while True:
+    try:
+        if len(alive_nodes(sys.argv[2])) >= int(sys.argv[1]):
+            break
+    except Exception:
+        pass
+    time.sleep(1)
+"""
 
 
 def submission_id(output: str) -> str:
