@@ -12,6 +12,8 @@ job's samples/s over the steps after the first (telemetry). The LLM is a directo
 takes the path a user's base takes: built on the meta device, each rank reading its own rows.
 
     .venv/bin/python -m bench.model.fsdp_memory            # ~6 min on 2 cores
+    .venv/bin/python -m bench.model.fsdp_memory --precision bf16-mixed --models 0.5b --steps 2
+                                                           # frozen weights in bf16: what a rank's build holds
 """
 
 from __future__ import annotations
@@ -88,14 +90,14 @@ class PeakRSS(threading.Thread):
                     continue
 
 
-def run(llm: Path, strategy: str, steps: int, work: Path) -> dict[str, object]:
+def run(llm: Path, strategy: str, steps: int, work: Path, precision: str) -> dict[str, object]:
     out = work / f"{llm.name}-{strategy}"
     command = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
     command += ["--master-port", str(free_port()), str(REPO / "train_phase2.py"), "--config", str(TINY_CONFIG)]
     command += [f"run.output_dir={out}", "run.name=bench", f"model.llm.path={llm}", "model.llm.config=null"]
     command += [f"distributed.strategy={strategy}", f"trainer.max_steps={steps}", f"data.batch_size={BATCH}"]
     command += ["telemetry.every_n_steps=1", "checkpoint.every_n_steps=1000", "trainer.val_every_n_steps=1000"]
-    command += ["data.val_index=null", "preflight.mode=off", "logging.progress=lines"]
+    command += ["data.val_index=null", "preflight.mode=off", "logging.progress=lines", f"trainer.precision={precision}"]
     job = subprocess.Popen(command, cwd=REPO, env=bench_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peaks = PeakRSS(job.pid)
     peaks.start()
@@ -122,8 +124,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--models", nargs="+", default=["tiny", "0.5b"])
+    parser.add_argument("--precision", default="32-true", help="trainer.precision (bf16-mixed: frozen weights held in bf16)")
     args = parser.parse_args()
-    print(f"# {machine()}; {time.strftime('%Y-%m-%d')}; 2 ranks, gloo, 32-true, batch {BATCH} per rank")
+    print(f"# {machine()}; {time.strftime('%Y-%m-%d')}; 2 ranks, gloo, {args.precision}, batch {BATCH} per rank")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         from purrsight.data.synthetic import generate
@@ -132,7 +135,7 @@ def main() -> None:
         for name in args.models:
             llm = save_llm(TINY if name == "tiny" else QWEN2_5_0_5B, work / name, data / "tokenizer")
             for strategy in ("ddp", "fsdp"):
-                print(f"{name:5} {strategy:4} {run(llm, strategy, args.steps, work)}", flush=True)
+                print(f"{name:5} {strategy:4} {run(llm, strategy, args.steps, work, args.precision)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from purrsight.model.loading import ModelLoadError, architecture_digest
 from purrsight.model.meta_init import parameters_on_meta
+from purrsight.model.weight_files import holds_safetensors
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -50,7 +51,13 @@ def check_lora_targets(base: nn.Module, targets: list[str]) -> None:
 
 
 def _base_llm(
-    vocab_size: int, seed: int, path: str | None, config: dict[str, Any] | None, attn_implementation: str, on_meta: bool
+    vocab_size: int,
+    seed: int,
+    path: str | None,
+    config: dict[str, Any] | None,
+    attn_implementation: str,
+    on_meta: bool,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[PreTrainedModel, str]:
     if path is not None:
         folder = Path(path)
@@ -64,14 +71,22 @@ def _base_llm(
                         hf_config, attn_implementation=attn_implementation, dtype=torch.float32
                     )
                 return model, f"dir:{architecture_digest(model.config.to_dict())}"
+            # Read straight into the dtype the frozen weights are held in (bf16 under bf16 precision):
+            # transformers converts tensor by tensor, so no rank ever holds a float32 copy of the
+            # base (30 GB of host memory a rank at 7B, before 2026-11-28). A base of
+            # pytorch_model.bin is fingerprinted from memory before the cast, so it is read in
+            # float32 as before: a bf16 and a float32 run of it must agree (training/fingerprint.py).
+            load_dtype = dtype if holds_safetensors(folder) else torch.float32
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)  # weights missing from the folder: same on every rank
                 model = AutoModelForCausalLM.from_pretrained(
-                    folder, local_files_only=True, attn_implementation=attn_implementation, dtype=torch.float32
+                    folder, local_files_only=True, attn_implementation=attn_implementation, dtype=load_dtype
                 )
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"{folder}: cannot load the LLM ({err})") from None
-        return model, f"dir:{architecture_digest(model.config.to_dict())}"
+        # The dtype it was read into is no part of the source: recorded as float32, as every build
+        # recorded it before bf16 reads (2026-11-28), so earlier fingerprints still match.
+        return model, f"dir:{architecture_digest({**model.config.to_dict(), 'dtype': 'float32'})}"
     options = {"vocab_size": vocab_size, **(config or {})}
     try:
         qwen2 = Qwen2Config(**options)
@@ -93,14 +108,17 @@ def load_llm(
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
     on_meta: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[PeftModel, str]:
     """The LM wrapped with ``lora``, and a description of its frozen source for fingerprints.
 
     The LM comes from a local Hugging Face directory (``path``) or is random-initialised
     from a Qwen2 ``config`` dict (the tiny default), seeded so every rank builds the same.
     ``on_meta`` (a directory only): every parameter on the meta device, LoRA's included.
+    ``dtype``: the frozen weights' dtype, which a directory's safetensors are read into (LoRA's
+    adapters stay float32: peft keeps them so over a bf16 base).
     """
-    base, source = _base_llm(vocab_size, seed, path, config, attn_implementation, on_meta and path is not None)
+    base, source = _base_llm(vocab_size, seed, path, config, attn_implementation, on_meta and path is not None, dtype)
     check_lora_targets(base, list(lora.target_modules or []))
     if gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs and with DDP.

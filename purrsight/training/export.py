@@ -52,8 +52,9 @@ def load_trained(checkpoint: Path) -> tuple[Config, torch.nn.Module, object]:
         raise ConfigError([f"{checkpoint}: stored config is invalid: {err}"]) from None
     built = build_model(config)
     shapes = {MODEL_PREFIX + n: list(p.shape) for n, p in built.model.named_parameters() if p.requires_grad}
-    # A checkpoint saved with version 2 is checked against version 2, computed for it (as a resume does).
-    earlier = lambda version: fingerprint_v2(config) if version == 2 else None  # noqa: E731
+    # A checkpoint saved with version 2 is checked against version 2, computed for it (as a resume
+    # does); version 3 was computed with the build.
+    earlier = lambda version: fingerprint_v2(config) if version == 2 else built.earlier_fingerprints.get(version)  # noqa: E731
     verify_checkpoint(state, built.fingerprint, shapes, config.model.projector, earlier)
     trainable = {k[len(MODEL_PREFIX) :]: v for k, v in state["state_dict"].items()}
     unexpected = built.model.load_state_dict(trainable, strict=False).unexpected_keys

@@ -53,6 +53,7 @@ from purrsight.model.meta_init import is_meta, local_part
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.model.weight_files import WeightFiles, file_key, weight_keys
 from purrsight.runs.checkpoint_saver import AtomicCheckpointIO
+from purrsight.training.fingerprint import FingerprintParts
 from purrsight.training.model_builder import BuiltModel, build_model
 
 TRAINABLES_WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -135,11 +136,12 @@ def _rows_held(param: torch.Tensor) -> tuple[int, int]:
     return start, start + local_part(param).shape[0]
 
 
-def fill(model: PurrSightModel, names: set[str], files: WeightFiles, seed: int) -> None:
+def fill(model: PurrSightModel, names: set[str], files: WeightFiles, seed: int, fingerprint: FingerprintParts) -> None:
     """The parameters built on meta, now materialized: frozen ones read from ``files`` (this
     rank's rows only, one tensor at a time, under the keys the model's own conversion gives
-    them), LoRA's initialised by name."""
+    them) and added to this rank's ``fingerprint`` as they are read, LoRA's initialised by name."""
     keys = weight_keys(model.llm.get_base_model(), files, loaded_names)
+    hashed: set[str] = set()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name not in names:
@@ -151,7 +153,12 @@ def fill(model: PurrSightModel, names: set[str], files: WeightFiles, seed: int) 
             elif ".lora_B." in name:
                 local.zero_()
             elif file_key(name) in keys:
-                local.copy_(files.rows(keys[file_key(name)], start, stop))
+                key = keys[file_key(name)]
+                rows = files.rows(key, start, stop)
+                local.copy_(rows)
+                if key not in hashed:  # a tied head: its embeddings' rows once
+                    hashed.add(key)
+                    fingerprint.add_share(key, rows, param.shape[0] if param.dim() else 1, start)
             else:
                 raise ModelLoadError(f"{files.folder}: no tensor {file_key(name)} for the LLM's {name}")
 
@@ -166,12 +173,14 @@ def build_sharded(
     ``precision``: Lightning's, which decides the mixed-precision policy (``mixed_precision``).
     """
     llm_path = config.model.llm.path
-    built = build_model(config, frozen, llm_on_meta=llm_path is not None, fingerprint_group=mesh.get_group())  # rank 0 reads it
+    group = mesh.get_group()
+    built = build_model(config, frozen, llm_on_meta=llm_path is not None, fingerprint_group=group)
     units = shard_model(built.model, mesh, mixed_precision(precision))
     on_meta = materialize(built.model, device)
     if on_meta:
-        assert llm_path is not None
-        fill(built.model, on_meta, WeightFiles(llm_path), config.run.seed)
+        assert llm_path is not None and built.fingerprint_parts is not None
+        fill(built.model, on_meta, WeightFiles(llm_path), config.run.seed, built.fingerprint_parts)
+        built.fingerprint = built.fingerprint_parts.combined(group)
     return built, units
 
 

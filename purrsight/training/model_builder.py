@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,14 +19,16 @@ from purrsight.model.llm import load_llm, load_tokenizer
 from purrsight.model.loading import ModelLoadError
 from purrsight.model.multimodal import MODALITIES, PurrSightModel
 from purrsight.model.weight_files import WeightFiles, file_key, holds_safetensors, weight_keys
-from purrsight.training.fingerprint import FINGERPRINT_VERSION, frozen_fingerprint
+from purrsight.training.fingerprint import FINGERPRINT_VERSION, FingerprintParts, fingerprint_parts, fingerprint_v3
 
 
 @dataclass
 class BuiltModel:
     model: PurrSightModel
     tokenizer: Any
-    fingerprint: str
+    fingerprint: str  # of FINGERPRINT_VERSION; "" while the rows of an LLM on meta are still to be read
+    earlier_fingerprints: dict[int, str] = field(default_factory=dict)  # version 3's, to check its checkpoints
+    fingerprint_parts: FingerprintParts | None = None  # version 4 before its rows are summed (fsdp.py)
 
 
 def _tensor_sample_digest(model: torch.nn.Module, files: WeightFiles | None = None, keys: dict[str, str] | None = None) -> str:
@@ -97,9 +99,10 @@ def build_model(
 
     ``llm_on_meta`` (an LLM from a directory): the LLM's parameters are left on the meta
     device, to be sharded and then filled from its weight files (training/fsdp.py).
-    ``fingerprint_group``: a process group whose ranks all build at once (training/fsdp.py): its
-    rank 0 alone computes the fingerprint and broadcasts it. ``fingerprint_version`` 2: the
-    fingerprint an earlier PurrSight gave (``fingerprint_v2``), else training/fingerprint.py's.
+    ``fingerprint_group``: a process group whose ranks all build at once (every rank of the run):
+    each hashes its share of the frozen rows and the sums are added; rank 0 alone computes
+    version 3 and broadcasts it. None: this process hashes everything. ``fingerprint_version`` 2:
+    the fingerprint an earlier PurrSight gave (``fingerprint_v2``), else training/fingerprint.py's.
     """
     seed = config.run.seed
     tokenizer = load_tokenizer(config.tokenizer_dir())
@@ -121,6 +124,7 @@ def build_model(
         gradient_checkpointing=llm_cfg.gradient_checkpointing,
         attn_implementation=llm_cfg.attn_implementation,
         on_meta=llm_on_meta,
+        dtype=frozen,
     )
     encoders: dict[str, FrozenEncoder] = {}
     sources = [llm_source]
@@ -156,16 +160,29 @@ def build_model(
         files = WeightFiles(path) if llm_on_meta and path is not None else None
         keys = weight_keys(llm.get_base_model(), files, loaded_names) if files is not None else None
         fingerprint = hashlib.sha256(("|".join(sources) + _tensor_sample_digest(model, files, keys)).encode()).hexdigest()
-    else:
-        # A base of pytorch_model.bin, built whole, is counted from memory (as a config-dict LLM is);
-        # only the sharded build (on meta) needs safetensors, and load_llm refused it without them.
-        from_files = path if path is not None and (llm_on_meta or holds_safetensors(path)) else None
-        fingerprint = computed_on_rank_zero(
-            lambda: frozen_fingerprint(model, sources, WeightFiles(from_files) if from_files is not None else None),
-            fingerprint_group,
-        )
+        hold_frozen_in(model, frozen)
+        return BuiltModel(model, tokenizer, fingerprint)
+    # A base of pytorch_model.bin, built whole, is counted from memory (as a config-dict LLM is);
+    # only the sharded build (on meta) needs safetensors, and load_llm refused it without them.
+    from_files = WeightFiles(path) if path is not None and (llm_on_meta or holds_safetensors(path)) else None
+    v3 = computed_on_rank_zero(lambda: fingerprint_v3(model, sources, from_files), fingerprint_group)
+    keys = None if from_files is None or llm_on_meta else llm_weight_keys(llm, from_files)
+    if from_files is not None and keys is None and not llm_on_meta:
+        from_files = None  # transformers converts some tensor of it: the whole LLM counts from memory
+    parts = fingerprint_parts(model, sources, from_files, keys, fingerprint_group)
     hold_frozen_in(model, frozen)
-    return BuiltModel(model, tokenizer, fingerprint)
+    if llm_on_meta and from_files is not None:  # each rank adds the rows it reads for its shard (fsdp.py)
+        return BuiltModel(model, tokenizer, "", {3: v3}, parts)
+    return BuiltModel(model, tokenizer, parts.combined(fingerprint_group), {3: v3})
+
+
+def llm_weight_keys(llm: Any, files: WeightFiles) -> dict[str, str] | None:
+    """The LLM's parameters' keys in its weight files, or None where transformers makes a parameter
+    from several tensors (a ddp build loads those; their rows are not the files')."""
+    try:
+        return weight_keys(llm.get_base_model(), files, loaded_names)
+    except ModelLoadError:
+        return None
 
 
 def fingerprint_v2(config: Config) -> str:

@@ -39,6 +39,7 @@ class Phase2Module(pl.LightningModule):
         self.config = config
         self.model: PurrSightModel | None = None  # built in configure_model, after the data is prepared
         self.fingerprint = ""
+        self._fingerprints_then: dict[int, str] = {}  # earlier versions computed at the build (version 3)
         self.skipped_samples = 0
         self._validation_sums = torch.zeros(3, dtype=torch.float64)
         # Checkpoints hold trainable weights only; frozen ones are rebuilt from their source.
@@ -56,7 +57,9 @@ class Phase2Module(pl.LightningModule):
                 )
                 how = f"sharded over {self._device_mesh.size()} ranks in {units} FSDP units"
             else:
-                built, how = build_model(self.config, dtype), "whole"
+                # Every rank hashes its share of the frozen rows for the fingerprint (fingerprint.py).
+                everyone = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+                built, how = build_model(self.config, dtype, fingerprint_group=everyone), "whole"
             if self.config.trainer.compile:
                 layers = compile_decoder_layers(built.model)
                 log.info("trainer.compile: %d LLM decoder layers compiled (the first steps include compilation)", layers)
@@ -67,6 +70,7 @@ class Phase2Module(pl.LightningModule):
                 peak_rss_bytes() / 2**20,
             )
             self.model, self.fingerprint = built.model, built.fingerprint
+            self._fingerprints_then = built.earlier_fingerprints
 
     # ------------------------------------------------------------------ steps
 
@@ -200,7 +204,10 @@ class Phase2Module(pl.LightningModule):
 
     def _earlier_fingerprint(self, version: int) -> str | None:
         """This model's fingerprint as an earlier ``version`` computed it; None for one never computable
-        here. Version 2 (a strided read of most frozen pages) runs on rank 0 alone, broadcast."""
+        here. Version 3 was computed at the build; version 2 (a strided read of most frozen pages)
+        runs now, on rank 0 alone, broadcast."""
+        if version in self._fingerprints_then:
+            return self._fingerprints_then[version]
         if version != 2:
             return None
         log.info(
@@ -261,7 +268,7 @@ def verify_checkpoint(
         if expected is None:
             raise CheckpointMismatchError(
                 f"the checkpoint's frozen-source fingerprint is version {version}, which this PurrSight cannot compute "
-                f"(it computes {FINGERPRINT_VERSION} and 2): resume it with the PurrSight that saved it"
+                f"(it computes {FINGERPRINT_VERSION}, 3 and 2): resume it with the PurrSight that saved it"
             )
         if meta.get("fingerprint") != expected:
             raise CheckpointMismatchError(

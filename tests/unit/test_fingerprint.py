@@ -17,11 +17,13 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from purrsight.model.aligner import Phase1Aligner, save_aligner
 from purrsight.model.weight_files import WeightFiles
-from purrsight.training.fingerprint import FINGERPRINT_VERSION
+from purrsight.training.fingerprint import FINGERPRINT_VERSION, ROW_SUM_MODULUS, FingerprintParts, row_share
 from purrsight.training.model_builder import build_model, fingerprint_v2
 from purrsight.training.module import CheckpointMismatchError, Phase2Module, verify_checkpoint
 from tests.helpers import REPO, python_env, tiny_config
@@ -101,12 +103,115 @@ def test_the_fingerprint_changes_with_the_frozen_weights_and_only_with_them(
     assert len({with_aligner, fingerprint(aligner=tmp_path / "aligner-1.pt"), fingerprint()}) == 3
 
 
-def test_a_sharded_build_has_the_whole_builds_fingerprint(synthetic_dir: Path, tmp_path: Path, llm_dir: Path) -> None:
-    """Built on the meta device (fsdp) or whole (ddp), from the same folder: a resume across strategies is accepted."""
+def test_an_edit_that_no_sample_reads_changes_the_fingerprint(synthetic_dir: Path, tmp_path: Path, llm_dir: Path) -> None:
+    """Version 3 hashed four 64-byte windows a tensor: an edit between them went unseen. Version 4
+    hashes every byte: one value in the middle of a row between the windows changes it; version 3
+    (still computed, for its checkpoints) stays blind to it, which shows the edit is one it missed."""
+    key = "model.layers.0.mlp.up_proj.weight"
+    target = tmp_path / "edited"
+    shutil.copytree(llm_dir, target)
+    holder = target / WeightFiles(target).weight_map[key]
+    tensors = load_file(holder)
+    rows = tensors[key].shape[0]
+    tensors[key][rows // 2 - 3, 7] += 0.5  # past the first third's window, before the middle's
+    save_file(tensors, holder, metadata={"format": "pt"})
+
+    def built(folder: Path) -> Any:
+        return build_model(tiny_config(synthetic_dir, tmp_path, model__llm__path=folder, model__llm__config="null"))
+
+    original, edited = built(llm_dir), built(target)
+    assert edited.earlier_fingerprints[3] == original.earlier_fingerprints[3]  # the sample missed it
+    assert edited.fingerprint != original.fingerprint
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 40), world=st.integers(1, 9), width=st.integers(1, 5), start=st.integers(0, 12))
+@example(rows=7, world=3, width=2, start=5)  # a last rank with fewer rows, a read that starts mid-share
+@example(rows=2, world=8, width=1, start=0)  # ranks with no rows at all
+def test_the_row_sum_is_the_same_for_any_split_over_ranks_and_reads(rows: int, world: int, width: int, start: int) -> None:
+    """However the rows are split over ranks (FSDP's shards) and over reads (a rank's read covering
+    more or less than its share), each row is counted once: the sums add up to one process's."""
+    tensor = torch.arange(rows * width, dtype=torch.float32).reshape(rows, width)
+    alone = FingerprintParts("layout")
+    alone.add_share("t", tensor, rows)
+    ranks = [FingerprintParts("layout", rank, world) for rank in range(world)]
+    for part in ranks:
+        first, last = row_share(rows, part.rank, part.world)
+        begin = max(0, min(first, start))  # a read from ``start`` or the share's start, whichever is first
+        part.add_share("t", tensor[begin:last], rows, begin)
+    assert sum(part.rows for part in ranks) % ROW_SUM_MODULUS == alone.rows
+    assert (alone.rows == 0) == (rows == 0)
+
+
+# Two real processes in a gloo group, each building the same model whole and hashing its half.
+TWO_RANKS_BUILD = """
+import sys
+from pathlib import Path
+import torch.distributed as dist
+from purrsight.training.model_builder import build_model
+from tests.helpers import tiny_config
+
+rank, store, synthetic, out, llm = int(sys.argv[1]), *sys.argv[2:]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+config = tiny_config(Path(synthetic), Path(out), model__llm__path=llm, model__llm__config="null")
+built = build_model(config, fingerprint_group=dist.group.WORLD)
+print("FINGERPRINT", built.fingerprint, built.earlier_fingerprints[3])
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_that_share_the_hashing_give_one_process_fingerprint(synthetic_dir: Path, tmp_path: Path, llm_dir: Path) -> None:
+    """Two ranks each hash half of every frozen tensor's rows (the encoders' from memory, the LLM's
+    from its files' dtype) and add their sums: the fingerprint one process computes alone. The
+    meta build filled from the files gives it too (tests/unit/test_fsdp_build.py), and a resume
+    across strategies and world sizes on real ranks (tests/integration/test_fsdp.py) depends on it."""
     config = tiny_config(synthetic_dir, tmp_path, model__llm__path=llm_dir, model__llm__config="null")
-    sharded = build_model(config, llm_on_meta=True)
-    assert any(param.device.type == "meta" for param in sharded.model.parameters())
-    assert sharded.fingerprint == build_model(config).fingerprint
+    alone = build_model(config)
+    args = [str(tmp_path / "store"), str(synthetic_dir), str(tmp_path), str(llm_dir)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_RANKS_BUILD, str(rank), *args],
+            cwd=REPO,
+            env=python_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for rank in ranks:
+        out, err = rank.communicate(timeout=180)
+        lines = [line.split()[1:] for line in out.splitlines() if line.startswith("FINGERPRINT ")]
+        assert rank.returncode == 0 and lines, err[-3000:]
+        assert lines[0] == [alone.fingerprint, alone.earlier_fingerprints[3]]
+
+
+def test_a_version_3_checkpoint_resumes_and_other_frozen_weights_are_still_refused(
+    synthetic_dir: Path, tmp_path: Path, llm_dir: Path
+) -> None:
+    """Through the module's own hook: checkpoints saved before version 4 carry version 3, which the
+    build computes beside version 4; another base's version 3 is refused."""
+    config = tiny_config(synthetic_dir, tmp_path, model__llm__path=llm_dir, model__llm__config="null")
+    module = Phase2Module(config)
+    module.configure_model()
+    state = {name: torch.zeros(shape) for name, shape in module.trainable_shapes().items()}
+
+    def saved_by_version_3(fingerprint: str) -> dict[str, object]:
+        meta = {"fingerprint": fingerprint, "fingerprint_version": 3, "projector": config.model.projector}
+        return {"purrsight": meta, "state_dict": state}
+
+    other = save_llm(tmp_path / "other", synthetic_dir / "tokenizer", seed=1)
+    then, elsewhere = (
+        build_model(tiny_config(synthetic_dir, tmp_path, model__llm__path=folder, model__llm__config="null")).earlier_fingerprints[
+            3
+        ]
+        for folder in (llm_dir, other)
+    )
+    assert then != module.fingerprint and then != elsewhere  # two versions, two bases
+    module.on_load_checkpoint(saved_by_version_3(then))
+    with pytest.raises(CheckpointMismatchError, match="fingerprint differs"):
+        module.on_load_checkpoint(saved_by_version_3(elsewhere))
 
 
 def test_rows_read_from_the_files_are_the_saved_tensors(llm_dir: Path) -> None:
