@@ -64,8 +64,8 @@ def shapes(folder: Path) -> dict[str, Path]:
 
 def table() -> None:
     head = "| base | strategy | frozen | trainable + grads + AdamW | all-gather | activations | logits"
-    print(f"{head} | total GB per GPU ({GPUS} GPUs) | on an 80 GB GPU |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"{head} | total GB per GPU ({GPUS} GPUs) | on an 80 GB GPU | host GB per node ({GPUS} ranks, at the build) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         bases = shapes(Path(tmp))
         towers = [f"model.image_encoder.path={tmp}/siglip-base-patch16-224", f"model.audio_encoder.path={tmp}/wav2vec2-base"]
@@ -80,7 +80,7 @@ def table() -> None:
                     f"| {name} ({result.frozen_parameters / 1e9:.1f}B, {result.trainable_parameters / 1e6:.0f}M trainable, "
                     f"checkpoint {result.checkpoint_bytes / 1e9:.2f} GB) | {strategy} | "
                     + " | ".join(f"{cell / 1e9:.1f}" for cell in cells)
-                    + f" | {result.verdict(strategy, GPU_MEMORY)} |"
+                    + f" | {result.verdict(strategy, GPU_MEMORY)} | {result.host_per_node[strategy] / 1e9:.1f} |"
                 )
 
 

@@ -26,6 +26,10 @@ trainer.precision auto counts as bf16-mixed.
 Not counted: the CUDA context, NCCL buffers and allocator fragmentation (leave 1-5 GB of an 80 GB
 GPU for them), pinned loader batches, kernel workspaces. docs/SCALING.md has the tables.
 
+Host memory per node (--gpus-per-node ranks, default 8 or fewer GPUs in all): each rank's peak
+while it builds the model on the CPU: ddp holds every frozen weight (bf16 under bf16 precisions),
+fsdp its shard and one tensor's rows in flight; both the trainable weights and 0.5 GB a process.
+
 With --gpu-memory each strategy gets a verdict: "fits" when its total plus 2 GB (the least of what
 is not counted) is within the memory, "tight" when the total alone is, else "DOES NOT FIT";
 "refused" where training would not start it (fsdp with one GPU, or a model without decoder layers
@@ -45,6 +49,9 @@ def parse_estimate_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--config", default="config/train_config.yaml", help="YAML config (default: %(default)s)")
     parser.add_argument("--gpus", default="1", help="GPUs the job trains on, all nodes together (default: %(default)s)")
+    parser.add_argument(
+        "--gpus-per-node", default=None, metavar="N", help="ranks on one node, for its host memory (default: 8, or --gpus if fewer)"
+    )
     parser.add_argument(
         "--gpu-memory", default=None, metavar="SIZE", help="one GPU's memory (80GB, 141GB, 80GiB): say whether each strategy fits"
     )
@@ -68,9 +75,9 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * UNITS.get(unit, 1))
 
 
-def parse_gpus(text: str) -> int:
+def parse_gpus(text: str, option: str = "--gpus") -> int:
     if not text.isdigit() or int(text) < 1:
-        raise UserError(f"--gpus {text}: give a whole number of GPUs, at least 1")
+        raise UserError(f"{option} {text}: give a whole number of GPUs, at least 1")
     return int(text)
 
 
@@ -87,11 +94,12 @@ def in_unit(count: int, unit: int) -> str:
 
 def estimate_command(args: argparse.Namespace) -> int:
     gpus, memory = parse_gpus(args.gpus), parse_gpu_memory(args.gpu_memory) if args.gpu_memory is not None else None
+    per_node = parse_gpus(args.gpus_per_node, "--gpus-per-node") if args.gpus_per_node is not None else None
     from purrsight.config import load_config
     from purrsight.estimate.memory import STRATEGIES, estimate
 
     config = load_config(args.config, args.overrides, check_paths=False)  # model paths: config.json only, checked as read
-    result = estimate(config, gpus, Path(args.llm_config) if args.llm_config else None)
+    result = estimate(config, gpus, Path(args.llm_config) if args.llm_config else None, per_node)
     if args.json:
         per_gpu = {
             name: {
@@ -113,6 +121,8 @@ def estimate_command(args: argparse.Namespace) -> int:
                     "checkpoint_bytes": result.checkpoint_bytes,
                     "gpu_memory_bytes": memory,
                     "per_gpu_bytes": per_gpu,
+                    "gpus_per_node": result.gpus_per_node,
+                    "host_bytes_per_node": result.host_per_node,
                 },
                 indent=2,
             )
@@ -132,6 +142,11 @@ def estimate_command(args: argparse.Namespace) -> int:
     if memory:
         verdicts = (result.verdict(name, memory).replace("does not fit", "DOES NOT FIT") for name in STRATEGIES)
         print(f"{'in ' + in_unit(memory, unit) + ' ' + unit_name:<14}" + "".join(f"{verdict:>14}" for verdict in verdicts))
+    host = result.host_per_node
+    print(
+        f"host memory per node of {result.gpus_per_node} rank(s), while they build the model: "
+        + ", ".join(f"{name} {host[name] / 1e9:.2f} GB" for name in STRATEGIES)
+    )
     for name, why in result.refused.items():
         print(f"{name}: {why}")
     return 0

@@ -30,6 +30,14 @@ What is counted, per GPU:
 Not counted: the CUDA context, NCCL's buffers and the caching allocator's fragmentation (together
 1-5 GB on an 80 GB GPU: leave that much unclaimed), the data loader's pinned batches, and
 transient kernel workspaces.
+
+**Host memory per node** (``Estimate.host_per_node``): each rank's peak while it builds the model on
+the CPU, before Lightning moves it to its GPU, times the ranks on a node. ddp: every frozen weight, in
+the dtype training holds it (a base of safetensors is read straight into it, model/llm.py), plus the
+trainable weights; fsdp: the rank's shard of the frozen weights plus one tensor's rows in flight
+(training/fsdp.py reads a tensor at a time), plus the trainable weights. Each rank adds
+PROCESS_HOST_BYTES (the interpreter with torch, transformers and Lightning imported: 0.5 GB measured
+on CPU; a GPU rank maps CUDA's libraries on top, not counted). Not counted: loader workers, the page cache.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ STRATEGIES = ("ddp", "fsdp")
 # "fits" keeps this much of a GPU for what is not counted (the CUDA context, NCCL, fragmentation:
 # 1-5 GB); a total within the memory but not this far below it is "tight".
 HEADROOM = 2 * 10**9
+# A rank's host memory before any weight: the interpreter with the trainer's imports (the tiny
+# default's rank peaks at 0.42 GiB on CPU, its model a few MB of it; 2026-11-28).
+PROCESS_HOST_BYTES = 5 * 10**8
 FSDP_ONE_PROCESS = "distributed.strategy=fsdp is refused with one process (training stops at start): train with ddp"
 
 
@@ -81,6 +92,13 @@ class Estimate:
     checkpoint_bytes: int
     per_gpu: dict[str, PerGpu]
     refused: dict[str, str] = field(default_factory=dict)  # strategy -> why training refuses it here
+    host_per_rank: dict[str, int] = field(default_factory=dict)  # strategy -> a rank's host peak at the build
+    gpus_per_node: int = 1
+
+    @property
+    def host_per_node(self) -> dict[str, int]:
+        """Host bytes a node needs while its ranks build the model (the module docstring)."""
+        return {name: self.gpus_per_node * rank for name, rank in self.host_per_rank.items()}
 
     def fits(self, strategy: str, gpu_memory: int) -> bool:
         """The verdict "fits": room left for what is not counted, and a strategy training would start.
@@ -188,6 +206,7 @@ class Footprint:
     all_gather: int
     activations: int
     logits: int
+    largest_frozen_bytes: int  # the largest frozen tensor: fsdp's build reads one at a time
     bucket_copy: bool  # ddp keeps its gradients a second time (gradient_as_bucket_view false)
     accumulates: bool  # accumulate_grad_batches > 1: fsdp keeps whole fp32 gradients over the window
     fsdp_refused: str | None = None  # why training/fsdp.py would refuse this model (its decoder layers)
@@ -208,12 +227,24 @@ class Footprint:
             self.logits,
         )
 
-    def estimate(self, gpus: int) -> Estimate:
+    def host_per_rank(self, strategy: str, gpus: int) -> int:
+        """A rank's host peak while it builds the model (the module docstring's host memory)."""
+        if strategy == "ddp":
+            frozen = self.frozen_bytes
+        else:
+            frozen = math.ceil(self.frozen_bytes / gpus) + math.ceil(self.largest_frozen_bytes / gpus)
+        return PROCESS_HOST_BYTES + frozen + self.trainable_bytes
+
+    def estimate(self, gpus: int, gpus_per_node: int | None = None) -> Estimate:
         # A checkpoint holds the trainable weights and AdamW's two moments, fp32, gathered whole.
         per_gpu = {name: self.per_gpu(name, gpus) for name in STRATEGIES}
         checkpoint = 12 * self.trainable_parameters
         refused = {"fsdp": self.fsdp_refused or FSDP_ONE_PROCESS} if self.fsdp_refused or gpus == 1 else {}
-        return Estimate(gpus, self.precision, self.frozen_parameters, self.trainable_parameters, checkpoint, per_gpu, refused)
+        host = {name: self.host_per_rank(name, gpus) for name in STRATEGIES}
+        per_node = min(gpus, gpus_per_node or 8)
+        return Estimate(
+            gpus, self.precision, self.frozen_parameters, self.trainable_parameters, checkpoint, per_gpu, refused, host, per_node
+        )
 
 
 def footprint(config: Config, llm_config: Path | None = None) -> Footprint:
@@ -226,6 +257,7 @@ def footprint(config: Config, llm_config: Path | None = None) -> Footprint:
     meta = meta_model(config, llm_config)
     frozen = _numel(meta.model, False, set())
     trainable = _numel(meta.model, True, set())
+    largest = max((p.numel() for p in meta.model.parameters() if not p.requires_grad), default=0)
     try:
         all_gather, fsdp_refused = gathered_bytes(meta.model, gather_frozen, gather_trainable), None
     except ModelLoadError as err:  # no decoder layers to shard: fsdp refuses this model, ddp's figures stand
@@ -240,12 +272,14 @@ def footprint(config: Config, llm_config: Path | None = None) -> Footprint:
         all_gather,
         activations,
         logits,
+        largest_frozen_bytes=_bytes(largest, frozen_dtype),
         bucket_copy=not config.distributed.gradient_as_bucket_view,
         accumulates=config.trainer.accumulate_grad_batches > 1,
         fsdp_refused=fsdp_refused,
     )
 
 
-def estimate(config: Config, gpus: int, llm_config: Path | None = None) -> Estimate:
-    """Per-GPU bytes of ``config`` on ``gpus`` GPUs under each strategy (the module docstring)."""
-    return footprint(config, llm_config).estimate(gpus)
+def estimate(config: Config, gpus: int, llm_config: Path | None = None, gpus_per_node: int | None = None) -> Estimate:
+    """Per-GPU bytes of ``config`` on ``gpus`` GPUs under each strategy, and host bytes per node of
+    ``gpus_per_node`` ranks (default: 8, or fewer GPUs in all) (the module docstring)."""
+    return footprint(config, llm_config).estimate(gpus, gpus_per_node)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from purrsight.errors import UserError
 from purrsight.estimate.command import parse_gpu_memory, parse_size
-from purrsight.estimate.memory import HEADROOM, Footprint, footprint
+from purrsight.estimate.memory import HEADROOM, PROCESS_HOST_BYTES, Footprint, footprint
 from purrsight.internals.torch_dispatch import LiveBytes
 from tests.helpers import REPO, tiny_config
 
@@ -30,6 +30,7 @@ footprints = st.builds(
     all_gather=sizes,
     activations=sizes,
     logits=sizes,
+    largest_frozen_bytes=sizes,
     bucket_copy=st.booleans(),
     accumulates=st.booleans(),
 )
@@ -51,6 +52,23 @@ def test_it_fits_exactly_when_the_sum_and_the_headroom_are_within_the_memory(fou
         startable = name not in result.refused
         assert result.fits(name, memory) == (startable and sum(vars(part).values()) + HEADROOM <= memory)
         assert result.fits(name, memory) == (result.verdict(name, memory) == "fits")
+
+
+@given(footprints, st.integers(min_value=1, max_value=4096), st.integers(min_value=1, max_value=16))
+def test_a_node_needs_its_ranks_host_peaks_and_fsdp_needs_no_more_than_ddp(found: Footprint, gpus: int, per_node: int) -> None:
+    """Host memory per node: its ranks (never more than the job's GPUs) times a rank's build peak;
+    fsdp's shard plus one tensor in flight never holds more than ddp's whole base from 2 GPUs on
+    (where fsdp starts at all), nor more with more GPUs."""
+    found = Footprint(**{**vars(found), "largest_frozen_bytes": min(found.largest_frozen_bytes, found.frozen_bytes)})
+    result, more = found.estimate(gpus, per_node), found.estimate(gpus + 1, per_node)
+    assert result.gpus_per_node == min(gpus, per_node)
+    for name in ("ddp", "fsdp"):
+        assert result.host_per_node[name] == result.gpus_per_node * result.host_per_rank[name]
+        assert result.host_per_rank[name] >= PROCESS_HOST_BYTES + found.trainable_bytes
+    assert result.host_per_rank["ddp"] == PROCESS_HOST_BYTES + found.frozen_bytes + found.trainable_bytes
+    if gpus >= 2:
+        assert result.host_per_rank["fsdp"] <= result.host_per_rank["ddp"] + 2  # two ceilings: two bytes at most
+    assert more.host_per_rank["fsdp"] <= result.host_per_rank["fsdp"]
 
 
 def test_sizes_read_as_written_and_a_bad_one_names_itself() -> None:
