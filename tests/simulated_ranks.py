@@ -146,7 +146,9 @@ class RecordingLogger(RunStepNumbering, _Recorder):
 class OneWeight(pl.LightningModule):
     """Loss w * mean(ids) per micro-batch: its gradient is the batch's mean id, known exactly."""
 
-    def __init__(self, job: SimulatedJob, record: Record, stop_at: int | None, legacy: str | None) -> None:
+    def __init__(
+        self, job: SimulatedJob, record: Record, stop_at: int | None, legacy: str | None, stop_in_validation: bool = False
+    ) -> None:
         super().__init__()
         layout, _, self.saved_when = (legacy or "").partition("+")  # e.g. "torchdata+mid-window"
         self.legacy = layout or None
@@ -155,6 +157,8 @@ class OneWeight(pl.LightningModule):
         self.job = job
         self.record = record
         self.stop_at = stop_at  # micro-batch of this fit (1-based) at which a stop request arrives
+        # ... or, with stop_in_validation, at the first validation pass from that micro-batch on
+        self.stop_in_validation, self.stop_armed, self.stop_sent = stop_in_validation, False, False
         self.window_terms: list[float] = []
         self.micro_batches_here = 0
         self.windows_seen = 0
@@ -164,7 +168,10 @@ class OneWeight(pl.LightningModule):
             view.count_trained_batch(self.current_epoch)
         self.micro_batches_here += 1
         if self.stop_at is not None and self.micro_batches_here == self.stop_at and not self.mid_window:
-            saver(self.trainer).stop.request(signal.SIGTERM)
+            if self.stop_in_validation:
+                self.stop_armed = True
+            else:
+                saver(self.trainer).stop.request(signal.SIGTERM)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.mid_window and self.micro_batches_here == self.stop_at:  # the stop did not wait then
@@ -192,6 +199,9 @@ class OneWeight(pl.LightningModule):
         if batch_idx == 0:
             inside = self.trainer.fit_loop.epoch_loop._should_accumulate()
             self.record.validated_at.append((self.trainer.global_step, inside))
+        if self.stop_armed and not self.stop_sent:  # as a SIGTERM arriving while the pass runs
+            self.stop_sent = True
+            saver(self.trainer).stop.request(signal.SIGTERM)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -274,16 +284,18 @@ def fit(
     legacy: str | None = None,
     grouped: bool = False,
     overrides: tuple[str, ...] = (),
+    stop_in_validation: bool = False,
 ) -> Record:
     """One fit of the simulated job; ``resume`` continues from the newest checkpoint in ``folder``;
     ``legacy`` writes the data position as an earlier version did (LEGACY_LAYOUTS); ``grouped``
-    batches by length (data.group_by_length, the lengths SampleIds reports); ``overrides`` are more config settings."""
+    batches by length (data.group_by_length, the lengths SampleIds reports); ``overrides`` are more config settings;
+    ``stop_in_validation``: the stop arrives in the first validation pass from micro-batch ``stop_at`` on."""
     val_every = 3
     config = shape.config(seed, val_every, grouped, overrides)
     views = [RankView(config, size, shape.world, rank) for rank in range(shape.world)]
     job = SimulatedJob(views, val_samples=2)
     record = Record()
-    module = OneWeight(job, record, stop_at, legacy)
+    module = OneWeight(job, record, stop_at, legacy, stop_in_validation)
     checkpoints = folder / "checkpoints"
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -138,15 +138,21 @@ PAST_BUGS = [
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios())
-@example(PAST_BUGS[0])
-@example(PAST_BUGS[1])
-@example(PAST_BUGS[2])
-@example(PAST_BUGS[3])
-@example(PAST_BUGS[4])
-@example(PAST_BUGS[5])
-def test_a_stop_anywhere_and_a_resume_on_any_world_keep_every_promise(scenario: tuple[Shape, Shape, int, int, int]) -> None:
-    check_every_promise(scenario, grouped=False)
+@given(scenarios(), st.booleans())
+@example(PAST_BUGS[0], False)
+@example(PAST_BUGS[1], False)
+@example(PAST_BUGS[2], False)
+@example(PAST_BUGS[3], False)
+@example(PAST_BUGS[4], False)
+@example(PAST_BUGS[5], False)
+@example((Shape(2, 2, 2, 2), Shape(3, 2, 1, 0), 37, 12, 5), True)  # a stop during validation, loader workers, another world
+@example((Shape(2, 3, 2, 0), Shape(2, 3, 2, 0), 23, 6, 3), True)  # ... validating an epoch's last step (a short window)
+def test_a_stop_anywhere_and_a_resume_on_any_world_keep_every_promise(
+    scenario: tuple[Shape, Shape, int, int, int], in_validation: bool
+) -> None:
+    """``in_validation``: the stop arrives during the first validation pass from its micro-batch on;
+    the pass ends there and the checkpoint is that validated step's."""
+    check_every_promise(scenario, grouped=False, in_validation=in_validation)
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -157,11 +163,11 @@ def test_length_grouped_batches_keep_every_promise(scenario: tuple[Shape, Shape,
     check_every_promise(scenario, grouped=True)
 
 
-def check_every_promise(scenario: tuple[Shape, Shape, int, int, int], grouped: bool) -> None:
+def check_every_promise(scenario: tuple[Shape, Shape, int, int, int], grouped: bool, in_validation: bool = False) -> None:
     first, second, size, max_steps, stop_at = scenario
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        before = fit(first, size, max_steps, folder / "run", stop_at=stop_at, grouped=grouped)
+        before = fit(first, size, max_steps, folder / "run", stop_at=stop_at, grouped=grouped, stop_in_validation=in_validation)
         after = fit(second, size, max_steps, folder / "run", resume=True, grouped=grouped)
         reference = fit(first, size, max_steps, folder / "reference", grouped=grouped)
     if grouped:  # the uninterrupted run's first epoch is the grouped order, rank-interleaved
@@ -179,7 +185,11 @@ def check_every_promise(scenario: tuple[Shape, Shape, int, int, int], grouped: b
             assert size - len(ids) < ended_by.world * ended_by.batch, f"epoch {epoch}: {size - len(ids)} left out"
     same_world = (first.world, first.batch, first.accumulation) == (second.world, second.batch, second.accumulation)
     check_windows(reference, first.accumulation, False, every_third(0, max_steps, False))
-    check_windows(before, first.accumulation, False, every_third(0, before.final_step, before.stopped))
+    if in_validation:  # the stop lands at the first validated step from its micro-batch's step on, if any
+        step = next(s for s in range(1, max_steps + 1) if micro_batches_to(first, size, s) >= stop_at)
+        validated = -(-step // 3) * 3
+        assert (before.stopped, before.final_step) == ((True, validated) if validated <= max_steps else (False, max_steps))
+    check_windows(before, first.accumulation, False, every_third(0, before.final_step, before.stopped and not in_validation))
     check_windows(after, second.accumulation, not same_world, every_third(before.final_step, max_steps, False))
     if same_world:
         assert before.micro_batches + after.micro_batches == reference.micro_batches
