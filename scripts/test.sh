@@ -121,9 +121,9 @@ fi
 # pytest, beside the two workers: alone they left a core idle half the time. Their output goes
 # to a file, shown when they end. The workers steal queued tests from each other (`--dist
 # worksteal`): plain `load` hands each worker a queue of tests ahead, and near the end one worker
-# could still hold several long ones while the other sat idle. mypy follows the cluster tests
-# in the same background branch: they end minutes before the workers do, and the workers' last
-# tests leave a core free. Extra arguments go to both pytest runs; PYTEST_WORKERS=0 runs the
+# could still hold several long ones while the other sat idle. mypy follows the workers: the
+# cluster tests' branch ended a minute after them with mypy in it (2026-11-28, a cold cache as
+# CI's: tests/README.md), so it goes where a core is free first. Extra arguments go to both pytest runs; PYTEST_WORKERS=0 runs the
 # rest serially too. Both list their slowest tests (--durations): the suite's time, in CI's
 # output, has names to it.
 rm -f "${DURATIONS_DIR}"/*.json # only its own files: DURATIONS_DIR may name a folder of yours
@@ -158,7 +158,7 @@ mypy_output="$(mktemp)"
 trap 'rm -f "${bats_output}"{,.status} "${serial_output}"{,.status} "${mypy_output}"{,.status}' EXIT
 # Each step's exit status goes to a file beside its output: the branch runs in a subshell.
 # The bats tests lead the branch: a few seconds that no longer hold up the two workers' start.
-bats_then_cluster_tests_then_mypy() {
+bats_then_cluster_tests() {
   local status=0
   bats tests/shell >"${bats_output}" 2>&1 || status=$?
   echo "${status}" >"${bats_output}.status"
@@ -166,17 +166,17 @@ bats_then_cluster_tests_then_mypy() {
   PURRSIGHT_TIER=serial PURRSIGHT_DURATIONS="${DURATIONS_DIR}/serial.json" \
     run_pytest -m serial --durations=10 "$@" >"${serial_output}" 2>&1 || status=$?
   echo "${status}" >"${serial_output}.status"
-  status=0
-  mypy --cache-dir "${mypy_cache}" purrsight train_phase2.py bench >"${mypy_output}" 2>&1 || status=$?
-  echo "${status}" >"${mypy_output}.status"
 }
-log "beside the rest: bats, then pytest -m serial (SLURM, PBS, Ray) one at a time, then mypy; output shown at their end"
-bats_then_cluster_tests_then_mypy "$@" &
+log "beside the rest: bats, then pytest -m serial (SLURM, PBS, Ray) one at a time; output shown at their end"
+bats_then_cluster_tests "$@" &
 background_pid=$!
-log "python tests: pytest -m 'not serial', ${WORKERS} workers"
+log "python tests: pytest -m 'not serial', ${WORKERS} workers, then mypy"
 status=0
 PURRSIGHT_TIER=not-serial PURRSIGHT_DURATIONS="${DURATIONS_DIR}/not-serial.json" \
   run_pytest -n "${WORKERS}" --dist worksteal -m "not serial" --durations=15 "$@" || status=$?
+mypy_status=0
+mypy --cache-dir "${mypy_cache}" purrsight train_phase2.py bench >"${mypy_output}" 2>&1 || mypy_status=$?
+echo "${mypy_status}" >"${mypy_output}.status"
 wait "${background_pid}" || true
 log "shell tests: bats"
 cat "${bats_output}"
