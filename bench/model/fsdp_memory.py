@@ -116,7 +116,7 @@ def run(llm: Path, strategy: str, steps: int, work: Path, precision: str) -> dic
         "build_peak_rss_mib": [int(peak) for _, _, peak in built],
         "run_peak_rss_mib": sorted(round(p / 2**20) for p in peaks.peaks.values())[-2:],
         "run_peak_anon_mib": sorted(round(p / 2**20) for p in peaks.anon.values())[-2:],
-        "samples_per_s": round(counted * 2 * BATCH / (last - first), 2),
+        "samples_per_s": round(counted * 2 * BATCH / (last - first), 2) if last > first else None,  # too few steps
     }
 
 
