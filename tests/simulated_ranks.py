@@ -98,6 +98,7 @@ class Record:
     micro_batches: list[tuple[int, int, dict[int, list[int]]]] = field(default_factory=list)  # (epoch, batch_idx, rank -> ids)
     windows: list[tuple[int, int, bool, bool]] = field(default_factory=list)  # (epoch, size, epoch's last, first of the fit)
     validated_at: list[tuple[int, bool]] = field(default_factory=list)  # (optimizer step, inside a window)
+    validation_batches: list[tuple[int, int]] = field(default_factory=list)  # (optimizer step, batch index)
     logged: list[tuple[int, float]] = field(default_factory=list)  # (logger's step, the step the point belongs to)
     saved: list[tuple[int, int | None]] = field(default_factory=list)  # (checkpoint's step, the newest step logged then)
     late: list[tuple[int, float]] = field(default_factory=list)  # (logger's step, LateMetric's value: the step)
@@ -196,6 +197,7 @@ class OneWeight(pl.LightningModule):
         self.windows_seen += 1
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.record.validation_batches.append((self.trainer.global_step, batch_idx))
         if batch_idx == 0:
             inside = self.trainer.fit_loop.epoch_loop._should_accumulate()
             self.record.validated_at.append((self.trainer.global_step, inside))
@@ -305,7 +307,7 @@ def fit(
         accumulate_grad_batches=shape.accumulation,
         val_check_interval=val_every * shape.accumulation,
         check_val_every_n_epoch=None,
-        limit_val_batches=1,
+        limit_val_batches=2,  # a pass of two batches: a stop in its first ends it there
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         enable_checkpointing=False,

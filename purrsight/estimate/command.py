@@ -28,7 +28,8 @@ GPU for them), pinned loader batches, kernel workspaces. docs/SCALING.md has the
 
 Host memory per node (--gpus-per-node ranks, default 8 or fewer GPUs in all): each rank's peak
 while it builds the model on the CPU: ddp holds every frozen weight (bf16 under bf16 precisions),
-fsdp its shard and one tensor's rows in flight; both the trainable weights and 0.5 GB a process.
+fsdp its shard and one tensor's rows in flight; both the towers whole in fp32, the trainable
+weights and 0.5 GB a process. An upper bound on GPUs, where transformers reads onto the device.
 
 With --gpu-memory each strategy gets a verdict: "fits" when its total plus 2 GB (the least of what
 is not counted) is within the memory, "tight" when the total alone is, else "DOES NOT FIT";
@@ -145,7 +146,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     host = result.host_per_node
     print(
         f"host memory per node of {result.gpus_per_node} rank(s), while they build the model: "
-        + ", ".join(f"{name} {host[name] / 1e9:.2f} GB" for name in STRATEGIES)
+        + ", ".join(f"{name} {'refused' if name in result.refused else f'{host[name] / 1e9:.2f} GB'}" for name in STRATEGIES)
     )
     for name, why in result.refused.items():
         print(f"{name}: {why}")

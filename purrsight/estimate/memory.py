@@ -32,12 +32,15 @@ Not counted: the CUDA context, NCCL's buffers and the caching allocator's fragme
 transient kernel workspaces.
 
 **Host memory per node** (``Estimate.host_per_node``): each rank's peak while it builds the model on
-the CPU, before Lightning moves it to its GPU, times the ranks on a node. ddp: every frozen weight, in
-the dtype training holds it (a base of safetensors is read straight into it, model/llm.py), plus the
-trainable weights; fsdp: the rank's shard of the frozen weights plus one tensor's rows in flight
-(training/fsdp.py reads a tensor at a time), plus the trainable weights. Each rank adds
-PROCESS_HOST_BYTES (the interpreter with torch, transformers and Lightning imported: 0.5 GB measured
-on CPU; a GPU rank maps CUDA's libraries on top, not counted). Not counted: loader workers, the page cache.
+the CPU, times the ranks on a node. ddp: the LLM's frozen weights, in the dtype training holds them
+(a base of safetensors is read straight into it, model/llm.py); fsdp: the rank's shard of them
+plus one tensor's rows in flight (training/fsdp.py reads a tensor at a time). Both: the towers and
+the aligner whole in fp32 (built so on every rank, then cast and, under fsdp, sharded), the
+trainable weights, and PROCESS_HOST_BYTES (the interpreter with torch, transformers and Lightning
+imported: 0.5 GB measured on CPU). An upper bound where a rank builds on its GPU: Lightning calls
+``configure_model`` under the GPU's device, and transformers then reads the base onto it (not
+measured here; a GPU rank maps CUDA's libraries on top, not counted either). Not counted: loader
+workers, the page cache, a base of pytorch_model.bin (read in fp32, model/llm.py).
 """
 
 from __future__ import annotations
@@ -123,6 +126,10 @@ def _compute_dtype(precision: str) -> torch.dtype:
     return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(precision, torch.float32)
 
 
+def _frozen_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision.startswith("bf16") else torch.float32  # model_builder.frozen_dtype
+
+
 def _bytes(params: int, dtype: torch.dtype) -> int:
     return params * dtype.itemsize
 
@@ -206,7 +213,8 @@ class Footprint:
     all_gather: int
     activations: int
     logits: int
-    largest_frozen_bytes: int  # the largest frozen tensor: fsdp's build reads one at a time
+    largest_frozen_bytes: int  # the LLM's largest frozen tensor: fsdp's build reads one at a time
+    tower_frozen_parameters: int  # frozen outside the LLM (towers, aligner): built whole in fp32 on every rank
     bucket_copy: bool  # ddp keeps its gradients a second time (gradient_as_bucket_view false)
     accumulates: bool  # accumulate_grad_batches > 1: fsdp keeps whole fp32 gradients over the window
     fsdp_refused: str | None = None  # why training/fsdp.py would refuse this model (its decoder layers)
@@ -229,11 +237,11 @@ class Footprint:
 
     def host_per_rank(self, strategy: str, gpus: int) -> int:
         """A rank's host peak while it builds the model (the module docstring's host memory)."""
-        if strategy == "ddp":
-            frozen = self.frozen_bytes
-        else:
-            frozen = math.ceil(self.frozen_bytes / gpus) + math.ceil(self.largest_frozen_bytes / gpus)
-        return PROCESS_HOST_BYTES + frozen + self.trainable_bytes
+        towers = 4 * self.tower_frozen_parameters
+        llm = max(0, self.frozen_bytes - _frozen_dtype(self.precision).itemsize * self.tower_frozen_parameters)
+        if strategy == "fsdp":
+            llm = math.ceil(llm / gpus) + math.ceil(self.largest_frozen_bytes / gpus)
+        return PROCESS_HOST_BYTES + llm + towers + self.trainable_bytes
 
     def estimate(self, gpus: int, gpus_per_node: int | None = None) -> Estimate:
         # A checkpoint holds the trainable weights and AdamW's two moments, fp32, gathered whole.
@@ -251,13 +259,14 @@ def footprint(config: Config, llm_config: Path | None = None) -> Footprint:
     """``config``'s model counted on meta and its step run there (the module docstring)."""
     precision = precision_of(config)
     compute = _compute_dtype(precision)
-    frozen_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    frozen_dtype = _frozen_dtype(precision)
     trainable_dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     gather_frozen, gather_trainable = (compute, compute) if precision == "bf16-mixed" else (frozen_dtype, trainable_dtype)
     meta = meta_model(config, llm_config)
     frozen = _numel(meta.model, False, set())
     trainable = _numel(meta.model, True, set())
-    largest = max((p.numel() for p in meta.model.parameters() if not p.requires_grad), default=0)
+    largest = max((p.numel() for p in meta.model.llm.parameters() if not p.requires_grad), default=0)
+    towers = frozen - _numel(meta.model.llm, False, set())
     try:
         all_gather, fsdp_refused = gathered_bytes(meta.model, gather_frozen, gather_trainable), None
     except ModelLoadError as err:  # no decoder layers to shard: fsdp refuses this model, ddp's figures stand
@@ -273,6 +282,7 @@ def footprint(config: Config, llm_config: Path | None = None) -> Footprint:
         activations,
         logits,
         largest_frozen_bytes=_bytes(largest, frozen_dtype),
+        tower_frozen_parameters=towers,
         bucket_copy=not config.distributed.gradient_as_bucket_view,
         accumulates=config.trainer.accumulate_grad_batches > 1,
         fsdp_refused=fsdp_refused,

@@ -86,6 +86,7 @@ class FingerprintParts:
     rank: int = 0
     world: int = 1
     rows: int = 0
+    error: BaseException | None = None  # what stopped this rank's reading: raised on every rank by ``combined``
 
     def add_share(self, name: str, rows: torch.Tensor, total: int, start: int = 0, dtype: torch.dtype | None = None) -> None:
         """Hash the rows of ``rows`` (rows ``start:`` of the tensor ``name`` of ``total`` rows) that
@@ -98,15 +99,32 @@ class FingerprintParts:
             self.rows = (self.rows + row_hash_sum(name, mine if dtype is None else mine.to(dtype), first)) % ROW_SUM_MODULUS
 
     def combined(self, group: Any = None) -> str:
-        """The fingerprint: every rank of ``group`` adds its sum (all must call); None: this rank's alone."""
-        total = self.rows
+        """The fingerprint: every rank of ``group`` adds its sum (all must call); None: this rank's alone.
+        A rank's ``error`` is raised on every rank, so none waits for a sum that never comes."""
+        outcomes: list[Any] = [(self.rows, self.error)]
         if group is not None:
             import torch.distributed as dist
 
-            sums: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(sums, self.rows, group=group)
-            total = sum(sums) % ROW_SUM_MODULUS
+            mine = self.error if self.error is None or _pickles(self.error) else RuntimeError(f"rank {self.rank}: {self.error}")
+            outcomes = [None] * dist.get_world_size(group)
+            dist.all_gather_object(outcomes, (self.rows, mine), group=group)
+        if self.error is not None:
+            raise self.error
+        for _, error in outcomes:
+            if error is not None:
+                raise error
+        total = sum(rows for rows, _ in outcomes) % ROW_SUM_MODULUS
         return hashlib.sha256(f"v{FINGERPRINT_VERSION}|{self.layout}|{total:064x}".encode()).hexdigest()
+
+
+def _pickles(value: object) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
 
 
 def rows_of(tensor: torch.Tensor) -> int:
@@ -127,12 +145,15 @@ def fingerprint_parts(
     llm_files: WeightFiles | None,
     llm_keys: dict[str, str] | None,
     group: Any = None,
+    llm_on_meta: bool = False,
 ) -> FingerprintParts:
     """This rank's part of version 4, before the frozen weights are cast. ``llm_files``: the LLM's
     weight files when it comes from a directory of safetensors; ``llm_keys``: its parameters'
-    keys there (model/weight_files.py's ``weight_keys``), or None when it is on the meta device
-    (each rank then adds the rows it reads: fsdp.py's ``fill``). ``group``: the ranks that share
-    the hashing (None: this process hashes everything)."""
+    keys there (model/weight_files.py's ``weight_keys``), None where transformers makes some of
+    them from several tensors (then each rank reads its share of every tensor of the files);
+    ``llm_on_meta``: the LLM is on the meta device, and each rank adds the rows it reads (fsdp.py's
+    ``fill``). ``group``: the ranks that share the hashing (None: this process hashes everything).
+    What stops a rank's reading is kept in the parts, for ``combined`` to raise on every rank."""
     rank, world = _rank_and_world(group)
     layout = hashlib.sha256("|".join(sources).encode())
     if llm_files is not None:
@@ -143,13 +164,29 @@ def fingerprint_parts(
     for name, tensor in in_memory:
         layout.update(f"{name}:{list(tensor.shape)};".encode())
     parts = FingerprintParts(layout.hexdigest(), rank, world)
-    for name, tensor in in_memory:
-        if tensor.device.type == "meta":
-            raise AssertionError(f"{name} is on the meta device: only an LLM read from its files may be")
-        parts.add_share(name, tensor.detach(), rows_of(tensor), dtype=torch.float32)
-    if llm_files is not None and llm_keys is not None:
-        _add_llm_rows(parts, model, llm_files, llm_keys)
+    try:
+        for name, tensor in in_memory:
+            if tensor.device.type == "meta":
+                raise AssertionError(f"{name} is on the meta device: only an LLM read from its files may be")
+            parts.add_share(name, tensor.detach(), rows_of(tensor), dtype=torch.float32)
+        if llm_files is not None and not llm_on_meta:
+            if llm_keys is not None:
+                _add_llm_rows(parts, model, llm_files, llm_keys)
+            else:
+                _add_file_rows(parts, llm_files)
+    except Exception as error:  # raised on every rank by combined
+        parts.error = error
     return parts
+
+
+def _add_file_rows(parts: FingerprintParts, files: WeightFiles) -> None:
+    """This rank's share of every tensor of the files, read: the LLM's parameters are made from
+    them by a conversion, so memory holds no row of the files as it lies there."""
+    for key in sorted(files.weight_map):
+        stored = files.stored(key)
+        total = stored.shape[0] if stored.shape else 1
+        start, stop = row_share(total, parts.rank, parts.world)
+        parts.add_share(key, files.rows(key, start, stop), total, start)
 
 
 def _add_llm_rows(parts: FingerprintParts, model: torch.nn.Module, files: WeightFiles, keys: dict[str, str]) -> None:

@@ -179,7 +179,10 @@ def build_sharded(
     on_meta = materialize(built.model, device)
     if on_meta:
         assert llm_path is not None and built.fingerprint_parts is not None
-        fill(built.model, on_meta, WeightFiles(llm_path), config.run.seed, built.fingerprint_parts)
+        try:
+            fill(built.model, on_meta, WeightFiles(llm_path), config.run.seed, built.fingerprint_parts)
+        except Exception as error:  # raised on every rank by combined: none waits for this one
+            built.fingerprint_parts.error = error
         built.fingerprint = built.fingerprint_parts.combined(group)
     return built, units
 

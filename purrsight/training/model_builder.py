@@ -167,9 +167,7 @@ def build_model(
     from_files = WeightFiles(path) if path is not None and (llm_on_meta or holds_safetensors(path)) else None
     v3 = computed_on_rank_zero(lambda: fingerprint_v3(model, sources, from_files), fingerprint_group)
     keys = None if from_files is None or llm_on_meta else llm_weight_keys(llm, from_files)
-    if from_files is not None and keys is None and not llm_on_meta:
-        from_files = None  # transformers converts some tensor of it: the whole LLM counts from memory
-    parts = fingerprint_parts(model, sources, from_files, keys, fingerprint_group)
+    parts = fingerprint_parts(model, sources, from_files, keys, fingerprint_group, llm_on_meta)
     hold_frozen_in(model, frozen)
     if llm_on_meta and from_files is not None:  # each rank adds the rows it reads for its shard (fsdp.py)
         return BuiltModel(model, tokenizer, "", {3: v3}, parts)

@@ -124,6 +124,37 @@ def test_an_edit_that_no_sample_reads_changes_the_fingerprint(synthetic_dir: Pat
     assert edited.fingerprint != original.fingerprint
 
 
+def test_a_base_transformers_converts_is_counted_by_its_files_in_any_run_dtype(synthetic_dir: Path, tmp_path: Path) -> None:
+    """A Mixtral-style base whose experts transformers merges on load (so no parameter is a file's
+    tensor as it lies) is counted by its files' rows, read: a float32 and a bf16 run of an fp16
+    base agree (counted from memory, the bf16 run's rounded values differed), and other weights differ."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from purrsight.model.llm import load_tokenizer
+    from purrsight.training.model_builder import llm_weight_keys
+
+    tokenizer = load_tokenizer(synthetic_dir / "tokenizer")
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    shape |= {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}
+    folders = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(MixtralConfig(vocab_size=len(tokenizer), **shape)).to(torch.float16)
+        model.save_pretrained(tmp_path / f"moe-{seed}")
+        tokenizer.save_pretrained(tmp_path / f"moe-{seed}")
+        folders.append(tmp_path / f"moe-{seed}")
+
+    def built(folder: Path, dtype: torch.dtype) -> Any:
+        targets = {"model.llm.lora.target_modules": "[q_proj, v_proj]"}
+        config = tiny_config(synthetic_dir, tmp_path, model__llm__path=folder, model__llm__config="null", **targets)
+        return build_model(config, dtype)
+
+    full, half = built(folders[0], torch.float32), built(folders[0], torch.bfloat16)
+    assert llm_weight_keys(full.model.llm, WeightFiles(folders[0])) is None  # converted: the case under test
+    assert full.fingerprint == half.fingerprint
+    assert built(folders[1], torch.bfloat16).fingerprint != half.fingerprint
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(0, 40), world=st.integers(1, 9), width=st.integers(1, 5), start=st.integers(0, 12))
 @example(rows=7, world=3, width=2, start=5)  # a last rank with fewer rows, a read that starts mid-share

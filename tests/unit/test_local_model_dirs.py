@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from purrsight.config import Config
+from purrsight.estimate.memory import PROCESS_HOST_BYTES, footprint
 from purrsight.model.llm import load_tokenizer
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.model_builder import build_model
@@ -212,3 +213,8 @@ def test_a_bf16_build_reads_the_base_straight_into_bf16_never_a_float32_copy(syn
         assert frozen == f"['torch.{dtype}']" and trainable == "['torch.float32']", result
     assert int(grown["float32"]) >= fp32_bytes, (grown, fp32_bytes)  # the measure sees a float32 copy
     assert int(grown["bfloat16"]) < 0.75 * fp32_bytes, (grown, fp32_bytes)
+    # The estimate's host figure for a ddp rank, less the process it assumes, against the growth measured.
+    overrides = {"model.llm.path": tmp_path / "llm", "model.llm.config": "null", "trainer.precision": "bf16-mixed"}
+    config = tiny_config(synthetic_dir, tmp_path / "estimate", **overrides, **{"model.llm.lora.target_modules": "[q_proj, v_proj]"})
+    estimated = footprint(config).host_per_rank("ddp", 1) - PROCESS_HOST_BYTES
+    assert 0.8 * int(grown["bfloat16"]) <= estimated <= 1.25 * int(grown["bfloat16"]), (grown, estimated)  # within 25%

@@ -31,6 +31,7 @@ footprints = st.builds(
     activations=sizes,
     logits=sizes,
     largest_frozen_bytes=sizes,
+    tower_frozen_parameters=st.just(0),
     bucket_copy=st.booleans(),
     accumulates=st.booleans(),
 )

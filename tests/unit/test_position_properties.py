@@ -189,6 +189,10 @@ def check_every_promise(scenario: tuple[Shape, Shape, int, int, int], grouped: b
         step = next(s for s in range(1, max_steps + 1) if micro_batches_to(first, size, s) >= stop_at)
         validated = -(-step // 3) * 3
         assert (before.stopped, before.final_step) == ((True, validated) if validated <= max_steps else (False, max_steps))
+        if before.stopped:  # the pass ended at its first batch; every earlier pass ran both
+            assert [i for step, i in before.validation_batches if step == validated] == [0], before.validation_batches
+            assert all(i in (0, 1) for _, i in before.validation_batches)
+            assert len(before.validation_batches) == 2 * len(before.validated_at) - 1
     check_windows(before, first.accumulation, False, every_third(0, before.final_step, before.stopped and not in_validation))
     check_windows(after, second.accumulation, not same_world, every_third(before.final_step, max_steps, False))
     if same_world:
