@@ -17,6 +17,13 @@
 #   pbs_stop_tasks SIG PID... ask the tasks started through pbs_run_on to end (SIGTERM), or their
 #                             Ray to go down (SIGUSR2)
 #   pbs_rerun_check           RESUME=auto when this job id ran before (qrerun, a server restart)
+#   pbs_stop_before_walltime [NEEDED_S [WHAT]]  SIGTERM to this script STOP_BEFORE_WALLTIME s (300)
+#                             before the job's walltime: PBS sends nothing before the walltime's
+#                             SIGTERM and SIGKILL kill_delay later (10 s by default), too soon for
+#                             a checkpoint, so the job stops itself first, through the path qdel
+#                             takes. The walltime: WALLTIME (seconds or [[H:]M:]S), else Torque's
+#                             PBS_WALLTIME, else `qstat -f` (OpenPBS, PBS Pro); 0 turns it off.
+#                             A margin under NEEDED_S (what the stop takes) ends the job with 2
 #
 # PBS_LAUNCHER picks how a host's task starts: pbsdsh where PBS has it; srun where the PBS job
 # runs on SLURM (slurm-wlm-torque's qsub), which has no pbsdsh; else passwordless ssh.
@@ -187,4 +194,62 @@ pbs_rerun_check() {
   : >"${marker}"
   # shellcheck disable=SC2034 # read by the sourcing script, which removes it when the job succeeds
   PBS_RERUN_MARKER="${marker}"
+}
+
+# [[H:]M:]S or seconds -> seconds; nothing for anything else.
+walltime_seconds() {
+  local text="$1" total=0 part
+  local -a parts
+  [[ "${text}" =~ ^[0-9]+(:[0-9]+){0,2}$ ]] || return 0
+  IFS=: read -ra parts <<<"${text}"
+  for part in "${parts[@]}"; do total=$((total * 60 + 10#${part})); done
+  printf '%s\n' "${total}"
+}
+
+pbs_walltime() {
+  if [[ -n "${WALLTIME:-}" ]]; then
+    walltime_seconds "${WALLTIME}"
+  elif [[ -n "${PBS_WALLTIME:-}" ]]; then
+    walltime_seconds "${PBS_WALLTIME}"
+  elif [[ -n "${PBS_JOBID:-}" ]] && command -v qstat >/dev/null; then
+    walltime_seconds "$(timeout 10 qstat -f "${PBS_JOBID}" 2>/dev/null | sed -n 's/^ *Resource_List.walltime = *//p' | head -n 1)"
+  fi
+}
+
+pbs_stop_before_walltime() {
+  local margin="${STOP_BEFORE_WALLTIME:-300}" needed="${1:-0}" what="${2:-the stop}" walltime
+  [[ "${margin}" =~ ^[0-9]+$ ]] || {
+    log "error: STOP_BEFORE_WALLTIME=${margin} is not a number of seconds (300 by default; 0 turns the stop off)"
+    exit 2
+  }
+  ((margin > 0)) || return 0
+  if ((margin < needed)); then # the stop budget: what follows the stop must fit before the walltime
+    log "error: STOP_BEFORE_WALLTIME=${margin} s cannot hold the stop it starts, ${needed} s (${what}): raise it, or shorten the stop"
+    exit 2
+  fi
+  walltime="$(pbs_walltime)"
+  if [[ -z "${walltime}" ]]; then
+    log "note: the job's walltime is unknown (set WALLTIME=H:M:S as in -l walltime): a walltime's stop gives kill_delay alone, no checkpoint"
+    return 0
+  fi
+  if ((walltime <= margin)); then
+    log "note: the walltime (${walltime} s) is not longer than STOP_BEFORE_WALLTIME (${margin} s): no stop of the job's own"
+    return 0
+  fi
+  log "the job stops itself ${margin} s before its walltime of ${walltime} s (STOP_BEFORE_WALLTIME), with a checkpoint"
+  # In its own process, killed at the script's end (PBS_STOP_TIMER); what it sends is what qdel sends.
+  (
+    trap 'kill "${nap}" 2>/dev/null; exit 0' TERM # turned off: its sleep goes with it, no process left
+    trap '' INT
+    sleep "$((walltime - margin))" &
+    nap=$!
+    wait "${nap}"
+    log "the walltime is ${margin} s away: stopping the job with a checkpoint, as qdel would"
+    kill -TERM "$$"
+  ) &
+  PBS_STOP_TIMER=$!
+}
+
+pbs_stop_timer_off() {
+  [[ -z "${PBS_STOP_TIMER:-}" ]] || kill "${PBS_STOP_TIMER}" 2>/dev/null || true
 }

@@ -90,6 +90,56 @@ prepare_part() {
   [ "$(slots 1)" = 1 ]
 }
 
+@test "pbs/nodes.sh: the walltime comes from WALLTIME, Torque's PBS_WALLTIME or qstat -f, in seconds" {
+  walltime() { env "$@" bash -c 'log() { :; }; source pbs/nodes.sh; pbs_walltime'; }
+  [ "$(walltime WALLTIME=1:02:03)" = 3723 ]
+  [ "$(walltime WALLTIME=90)" = 90 ]
+  [ "$(walltime WALLTIME=08:09)" = 489 ] # leading zeros are not octal
+  [ -z "$(walltime WALLTIME=tomorrow)" ]
+  [ "$(walltime PBS_WALLTIME=7200)" = 7200 ]
+  # OpenPBS's `qstat -f JOBID`, as it prints a job's resources (a stand-in: no PBS server here)
+  printf '#!/bin/sh\n[ "$1 $2" = "-f 42.server" ] || exit 1\nprintf "Job Id: 42.server\\n    Resource_List.walltime = 02:00:00\\n"\n' >"${STUB}/bin/qstat"
+  chmod +x "${STUB}/bin/qstat"
+  [ "$(walltime PATH="${STUB}/bin:${PATH}" PBS_JOBID=42.server)" = 7200 ]
+}
+
+@test "pbs/nodes.sh: the job stops itself STOP_BEFORE_WALLTIME before the walltime, by the signal qdel sends" {
+  # A job script's shape: a TERM trap (the stop), the timer, a wait; the trap records when it ran.
+  cat >"${BATS_TEST_TMPDIR}/job.sh" <<EOF
+cd "${REPO}"
+log() { printf '%s\n' "\$*"; }
+source pbs/nodes.sh
+trap 'echo "stopped after \${SECONDS} s" >"${BATS_TEST_TMPDIR}/stopped"; exit 143' TERM
+trap 'pbs_stop_timer_off' EXIT
+pbs_stop_before_walltime "\${NEEDED_S:-0}"
+sleep "\${HOLD_S}" & wait \$!
+EOF
+  run env WALLTIME=4 STOP_BEFORE_WALLTIME=2 HOLD_S=30 bash "${BATS_TEST_TMPDIR}/job.sh"
+  [ "${status}" -eq 143 ]
+  [[ "${output}" == *"stops itself 2 s before its walltime of 4 s"* ]]
+  [[ "$(cat "${BATS_TEST_TMPDIR}/stopped")" =~ ^stopped\ after\ [23]\ s$ ]]
+  # A job that ends first turns its timer off: no signal later, no sleep left behind.
+  rm -f "${BATS_TEST_TMPDIR}/stopped"
+  run env WALLTIME=600 STOP_BEFORE_WALLTIME=2 HOLD_S=1 bash "${BATS_TEST_TMPDIR}/job.sh"
+  [ "${status}" -eq 0 ]
+  [ ! -e "${BATS_TEST_TMPDIR}/stopped" ]
+  sleep 1
+  ! pgrep -f "^sleep 598$"
+  # Off, unknown, or a bad setting: said in one line (a bad one ends the job with 2)
+  run env WALLTIME=600 STOP_BEFORE_WALLTIME=0 HOLD_S=0 bash "${BATS_TEST_TMPDIR}/job.sh"
+  [ "${status}" -eq 0 ]
+  [ -z "${output}" ]
+  run env PATH="/usr/bin:/bin" HOLD_S=0 bash -c "unset WALLTIME PBS_WALLTIME PBS_JOBID; bash '${BATS_TEST_TMPDIR}/job.sh'"
+  [[ "${output}" == *"walltime is unknown (set WALLTIME=H:M:S"* ]]
+  run env WALLTIME=600 STOP_BEFORE_WALLTIME=5m HOLD_S=0 bash "${BATS_TEST_TMPDIR}/job.sh"
+  [ "${status}" -eq 2 ]
+  [[ "${output}" == *"STOP_BEFORE_WALLTIME=5m is not a number of seconds"* ]]
+  # The stop budget: a margin shorter than the stop it starts (ray.pbs: the driver's stop and the teardown) is refused
+  run env WALLTIME=600 STOP_BEFORE_WALLTIME=100 NEEDED_S=200 HOLD_S=0 bash "${BATS_TEST_TMPDIR}/job.sh"
+  [ "${status}" -eq 2 ]
+  [[ "${output}" == *"STOP_BEFORE_WALLTIME=100 s cannot hold the stop it starts, 200 s"* ]]
+}
+
 # A batch script's bring-up as slurm/ray.sbatch runs it, with the scheduler's parts stubbed:
 # ray_on_node records what it would start on a node.
 ray_script() {
