@@ -173,7 +173,7 @@ def computed_on_rank_zero(compute: Callable[[], T], group: Any = None) -> T:
         try:
             outcome = (compute(), None)
         except Exception as raised:
-            outcome = (None, raised if _pickles(raised) else RuntimeError(f"rank 0: {type(raised).__name__}: {raised}"))
+            outcome = (None, raised if pickles(raised) else RuntimeError(f"rank 0: {type(raised).__name__}: {raised}"))
     box = [outcome]
     dist.broadcast_object_list(box, group=group, group_src=0)
     value, error = box[0]
@@ -182,7 +182,7 @@ def computed_on_rank_zero(compute: Callable[[], T], group: Any = None) -> T:
     return cast(T, value)
 
 
-def _pickles(value: object) -> bool:
+def pickles(value: object) -> bool:
     import pickle
 
     try:

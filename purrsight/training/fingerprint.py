@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from purrsight.distributed.process_group import pickles
 from purrsight.model.weight_files import DTYPES, WeightFiles, file_key
 
 FINGERPRINT_VERSION = 4
@@ -105,7 +106,7 @@ class FingerprintParts:
         if group is not None:
             import torch.distributed as dist
 
-            mine = self.error if self.error is None or _pickles(self.error) else RuntimeError(f"rank {self.rank}: {self.error}")
+            mine = self.error if self.error is None or pickles(self.error) else RuntimeError(f"rank {self.rank}: {self.error}")
             outcomes = [None] * dist.get_world_size(group)
             dist.all_gather_object(outcomes, (self.rows, mine), group=group)
         if self.error is not None:
@@ -115,16 +116,6 @@ class FingerprintParts:
                 raise error
         total = sum(rows for rows, _ in outcomes) % ROW_SUM_MODULUS
         return hashlib.sha256(f"v{FINGERPRINT_VERSION}|{self.layout}|{total:064x}".encode()).hexdigest()
-
-
-def _pickles(value: object) -> bool:
-    import pickle
-
-    try:
-        pickle.dumps(value)
-    except Exception:
-        return False
-    return True
 
 
 def rows_of(tensor: torch.Tensor) -> int:

@@ -174,6 +174,24 @@ def test_the_row_sum_is_the_same_for_any_split_over_ranks_and_reads(rows: int, w
     assert (alone.rows == 0) == (rows == 0)
 
 
+def two_ranks(script: str, *args: object, timeout: float = 180) -> list[tuple[int, str, str]]:
+    """``script`` as ranks 0 and 1, each a real process (``python -c script RANK ARGS...``): each
+    one's exit code, stdout and stderr."""
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank), *map(str, args)],
+            cwd=REPO,
+            env=python_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [rank.communicate(timeout=timeout) for rank in ranks]
+    return [(rank.returncode, out, err) for rank, (out, err) in zip(ranks, outputs, strict=True)]
+
+
 # Two real processes in a gloo group, each building the same model whole and hashing its half.
 TWO_RANKS_BUILD = """
 import sys
@@ -199,22 +217,9 @@ def test_ranks_that_share_the_hashing_give_one_process_fingerprint(synthetic_dir
     across strategies and world sizes on real ranks (tests/integration/test_fsdp.py) depends on it."""
     config = tiny_config(synthetic_dir, tmp_path, model__llm__path=llm_dir, model__llm__config="null")
     alone = build_model(config)
-    args = [str(tmp_path / "store"), str(synthetic_dir), str(tmp_path), str(llm_dir)]
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", TWO_RANKS_BUILD, str(rank), *args],
-            cwd=REPO,
-            env=python_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    for rank in ranks:
-        out, err = rank.communicate(timeout=180)
+    for code, out, err in two_ranks(TWO_RANKS_BUILD, tmp_path / "store", synthetic_dir, tmp_path, llm_dir):
         lines = [line.split()[1:] for line in out.splitlines() if line.startswith("FINGERPRINT ")]
-        assert rank.returncode == 0 and lines, err[-3000:]
+        assert code == 0 and lines, err[-3000:]
         assert lines[0] == [alone.fingerprint, alone.earlier_fingerprints[3]]
 
 
@@ -342,21 +347,8 @@ dist.destroy_process_group()
 def test_rank_0_alone_computes_and_its_error_is_raised_on_every_rank(tmp_path: Path) -> None:
     """A fingerprint rank 0 cannot compute (an unreadable weight file) stops every rank with its
     line, instead of leaving the others in the broadcast until the collective timeout."""
-    store = tmp_path / "store"
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_COMPUTES, str(rank), str(store)],
-            cwd=REPO,
-            env=python_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [rank.communicate(timeout=120) for rank in ranks]
-    for rank, (out, err) in zip(ranks, outputs, strict=True):
-        assert rank.returncode == 0, err[-2000:]
+    for code, out, err in two_ranks(RANK_COMPUTES, tmp_path / "store"):
+        assert code == 0, err[-2000:]
         assert out.splitlines() == ["fingerprint of rank 0", "ModelLoadError: model.safetensors: not a safetensors file"]
 
 
