@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from purrsight.cli import setup_logging
+from purrsight.parent_death import die_with_parent
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -47,6 +48,12 @@ def release_stop_signals() -> None:
 
 
 def init_loader_worker(worker_id: int, rank: int, seed_workers: bool) -> None:
+    # Killed with its fork server, which dies with the trainer (loader_fork_server.py). torch's
+    # own check (its parent changed) ends the worker's loop, but at exit the worker then waits for
+    # its queue's feeder thread, which can be blocked for good writing a batch into a full pipe whose
+    # reading end the sibling workers hold too: a SIGKILLed trainer left such a worker behind (a
+    # fresh clone's suite, 2026-11-28, test_a_trainer_killed_with_sigkill_takes_its_loader_server_...).
+    die_with_parent()
     ignore_stop_signals()
     release_stop_signals()
     setup_logging()
