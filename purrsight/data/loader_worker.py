@@ -21,6 +21,7 @@ every worker, so whatever it imports each worker would import again. Lightning i
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 
@@ -47,18 +48,30 @@ def release_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def init_loader_worker(worker_id: int, rank: int, seed_workers: bool) -> None:
-    # Killed with its fork server, which dies with the trainer (loader_fork_server.py). torch's
-    # own check (its parent changed) ends the worker's loop, but at exit the worker then waits for
-    # its queue's feeder thread, which can be blocked for good writing a batch into a full pipe whose
-    # reading end the sibling workers hold too: a SIGKILLed trainer left such a worker behind (a
-    # fresh clone's suite, 2026-11-28, test_a_trainer_killed_with_sigkill_takes_its_loader_server_...).
+def init_loader_worker(worker_id: int, rank: int, seed_workers: bool, trainer: int | None = None) -> None:
+    # Killed with its fork server, which dies with the trainer (loader_fork_server.py). torch's own
+    # check (its parent changed) missed a worker still starting when its server died (it took the
+    # new parent for its manager), and one that noticed could wait at exit for good on its queue's
+    # feeder thread, blocked on a full pipe: a SIGKILLed trainer left such workers behind (a fresh
+    # clone's suite, 2026-11-28). So: the signal first, then whether the trainer is still there.
     die_with_parent()
+    if trainer is not None and not _alive(trainer):
+        os._exit(0)
     ignore_stop_signals()
     release_stop_signals()
     setup_logging()
     if seed_workers:
         seed_like_lightning(worker_id, rank)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 _MASK_64 = (1 << 64) - 1

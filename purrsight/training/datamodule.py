@@ -144,7 +144,7 @@ class Phase2DataModule(pl.LightningDataModule):
             # and a fork while one of them holds an interpreter lock leaves the worker hung for ever
             # (seen: Python 3.11's PyOS_AfterFork_Child waiting on the thread-state lock).
             multiprocessing_context=_worker_start() if data.num_workers > 0 else None,
-            worker_init_fn=partial(init_loader_worker, rank=self._world()[1], seed_workers=seed_workers),
+            worker_init_fn=partial(init_loader_worker, rank=self._world()[1], seed_workers=seed_workers, trainer=os.getpid()),
             drop_last=shuffle,
             generator=torch.Generator().manual_seed(self.config.run.seed),
         )
