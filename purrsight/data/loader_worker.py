@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from purrsight.cli import setup_logging
-from purrsight.parent_death import die_with_parent
+from purrsight.parent_death import die_with_parent, process_ended
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -55,23 +55,13 @@ def init_loader_worker(worker_id: int, rank: int, seed_workers: bool, trainer: i
     # feeder thread, blocked on a full pipe: a SIGKILLed trainer left such workers behind (a fresh
     # clone's suite, 2026-11-28). So: the signal first, then whether the trainer is still there.
     die_with_parent()
-    if trainer is not None and not _alive(trainer):
+    if trainer is not None and process_ended(trainer):  # a zombie trainer too: gone, not yet reaped
         os._exit(0)
     ignore_stop_signals()
     release_stop_signals()
     setup_logging()
     if seed_workers:
         seed_like_lightning(worker_id, rank)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _MASK_64 = (1 << 64) - 1

@@ -10,12 +10,12 @@ is named in one line and not blamed. Ray is imported here only.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
 from purrsight.bad_nodes import name_bad_node
 from purrsight.errors import ExitCode
+from purrsight.parent_death import process_ended
 from purrsight.ray_node.node import ENDED_SUFFIX
 from purrsight.ray_node.ports import JobPorts
 from purrsight.ray_node.say import Say
@@ -27,20 +27,6 @@ def alive_nodes(dashboard: str) -> dict[str, dict[str, float]]:
 
     nodes = list_nodes(address=dashboard, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
     return {str(node.node_name): dict(node.resources_total or {}) for node in nodes}
-
-
-def step_ended(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    # A zombie is an ended child the shell has not reaped yet.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except (OSError, IndexError):
-        return True
 
 
 def ended_because(log_dir: str, node: str) -> str:
@@ -62,7 +48,7 @@ def wait(args: argparse.Namespace) -> int:
     last = ""
     while True:
         for node, pid in watched.items():
-            if step_ended(int(pid)):
+            if process_ended(int(pid)):
                 reason, _, line = ended_because(args.log_dir, node).partition("\t")
                 if reason == "ports":
                     say(f"error: node {node}'s Ray could not start: {line.strip()}")

@@ -118,17 +118,7 @@ def test_train_pbs_stopped_by_qdel_through_pbsdsh_checkpoints_on_every_node_and_
     """pbs/train.pbs through OpenPBS's pbsdsh as it behaves (its clients exit 1 as soon as they have
     forwarded qdel's SIGTERM, their tasks running on): the script waits for the tasks' own end,
     both ranks checkpoint at the same step, and no process of the job is left (job_processes)."""
-    tag = f"job-{tmp_path.name}"
-    extra = {"FAKE_PBSDSH_TAG": tag, "FAKE_PBSDSH_TASKS": str(tmp_path / "tasks"), "PBS_JOBID": "4244.pbs-server"}
-    spooled, env = pbs_job(tmp_path, synthetic_dir, "train.pbs", max_steps=100000, extra_env=extra)
-    job, out = start_job(spooled, env, tmp_path)
-    try:
-        left = qdel_at_step_5(job, out, tmp_path, tag, "4244", running="train_phase2.py")
-    finally:
-        end_job(tmp_path, tag, "4244")
-    text = out.read_text(errors="replace")
-    assert left == {}, (left, text[-3000:])
-    stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", text)
+    text, stopped = qdel_a_job(tmp_path, synthetic_dir, "train.pbs", "4244", running="train_phase2.py")
     assert len(stopped) == 2 and stopped[0] == stopped[1], text[-3000:]  # both ranks, at the same step
     assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / f"step-{int(stopped[0]):08d}.ckpt").exists()
     assert "pbsdsh: killing task" in text  # the clients forwarded the signal, then left
@@ -230,6 +220,31 @@ def qdel_at_step_5(job: subprocess.Popen[bytes], out: Path, tmp: Path, tag: str,
     return job_processes(tag, tmp, number)
 
 
+def qdel_a_job(
+    tmp: Path,
+    synthetic_dir: Path,
+    script: str,
+    number: str,
+    running: str,
+    hosts: tuple[str, str] = ("127.0.0.1", "localhost"),
+    extra_env: dict[str, str] | None = None,
+) -> tuple[str, list[str]]:
+    """pbs/SCRIPT as job NUMBER through the faithful pbsdsh (``extra_env`` may put ssh in its
+    place), stopped by qdel_at_step_5, the kill delay's SIGKILL after: asserts no process of it is
+    left; its output and the steps its ranks' stop checkpoints were taken at."""
+    tag = f"job-{tmp.name}"
+    extra = {"FAKE_PBSDSH_TAG": tag, "FAKE_PBSDSH_TASKS": str(tmp / "tasks"), "PBS_JOBID": f"{number}.pbs-server"}
+    spooled, env = pbs_job(tmp, synthetic_dir, script, max_steps=100000, hosts=hosts, extra_env=extra | (extra_env or {}))
+    started, out = start_job(spooled, env, tmp)
+    try:
+        left = qdel_at_step_5(started, out, tmp, tag, number, running=running)
+    finally:
+        end_job(tmp, tag, number)
+    text = out.read_text(errors="replace")
+    assert left == {}, (left, text[-3000:])
+    return text, re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", text)
+
+
 def end_job(tmp: Path, tag: str, number: str) -> None:
     """The kill delay's SIGKILL to whatever is left, and the stopped job's rerun marker in the repo's logs."""
     (REPO / "logs" / f".pbs-ran-{number}.pbs-server").unlink(missing_ok=True)
@@ -290,20 +305,10 @@ def test_ray_pbs_stopped_by_qdel_through_pbsdsh_or_ssh_checkpoints_and_leaves_no
     pbsdsh task's; an ssh task's session is sshd's, which PBS does not know), the kill delay after.
     The run stops with a checkpoint at the step it reached; every node answers the teardown,
     whose file goes only then; no process of the job is left on any "host" (job_processes)."""
-    hosts, tag = ("127.0.0.2", "127.0.0.3"), f"job-{tmp_path.name}"
+    hosts = ("127.0.0.2", "127.0.0.3")
     with contextlib.ExitStack() as stack:
-        extra = {"FAKE_PBSDSH_TAG": tag, "FAKE_PBSDSH_TASKS": str(tmp_path / "tasks"), "PBS_JOBID": "4343.pbs-server"}
-        if launcher == "ssh":
-            extra |= {"PBS_LAUNCHER": "ssh", "PBS_SSH": stack.enter_context(real_sshd(tmp_path, hosts))}
-        spooled, env = pbs_job(tmp_path, synthetic_dir, "ray.pbs", max_steps=100000, hosts=hosts, extra_env=extra)
-        job, out = start_job(spooled, env, tmp_path)
-        try:
-            left = qdel_at_step_5(job, out, tmp_path, tag, "4343", running="ray::")
-        finally:
-            end_job(tmp_path, tag, "4343")
-    text = out.read_text(errors="replace")
-    assert left == {}, (left, text[-3000:])
-    stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", text)
+        ssh = {"PBS_LAUNCHER": "ssh", "PBS_SSH": stack.enter_context(real_sshd(tmp_path, hosts))} if launcher == "ssh" else {}
+        text, stopped = qdel_a_job(tmp_path, synthetic_dir, "ray.pbs", "4343", running="ray::", hosts=hosts, extra_env=ssh)
     assert len(stopped) == 1, text[-3000:]
     assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / f"step-{int(stopped[0]):08d}.ckpt").exists()
     ray_logs = tmp_path / "logs" / "ray-4343"
