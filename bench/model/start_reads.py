@@ -186,7 +186,8 @@ def worker(root: Path, synthetic: Path) -> None:
         "fingerprint": built.fingerprint,
         "sample_digests": digests[0] if digests else None,  # None: a tree without them (before version 3)
     }
-    print("READS " + json.dumps(row), flush=True)
+    # A file per rank, not a line on the shared stdout: two ranks' lines once arrived glued into one.
+    (root / f"reads-rank{rank}.json").write_text(json.dumps(row))
     dist.destroy_process_group()
 
 
@@ -202,10 +203,12 @@ def measure(root: Path, synthetic: Path, ranks: int, tree: Path | None = None) -
         env["PYTHONPATH"] = f"{tree}{os.pathsep}{env['PYTHONPATH']}"
     command = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1"]
     command += ["--master-port", str(free_port()), __file__, "--worker", str(root), str(synthetic)]
+    for stale in root.glob("reads-rank*.json"):
+        stale.unlink()
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"exit {done.returncode}\n{done.stderr[-3000:]}")
-    rows = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("READS ")]
+    rows = [json.loads(path.read_text()) for path in root.glob("reads-rank*.json")]
     return sorted(rows, key=lambda row: row["rank"])
 
 
