@@ -3,6 +3,13 @@ sample once per epoch: WebDataset tars and Parquet shards through `prepare`, LLa
 directly, their placeholders in front of, inside and after the prompt (the model places the media
 there: batches carry ``media_at``).
 
+The two JSON formats share one run: a raw index is read whole into records before any step (rank
+0's scan, the records broadcast), and from the records on nothing knows the format. The LLaVA file
+must read to the same records as the messages file, field by field, line numbers included (what an
+error names), and the messages file trains: the LLaVA run was the same run twice. The two sharded
+formats do not share one: their prepared sets split into different shards (a shard per source
+file's part), so each resumes across its own shard edges.
+
 47 samples of the synthetic set (tests/format_sets.py writes them with tarfile, pyarrow.parquet,
 json). 2 ranks x 3 samples: 7 micro-batches an epoch, 5 samples left out; the step-4 checkpoint
 (24 samples of epoch 0 trained) resumes on 3 ranks x 2 to step 14: epoch 0's last 3 steps (5 left
@@ -16,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from purrsight.data.index import read_index
 from purrsight.datasets.prepare_job import prepare_set
 from tests.format_sets import items_of, write_llava, write_messages, write_parquet, write_tars
 from tests.helpers import tiny_config, tiny_overrides
@@ -24,7 +32,7 @@ from tests.integration.test_prepared_training import run_probe
 SAMPLES = 47
 
 
-@pytest.mark.parametrize("fmt", ["webdataset", "parquet", "llava", "messages"])
+@pytest.mark.parametrize("fmt", ["webdataset", "parquet", "llava and messages"])
 def test_each_format_trains_on_two_ranks_and_resumes_on_three_with_every_sample_once_per_epoch(
     fmt: str, synthetic_dir: Path, tmp_path: Path
 ) -> None:
@@ -34,9 +42,12 @@ def test_each_format_trains_on_two_ranks_and_resumes_on_three_with_every_sample_
     index = {
         "webdataset": lambda: write_tars(data, items, per_shard=10),
         "parquet": lambda: write_parquet(data, items, per_file=20, row_group=7),
-        "llava": lambda: str(write_llava(data, items, where="varied")),
-        "messages": lambda: str(write_messages(data, items, where="varied")),
+        "llava and messages": lambda: str(write_messages(data, items, where="varied")),
     }[fmt]()
+    if fmt == "llava and messages":
+        llava = read_index(str(write_llava(data, items, where="varied")))
+        assert llava == read_index(index), "the LLaVA file read to other records than the messages file"
+        assert [record["id"] for record in llava] == [item.id for item in items]
     extra: dict[str, object] = {"data__train_index": index, "data__val_index": "null"}
     if fmt in ("webdataset", "parquet"):  # shards train from a prepared set; JSON files train raw, as our JSONL does
         config = tiny_config(synthetic_dir, tmp_path, **extra)
