@@ -12,6 +12,7 @@
 #                            purrsight.ray_engine.submit; its exit code is the driver's
 #   ray_stop_training SIG    the traps' part: the training stops, every worker checkpointing
 #   ray_cluster_down         this job's Ray stopped on every node, nothing else of the node's
+#   ray_stop_wait            the driver's stop wait (RAY_JOB_STOP_WAIT_TIME_S), checked: status 2 if no number
 #
 # The wrapper defines log, ray_on_node INDEX COMMAND... (execs COMMAND on that node: srun, pbsdsh
 # or ssh; called in the background) and ray_stop_nodes PID... (asks the nodes' commands started
@@ -22,9 +23,10 @@
 #   the driver's stop: every worker finishes its step and writes its checkpoint,
 #     at most RAY_JOB_STOP_WAIT_TIME_S (180 s; then the job server kills the driver)
 #   + the teardown: every node's Ray process tree killed, RAY_TEARDOWN_S at most (20 s)
-#   + the requeue and the script's end (a few seconds)
-#   = 200 s at worst: slurm/ray.sbatch's --signal=B:USR1@240 leaves 40 s to spare. A scancel or a
-# preemption gives the site's KillWait (or GraceTime) instead: the script logs it at start.
+#   + the requeue and the script's end (slurm/ray.sbatch counts 10 s)
+#   = 210 s at worst: slurm/ray.sbatch's --signal=B:USR1@240 leaves 30 s to spare, and the script
+# refuses a lead that cannot hold it (slurm/job.sh stop_budget). A scancel or a preemption gives the
+# site's KillWait (and GraceTime) instead: the script notes it at start when it is shorter.
 # Ray's processes outlive the job-wide SIGTERM (purrsight/ray_node/node.py holds it for them)
 # until ray_cluster_down, so that the driver has that time.
 
@@ -44,6 +46,17 @@ RAY_STEP_PIDS=()
 RAY_SUBMIT_PID=""
 RAY_WAIT_PID=""
 RAY_LOG_DIR=""
+
+# The driver's stop wait in seconds (RAY_JOB_STOP_WAIT_TIME_S, RAY_STOP_WAIT_DEFAULT when unset),
+# for the stop budget; a value that is no number of seconds: its error on stderr, status 2.
+ray_stop_wait() {
+  local wait="${RAY_JOB_STOP_WAIT_TIME_S:-${RAY_STOP_WAIT_DEFAULT}}"
+  if [[ ! "${wait}" =~ ^[0-9]+$ ]]; then
+    log "error: RAY_JOB_STOP_WAIT_TIME_S=${wait} is not a number of seconds (${RAY_STOP_WAIT_DEFAULT} by default)" >&2
+    return 2
+  fi
+  printf '%s\n' "${wait}"
+}
 
 ray_cluster_init() {
   RAY_JOB="$1" RAY_GPUS_PER_NODE="$2" RAY_GPU_SOURCE="$3"

@@ -8,6 +8,11 @@
 #                            one on every node): srun no longer inherits it (SLURM 22.05), and under CPU
 #                            binding a step without it gets one CPU
 #   requeue_setup            before the run: the run's counters, RESUME=auto after a requeue
+#   stop_budget NEEDED_S WHAT  before the run: the time a stop takes (NEEDED_S, made of WHAT)
+#                            against what SLURM leaves it. USR1's lead before the time limit
+#                            (USR1_LEAD_S, else the script's own `#SBATCH --signal` line) must
+#                            hold it: else exit 2, nothing started. A scancel leaves KillWait, a
+#                            preemption the partition's GraceTime + KillWait: said in a note when short
 #   on_stop_signal SIG       the traps' part: record the first stop signal, call stop_run
 #   stop_signals_recorded    after the run: a stop signal is only recorded (nothing left to stop)
 #   finish_run RC STARTED    after the run: end, or requeue (excluding bad nodes), as docs/SCHEDULERS.md says
@@ -64,6 +69,39 @@ requeue_setup() {
   if ((RESTARTS > 0)); then
     export RESUME=auto # continue from the newest checkpoint of the run
     log "run ${RESTARTS} after a requeue: resuming from the newest checkpoint"
+  fi
+}
+
+# The seconds before the time limit at which the script's own `#SBATCH --signal=[B:][SIG]USR1[@N]`
+# line asks for USR1 (SLURM's default lead: 60 s); empty when it asks for none. A --signal given
+# on the sbatch command line is not in the script: USR1_LEAD_S names it then.
+usr1_lead() {
+  if [[ -n "${USR1_LEAD_S:-}" ]]; then
+    printf '%s\n' "${USR1_LEAD_S}"
+    return 0
+  fi
+  sed -n 's/^#SBATCH  *--signal=\(B:\)\{0,1\}\(SIG\)\{0,1\}USR1\(@\([0-9]*\)\)\{0,1\}\([[:space:]].*\)\{0,1\}$/@\4/p' "$0" |
+    head -n 1 | sed 's/^@$/@60/; s/^@//'
+}
+
+stop_budget() {
+  local needed="$1" what="$2" lead kill_wait grace
+  lead="$(usr1_lead)"
+  if [[ -n "${lead}" && ! "${lead}" =~ ^[0-9]+$ ]]; then
+    log "error: USR1_LEAD_S=${lead} is not a number of seconds (the N of sbatch --signal=B:USR1@N)"
+    exit 2
+  fi
+  # The requeue must come before the time limit: after it, SLURM ends the job as TIMEOUT.
+  if [[ -n "${lead}" ]] && ((lead < needed)); then
+    log "error: USR1 comes ${lead} s before the time limit, and the stop it starts takes up to ${needed} s (${what}): submit with --signal=B:USR1@$((needed + 30)) (and USR1_LEAD_S=$((needed + 30)) when it is on the command line), or shorten the stop"
+    exit 2
+  fi
+  [[ -n "${lead}" ]] || log "note: no USR1 before the time limit (sbatch --signal=B:USR1@N): the time limit stops the run without a checkpoint"
+  kill_wait="$(scontrol show config 2>/dev/null | sed -n 's/^KillWait *= *\([0-9]*\) sec.*/\1/p')"
+  [[ -n "${kill_wait}" ]] || return 0
+  grace="$(scontrol show partition "${SLURM_JOB_PARTITION:-}" -o 2>/dev/null | tr ' ' '\n' | sed -n 's/^GraceTime=\([0-9]*\)$/\1/p')"
+  if ((kill_wait + ${grace:-0} < needed)); then
+    log "note: a scancel leaves the stop KillWait (${kill_wait} s), a preemption GraceTime + KillWait ($((${grace:-0} + kill_wait)) s), before SIGKILL; the stop takes up to ${needed} s (${what}): a checkpoint that takes longer is cut short; USR1 leaves ${lead:-0} s"
   fi
 }
 

@@ -11,7 +11,9 @@ under the job's temp dir (every Ray process keeps its logs open there, and a chi
 from __future__ import annotations
 
 import os
+import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -64,6 +66,24 @@ def readable_by_others_holding(secrets: Iterable[str], roots: Iterable[Path]) ->
     return found
 
 
+def processes_with_env(name: str, value: str) -> dict[int, str]:
+    """pid -> command line of each process whose environment holds ``name=value``: what every
+    process a job starts inherits (SLURM's SLURM_JOB_ID, a pbsdsh task's tag), whatever it does
+    later (a daemon that changes to / and closes every file is still found)."""
+    wanted = f"{name}={value}\0".encode()
+    found = {}
+    for pid in pids():
+        if pid == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes() + b"\0"
+        except OSError:
+            continue
+        if environ.startswith(wanted) or b"\0" + wanted in environ:
+            found[pid] = shown(cmdline(pid))
+    return found
+
+
 def processes_using(prefix: str) -> dict[int, str]:
     """pid -> command line of each process with its working folder or an open file under ``prefix``
     (a folder's path and what follows it: '/tmp/prs-12-' finds /tmp/prs-12-0 and /tmp/prs-12-1-x7/...),
@@ -82,9 +102,40 @@ def processes_using(prefix: str) -> dict[int, str]:
     return held
 
 
+# The kernel's process events connector (linux/cn_proc.h): a message for each exec, to root.
+NETLINK_CONNECTOR, CN_IDX_PROC, CN_VAL_PROC, NLMSG_DONE = 11, 1, 1, 3
+PROC_CN_MCAST_LISTEN, PROC_EVENT_EXEC = 1, 2
+EVENT_AT = 16 + 20  # the event after the netlink header (16 bytes) and the connector's (20)
+
+
+def exec_events() -> socket.socket | None:
+    """A socket that receives a message for every exec on the machine, or None where the kernel
+    refuses it (not root, no connector): then the twice-a-second scan is all there is."""
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_CONNECTOR)
+        sock.bind((0, CN_IDX_PROC))
+        listen = struct.pack("=I", PROC_CN_MCAST_LISTEN)
+        message = struct.pack("=IIIIHH", CN_IDX_PROC, CN_VAL_PROC, 0, 0, len(listen), 0) + listen
+        sock.send(struct.pack("=IHHII", 16 + len(message), NLMSG_DONE, 0, 0, 0) + message)
+    except OSError:
+        return None
+    return sock
+
+
+def exec_pid(message: bytes) -> int | None:
+    """The process an exec event names (its ``process_pid``), None for any other event."""
+    if len(message) < EVENT_AT + 24:
+        return None
+    what, _cpu, _when, pid, _tgid = struct.unpack_from("=IIQII", message, EVENT_AT)
+    return int(pid) if what == PROC_EVENT_EXEC else None
+
+
 class SecretWatch:
     """Scans every process's command line for the secrets twice a second while a run goes on, and
-    the files under ``roots`` every few seconds (temp files live only while the run does).
+    the files under ``roots`` every few seconds (temp files live only while the run does). As root,
+    every exec on the machine is also read the moment the kernel reports it (the process events
+    connector): a command that lives less than the scan's half second is read too, unless it ends
+    before its line is read.
 
     ``secrets`` and ``roots`` are called at each scan: a token the job makes for itself, and the
     temp dirs it makes, join once they exist.
@@ -99,8 +150,32 @@ class SecretWatch:
         self.hits: list[str] = []
         self.scans = 0
         self.seen: set[str] = set()
+        self.execs_read = 0  # exec events whose command line was read (0: no connector here)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._events = exec_events()
+        self._exec_thread = threading.Thread(target=self._read_execs, daemon=True)
+
+    def _read_execs(self) -> None:
+        assert self._events is not None
+        self._events.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                pid = exec_pid(self._events.recv(4096))
+            except TimeoutError:
+                continue
+            except OSError:  # ENOBUFS: events dropped while the machine was busy; the scan goes on
+                continue
+            if pid is None:
+                continue
+            line = cmdline(pid)
+            if line:
+                self.execs_read += 1
+                # The secrets the scan has seen so far: asking for them here would walk the job's
+                # folders at every exec on the machine.
+                wanted = [secret.encode() for secret in list(self.seen) if secret]
+                if any(secret in line for secret in wanted):
+                    self.hits.append(f"{pid}: {shown(line)[:300]}")
 
     def _run(self) -> None:
         files_due = 0.0
@@ -115,11 +190,16 @@ class SecretWatch:
 
     def __enter__(self) -> SecretWatch:
         self._thread.start()
+        if self._events is not None:
+            self._exec_thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join()
+        if self._events is not None:
+            self._exec_thread.join()
+            self._events.close()
         self.hits += readable_by_others_holding(sorted(self.seen), self.roots())
 
     def assert_clean(self, expected: set[str]) -> None:

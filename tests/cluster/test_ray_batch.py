@@ -31,7 +31,7 @@ from tests.helpers import (
     record_samples_env,
     tiny_overrides,
 )
-from tests.host_scan import SecretWatch, processes_using
+from tests.host_scan import SecretWatch, processes_using, processes_with_env
 
 pytest.importorskip("ray", reason="slurm/ray.sbatch needs the ray extra (scripts/test.sh installs it)")
 pytestmark = pytest.mark.root  # SLURM's daemons run as root here
@@ -83,10 +83,13 @@ def ray_processes_seen(job: str) -> dict[int, str]:
 
 def no_ray_left(job: str, seen: dict[int, str]) -> None:
     """None of the job's Ray processes seen while it ran, renamed workers included, nor any other
-    holding its temp dirs, is alive; and the temp dirs are gone."""
+    holding its temp dirs, nor any with the job's SLURM_JOB_ID in its environment (every process of
+    the job inherits it: a daemon that left the temp dirs and closed its files still has it), is
+    alive; and the temp dirs are gone."""
     assert any(title.startswith("ray::") for title in seen.values()), seen  # the check sees renamed workers
     alive = {pid: title for pid, title in seen.items() if Path(f"/proc/{pid}").exists() and title in _title(pid)}
     assert not alive and not ray_processes_seen(job), (alive, ray_processes_seen(job))
+    assert not processes_with_env("SLURM_JOB_ID", job), processes_with_env("SLURM_JOB_ID", job)
     assert not list(Path("/tmp").glob(f"prs-{job}-*")), f"job {job}'s Ray temp dirs left"
 
 

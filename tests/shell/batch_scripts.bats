@@ -81,6 +81,72 @@ prepare_part() {
   [ "$(cpus all)" -eq 16 ] # one count for every node's task: the least
 }
 
+# A SLURM job script with SIGNAL_LINE in its header that sources slurm/job.sh and checks a stop of
+# NEEDED_S; scontrol answers with KILL_WAIT and GRACE_TIME, as `show config` and `show partition -o` do.
+stop_budget_job() {
+  mkdir -p "${BATS_TEST_TMPDIR}/bin"
+  cat >"${BATS_TEST_TMPDIR}/bin/scontrol" <<'EOF'
+#!/usr/bin/env bash
+case "$2" in
+  config) printf 'JobAcctGatherType       = jobacct_gather/none\nKillWait                = %s sec\n' "${KILL_WAIT}" ;;
+  partition) printf 'PartitionName=%s AllowGroups=ALL GraceTime=%s Hidden=NO\n' "$3" "${GRACE_TIME}" ;;
+esac
+EOF
+  chmod +x "${BATS_TEST_TMPDIR}/bin/scontrol"
+  cat >"${BATS_TEST_TMPDIR}/job.sbatch" <<EOF
+#!/usr/bin/env bash
+#SBATCH --nodes=2
+${SIGNAL_LINE}
+set -euo pipefail
+log() { printf '%s\n' "\$*"; }
+cd "${REPO}"
+source slurm/job.sh
+stop_budget "\${NEEDED_S}" "the test's stop"
+echo "budget: fits"
+EOF
+  run env PATH="${BATS_TEST_TMPDIR}/bin:${PATH}" SLURM_JOB_PARTITION=debug bash "${BATS_TEST_TMPDIR}/job.sbatch"
+}
+
+@test "job.sh: the stop budget: a USR1 lead that cannot hold the stop ends the job with 2, a short KillWait is noted" {
+  export KILL_WAIT=60 GRACE_TIME=0
+  # ray.sbatch's own line: USR1 240 s before the limit holds 210 s; a scancel's 60 s is noted
+  SIGNAL_LINE="$(grep '^#SBATCH --signal=' slurm/ray.sbatch)" NEEDED_S=210 stop_budget_job
+  [ "${status}" -eq 0 ]
+  [[ "${output}" == *"budget: fits"* ]]
+  [[ "${output}" == *"note: a scancel leaves the stop KillWait (60 s), a preemption GraceTime + KillWait (60 s)"*"USR1 leaves 240 s"* ]]
+  # A longer stop: refused before anything starts, naming the lead that would hold it
+  SIGNAL_LINE="#SBATCH --signal=B:USR1@240" NEEDED_S=330 stop_budget_job
+  [ "${status}" -eq 2 ]
+  [ "$(grep -c 'error:' <<<"${output}")" -eq 1 ]
+  [[ "${output}" == *"USR1 comes 240 s before the time limit, and the stop it starts takes up to 330 s (the test's stop): submit with --signal=B:USR1@360"* ]]
+  [[ "${output}" != *"budget: fits"* ]]
+  # The lead given on the command line (USR1_LEAD_S); SLURM's default lead without @ (60 s)
+  USR1_LEAD_S=400 SIGNAL_LINE="#SBATCH --signal=B:USR1@240" NEEDED_S=330 stop_budget_job
+  [ "${status}" -eq 0 ]
+  SIGNAL_LINE="#SBATCH --signal=SIGUSR1" NEEDED_S=61 stop_budget_job
+  [ "${status}" -eq 2 ]
+  [[ "${output}" == *"USR1 comes 60 s before"* ]]
+  # KillWait and GraceTime that hold the stop: no note; no USR1 at all: said; a bad lead: exit 2
+  KILL_WAIT=200 GRACE_TIME=30 SIGNAL_LINE="#SBATCH --signal=B:USR1@300" NEEDED_S=210 stop_budget_job
+  [ "${status}" -eq 0 ]
+  [[ "${output}" != *"note:"* ]]
+  SIGNAL_LINE="#SBATCH --time=10" NEEDED_S=210 stop_budget_job
+  [ "${status}" -eq 0 ]
+  [[ "${output}" == *"note: no USR1 before the time limit"* ]]
+  USR1_LEAD_S=4m SIGNAL_LINE="" NEEDED_S=210 stop_budget_job
+  [ "${status}" -eq 2 ]
+  [[ "${output}" == *"USR1_LEAD_S=4m is not a number of seconds"* ]]
+}
+
+@test "ray_cluster.sh: a stop wait that is no number of seconds ends ray.sbatch and ray.pbs with 2 before any Ray" {
+  for script in slurm/ray.sbatch pbs/ray.pbs; do
+    run env RAY_JOB_STOP_WAIT_TIME_S=3m SLURM_JOB_ID=9 SLURM_JOB_NODELIST=node0 PBS_JOBID=9.server \
+      PBS_NODEFILE=/dev/null PATH="${STUB}/bin:${PATH}" bash "${script}"
+    [ "${status}" -eq 2 ]
+    [[ "${output}" == *"error: RAY_JOB_STOP_WAIT_TIME_S=3m is not a number of seconds (180 by default)"* ]]
+  done
+}
+
 @test "pbs/nodes.sh: a host's slots are its lines in PBS_NODEFILE, trailing spaces or not; 1 at least" {
   printf 'node-a\nnode-a  \nnode-b\t\nnode-a\n' >"${BATS_TEST_TMPDIR}/nodefile"
   slots() {
