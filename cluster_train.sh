@@ -24,8 +24,11 @@ Start this node's part of a PurrSight Phase 2 training job (one call per node).
 
 Arguments (positional, defaults in brackets):
   config_path   training config YAML                       [config/train_config.yaml]
-  num_nodes     nodes in the job                           [1]
-  node_rank     this node, 0 .. num_nodes-1; 0 is master   [0]
+  num_nodes     nodes in the job: N, or MIN:MAX (elastic)  [1]
+                MIN:MAX starts once MIN nodes have joined, admits up to MAX, and goes on
+                while MIN remain: a lost node restarts the rest from the last checkpoint at
+                the exact data position (trainer.global_batch_size keeps the global batch)
+  node_rank     this node, 0 .. N-1 (or MAX-1); 0 is master and hosts the rendezvous [0]
   master_addr   address of node 0, reachable from all      [localhost]
   master_port   free TCP port on node 0 for the rendezvous [29500]
   -- k=v ...    config overrides for the trainer, e.g. -- trainer.max_steps=100
@@ -52,6 +55,8 @@ Environment variables (default in brackets; a variable you export yourself is ne
   LOG_KEEP_RUNS   runs kept per node; older logs are deleted [10]
   MAX_RESTARTS    worker restarts (on every node) before the job fails [3]
   RDZV_TIMEOUT    seconds to wait for all nodes (and, on workers, for the master) [900]
+  RDZV_LAST_CALL_S  elastic jobs: seconds the rendezvous waits for more nodes once MIN have
+                  joined [2]; a dead node is dropped after 3 missed heartbeats of 1 s
   MONITOR_INTERVAL  seconds between torchrun's checks of its workers and of nodes waiting to join [1];
                   each check also queries the rendezvous store on node 0 (docs/SCALING.md)
   WORKER_START    forkserver | subprocess: how torchrun starts each worker [forkserver: forked from a
@@ -73,13 +78,15 @@ Examples:
   ./cluster_train.sh                                              # one node, the embedded default
   ./cluster_train.sh config/qwen2.5-0.5b.yaml 2 0 10.0.0.1 29500  # on node 0 of 2
   ./cluster_train.sh config/qwen2.5-0.5b.yaml 2 1 10.0.0.1 29500  # on node 1 of 2
+  ./cluster_train.sh config/qwen2.5-0.5b.yaml 2:3 2 10.0.0.1 29500 -- trainer.global_batch_size=192
+                                                   # node 2 of an elastic job: 2 to 3 nodes
   NPROC_PER_NODE=2 BACKEND=gloo ./cluster_train.sh config/train_config.yaml -- trainer.max_steps=20
   sbatch slurm/train.sbatch config/qwen2.5-0.5b.yaml              # SLURM: one launcher per node
   qsub pbs/train.pbs                                              # PBS/Torque: one launcher per node
 
 Exit codes (the same as the trainer's; torchrun's own 1 is replaced by the workers' reason):
   0    training finished
-  1    an unexpected failure (a bug): the traceback is in the log
+  1    an unexpected failure (a bug): the traceback is in the log; or a peer process lost (one line names it)
   2    bad argument, config, data, checkpoint or environment (one line says which)
   3    the cluster failed a check: health checks, preflight all-reduce, Ray cluster too small or absent
   86   the progress watchdog: a rank made no progress for distributed.progress_timeout_s
@@ -137,10 +144,14 @@ parse_args() {
 }
 
 validate_args() {
-  [[ "${NUM_NODES}" =~ ^[1-9][0-9]*$ ]] || die_usage "num_nodes '${NUM_NODES}' must be a positive integer"
+  [[ "${NUM_NODES}" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] ||
+    die_usage "num_nodes '${NUM_NODES}' must be a positive integer, or MIN:MAX for an elastic job (e.g. 2:4)"
+  NODES_MIN=$((10#${NUM_NODES%%:*})) NODES_MAX=$((10#${NUM_NODES##*:}))
+  ((NODES_MIN <= NODES_MAX)) || die_usage "num_nodes '${NUM_NODES}': MIN must not exceed MAX"
   is_uint "${NODE_RANK}" || die_usage "node_rank '${NODE_RANK}' must be a non-negative integer"
-  ((10#${NODE_RANK} < 10#${NUM_NODES})) ||
-    die_usage "node_rank ${NODE_RANK} is out of range for num_nodes ${NUM_NODES} (expected 0..$((NUM_NODES - 1)))"
+  ((10#${NODE_RANK} < NODES_MAX)) ||
+    die_usage "node_rank ${NODE_RANK} is out of range for num_nodes ${NUM_NODES} (expected 0..$((NODES_MAX - 1)))"
+  [[ "${RDZV_LAST_CALL_S:=2}" =~ ^[0-9]+$ ]] || die_usage "RDZV_LAST_CALL_S '${RDZV_LAST_CALL_S}' must be a number of seconds"
   if ! is_uint "${PORT}" || ((10#${PORT} < 1 || 10#${PORT} > 65535)); then
     die_usage "master_port '${PORT}' must be an integer in 1..65535"
   fi
@@ -237,7 +248,7 @@ ENVIRONMENT_DUMP=() # LOG_LEVEL=DEBUG: the masked environment the workers get
 plan_node() {
   local args=(
     --plan "${PLAN_FILE}" --transcript "${TRANSCRIPT}"
-    --node-rank "${NODE_RANK}" --num-nodes "${NUM_NODES}" --master-addr "${MASTER_IP}" --master-port "${PORT}"
+    --node-rank "${NODE_RANK}" --num-nodes "${NODES_MAX}" --master-addr "${MASTER_IP}" --master-port "${PORT}"
     --backend "${BACKEND}" --nproc-per-node "${NPROC_PER_NODE}" --nccl-preset "${NCCL_PRESET}"
     --log-level "${LOG_LEVEL}" --log-dir "${LOG_DIR}" --resume "${RESUME:-}"
     --min-free-gb "${HEALTH_MIN_FREE_GB:-1}" --master-timeout "${RDZV_TIMEOUT}"
@@ -293,13 +304,20 @@ finish_node_log() {
 }
 
 build_torchrun_args() {
-  local endpoint="${MASTER_IP}:${PORT}" is_host=0
+  local endpoint="${MASTER_IP}:${PORT}" is_host=0 rdzv_conf
   [[ "${MASTER_IP}" == *:* ]] && endpoint="[${MASTER_IP}]:${PORT}"
   ((NODE_RANK == 0)) && is_host=1
   # c10d (not static): a worker that dies on any node restarts the workers on every node.
   # is_host: node 0 hosts the rendezvous store even when MASTER_ADDR is not the address of
   # its hostname (IPoIB, a secondary interface); --local-addr: workers reach each other on
   # the address that routes to the master, not on the machine's FQDN.
+  rdzv_conf="is_host=${is_host},join_timeout=${RDZV_TIMEOUT},read_timeout=${RDZV_TIMEOUT}"
+  # Elastic (MIN:MAX): once MIN nodes are in, a new round waits RDZV_LAST_CALL_S for more (c10d's
+  # 30 s by default), and a node that stopped its 1 s heartbeats is dropped after 3 (default 5 s x 3):
+  # the rest train again within seconds of a loss. A fixed count keeps torchrun's defaults.
+  if ((NODES_MIN < NODES_MAX)); then
+    rdzv_conf+=",last_call_timeout=${RDZV_LAST_CALL_S},keep_alive_interval=1,keep_alive_max_attempt=3"
+  fi
   TORCHRUN_ARGS=(
     -m purrsight.launcher.torchrun # torch.distributed.run without its traceback on failure
     --nnodes "${NUM_NODES}"
@@ -307,7 +325,7 @@ build_torchrun_args() {
     --rdzv-backend c10d
     --rdzv-endpoint "${endpoint}"
     --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-${PBS_JOBID:-purrsight-${PORT}}}}"
-    --rdzv-conf "is_host=${is_host},join_timeout=${RDZV_TIMEOUT},read_timeout=${RDZV_TIMEOUT}"
+    --rdzv-conf "${rdzv_conf}"
     --max-restarts "${MAX_RESTARTS}"
     --monitor-interval "${MONITOR_INTERVAL}" # torchrun's 0.1 s puts nodes x 10 queries/s on node 0's store
     --local-addr "${LOCAL_ADDR:-${MASTER_IP}}"
@@ -320,7 +338,9 @@ build_torchrun_args() {
 }
 
 print_banner() {
-  log "node ${NODE_RANK}/${NUM_NODES}: master ${MASTER_HOST} (${MASTER_IP}):${PORT}, ${NPROC} process(es) on ${ACCELERATOR^^}, backend ${BACKEND}"
+  local elastic=""
+  if ((NODES_MIN < NODES_MAX)); then elastic=" (elastic: goes on while ${NODES_MIN} of up to ${NODES_MAX} nodes remain)"; fi
+  log "node ${NODE_RANK}/${NUM_NODES}${elastic}: master ${MASTER_HOST} (${MASTER_IP}):${PORT}, ${NPROC} process(es) on ${ACCELERATOR^^}, backend ${BACKEND}"
   log "python ${NODE_PYTHON} (${PYTHON}, ${PYTHON_SOURCE}); torch ${NODE_TORCH}; CUDA ${NODE_CUDA}; NCCL ${NODE_NCCL}; GPUs ${NODE_GPUS} ${NODE_GPU_NAMES}"
   log "environment (a variable you exported yourself is kept):"
   local line

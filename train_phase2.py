@@ -61,7 +61,7 @@ from pathlib import Path
 
 from purrsight.cli import run_guarded, setup_logging
 from purrsight.distributed.process_group import order_ranks_by_node
-from purrsight.errors import EXIT_CODE_LINES, SIGNAL_BASE, ClusterError, ExitCode, PeerHungError
+from purrsight.errors import EXIT_CODE_LINES, SIGNAL_BASE, ClusterError, ExitCode, PeerHungError, PeerLostError
 
 DEFAULT_CONFIG = "config/train_config.yaml"
 EXIT_CODES_HELP = "Exit codes:\n" + "\n".join(f"  {line}" for line in EXIT_CODE_LINES)
@@ -134,6 +134,11 @@ def train_command(args: argparse.Namespace) -> int:
     except PeerHungError as err:  # another rank's watchdog fired: the job hung, whichever rank says it
         print(f"error: the job hung: {err}", file=sys.stderr)
         return ExitCode.WATCHDOG
+    except PeerLostError as err:  # a node died: one line, the traceback only with LOG_LEVEL=DEBUG
+        if os.environ.get("LOG_LEVEL", "").upper() == "DEBUG":
+            logging.getLogger("purrsight").exception("a peer process is gone")
+        print(f"error: {err}", file=sys.stderr)
+        return ExitCode.FAILED
     if outcome.stopped_by_signal is not None:
         name = signal.Signals(outcome.stopped_by_signal).name
         logging.getLogger("purrsight").warning(

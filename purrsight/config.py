@@ -248,6 +248,14 @@ class OptimConfig(_Section):
 class TrainerConfig(_Section):
     max_steps: int = Field(150, gt=0, description="Optimizer steps to train.")
     accumulate_grad_batches: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    global_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Samples per optimizer step, kept when the number of processes changes (an elastic job): each start "
+            "sets accumulate_grad_batches to global / (processes x data.batch_size), or the nearest; none: off."
+        ),
+    )
     gradient_clip_val: float | None = Field(1.0, description="Clip the global grad norm; none: no clipping.")
     precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
         "auto", description="auto: bf16-mixed on GPUs that support it, 32-true otherwise."

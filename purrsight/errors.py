@@ -12,7 +12,7 @@ import enum
 
 class ExitCode(enum.IntEnum):
     OK = 0
-    FAILED = 1  # a bug or an unexpected failure: the traceback is in the log
+    FAILED = 1  # a bug or an unexpected failure: the traceback is in the log (a lost peer: one line)
     USAGE = 2  # bad argument, config, data, checkpoint or environment: one line says which
     CLUSTER = 3  # a health check, the preflight all-reduce or the Ray cluster failed: not the input
     WATCHDOG = 86  # a rank made no progress for distributed.progress_timeout_s (its stacks are in the log)
@@ -22,7 +22,7 @@ SIGNAL_BASE = 128  # stopped by signal N (SIGTERM: 143, SIGINT: 130) after savin
 
 EXIT_CODE_LINES = (
     "0    training finished",
-    "1    an unexpected failure (a bug): the traceback is in the log",
+    "1    an unexpected failure (a bug): the traceback is in the log; or a peer process lost (one line names it)",
     "2    bad argument, config, data, checkpoint or environment (one line says which)",
     "3    the cluster failed a check: health checks, preflight all-reduce, Ray cluster too small or absent",
     "86   the progress watchdog: a rank made no progress for distributed.progress_timeout_s",
@@ -46,6 +46,11 @@ class UserError(ValueError):
 
 class ClusterError(RuntimeError):
     """The machines, not the input: a failed collective, a cluster too small (exit 3)."""
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because a peer process is gone (its node died, it was killed): exit 1,
+    in one line instead of the transport's traceback. torchrun's agents restart the workers."""
 
 
 class PeerHungError(RuntimeError):

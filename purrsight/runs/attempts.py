@@ -41,6 +41,7 @@ class Attempt:
     launched_at: float
     resumed_step: int
     world_size: int
+    global_batch: str | None = None  # "processes x batch x accumulation = samples" (records before 2026-11-28: none)
     first_step_at: float | None = None
     last_step: int = 0
     last_step_at: float | None = None
@@ -78,6 +79,7 @@ class Split:
     lost: float
     wind_down: float
     steps: tuple[int, int]  # (resumed step, last step)
+    global_batch: str | None = None
 
     @property
     def total(self) -> float:
@@ -126,6 +128,7 @@ def summarize(attempts: list[Attempt]) -> Summary:
                 lost=lost,
                 wind_down=max(0.0, attempt.until - training_until),
                 steps=(attempt.resumed_step, attempt.last_step),
+                global_batch=attempt.global_batch,
             )
         )
     return summary
@@ -162,12 +165,14 @@ def summary_lines(summary: Summary) -> list[str]:
     lines += [f"| {label} | {_duration(summary.part(name))} | {summary.part(name) / wall * 100:.1f}% |" for label, name in parts]
     lines += [
         "",
-        "| attempt | how | steps | waited before | start-up | training | checkpoints | lost | wind-down | end |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| attempt | how | steps | global batch (processes x batch x accumulation) | waited before | start-up | training "
+        "| checkpoints | lost | wind-down | end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for split in summary.splits:
         lines.append(
-            f"| {split.number} | {split.how} | {split.steps[0]} -> {split.steps[1]} | {_duration(split.waiting_before)} | "
+            f"| {split.number} | {split.how} | {split.steps[0]} -> {split.steps[1]} | {split.global_batch or '-'} | "
+            f"{_duration(split.waiting_before)} | "
             f"{_duration(split.startup)} | {_duration(split.training)} | {_duration(split.checkpoint)} | "
             f"{_duration(split.lost)} | {_duration(split.wind_down)} | {split.end} |"
         )
@@ -206,6 +211,16 @@ def plot_timeline(summary: Summary, path: Path) -> Path | None:
     publish(path, lambda stream: figure.savefig(stream, format="png", dpi=100))  # a kill mid-write keeps the last one
     plt.close(figure)
     return path
+
+
+def global_batch_of(trainer: pl.Trainer) -> str | None:
+    """``processes x batch x accumulation = samples`` of this attempt, None where the batch is unknown."""
+    config = getattr(getattr(trainer, "datamodule", None), "config", None)
+    batch = getattr(getattr(config, "data", None), "batch_size", None)
+    if not isinstance(batch, int):
+        return None
+    accumulation = trainer.accumulate_grad_batches
+    return f"{trainer.world_size} x {batch} x {accumulation} = {trainer.world_size * batch * accumulation}"
 
 
 def launch_time(generation: int) -> float:
@@ -259,6 +274,7 @@ class AttemptRecorder(pl.Callback):
             launched_at=launch_time(self.generation),
             resumed_step=step,
             world_size=trainer.world_size,
+            global_batch=global_batch_of(trainer),
             last_step=step,
         )
         self._write(time.time())

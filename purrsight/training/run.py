@@ -13,6 +13,7 @@ from pytorch_lightning.strategies import Strategy
 
 from purrsight.config import Config, write_resolved
 from purrsight.distributed import flight_recorder
+from purrsight.distributed.lost_peer import raise_for_lost_peer
 from purrsight.distributed.preflight_callback import Preflight
 from purrsight.distributed.process_group import TORCHRUN_RANK, agreed_max, init_process_group, worker_generation
 from purrsight.distributed.watchdog import raise_for_peer_firing
@@ -25,6 +26,7 @@ from purrsight.runs.checkpoint_saver import CheckpointSaver
 from purrsight.runs.data_position import DataPosition
 from purrsight.runs.start import agreed_start
 from purrsight.training.datamodule import Phase2DataModule
+from purrsight.training.global_batch import resolve_global_batch
 from purrsight.training.module import Phase2Module
 from purrsight.training.trainer_builder import build_trainer, resolve_placement
 
@@ -96,6 +98,11 @@ def train(
             os.getpid(),  # which process is which rank: a forked worker's /proc/PID/environ is its server's
         )
         generation = agreed_max(generation, backend)
+    # The accumulation this world needs for trainer.global_batch_size, before anything reads it
+    # (the start's position check, the data, the trainer): an elastic restart keeps the global batch.
+    config, global_batch = resolve_global_batch(config, int(os.environ.get("WORLD_SIZE", "1")))
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.info(global_batch.line())
     plan = agreed_start(config, resume or os.environ.get("PURRSIGHT_RESUME") or None, generation, distributed)
     ckpt = plan.checkpoint
     pl.seed_everything(config.run.seed, workers=True, verbose=False)
@@ -122,6 +129,7 @@ def train(
         trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
     except RuntimeError as error:
         raise_for_peer_firing(trainer.callbacks, error)  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        raise_for_lost_peer(error)
         raise
     validated_at_end = trainer.global_step % config.trainer.val_every_n_steps == 0
     if saver.stopped_by_signal is None and data.val_set is not None and not validated_at_end:

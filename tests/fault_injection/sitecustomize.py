@@ -40,7 +40,7 @@ still training when it acts holds it there, instead of racing the job's speed.
 Not a fault but a witness, planted the same way: ``PURRSIGHT_TEST_RECORD_SAMPLES=DIR`` makes
 every training process append what it trains to ``DIR/<start time ns>-<host>-<pid>-rank<R>.jsonl``
 (names sort in the order the processes started): one
-``{"epoch", "ids"}`` line per micro-batch as it starts and one ``{"step", "micro_batches"}``
+``{"epoch", "ids"}`` line per micro-batch as it starts and one ``{"step", "micro_batches", "world"}``
 line per optimizer step (tests/helpers.py reads them back).
 """
 
@@ -161,7 +161,8 @@ def _record_samples(folder: str) -> Callable[[ModuleType], None]:
             batch_start(self, batch, batch_idx)
 
         def recording_before_optimizer_step(self: Any, optimizer: Any) -> None:
-            write(self, {"step": self.trainer.global_step + 1, "micro_batches": state["since_step"]})
+            step = {"step": self.trainer.global_step + 1, "micro_batches": state["since_step"], "world": self.trainer.world_size}
+            write(self, step)
             state["since_step"] = 0
 
         cls.on_train_batch_start = recording_batch_start

@@ -46,7 +46,13 @@ class Cluster:
         return launcher_env(self.log_dir, **{**defaults, **extra})
 
     def start(
-        self, num_nodes: int, node_rank: int, *, port: int | None = None, env: dict[str, str] | None = None, **overrides: object
+        self,
+        num_nodes: int | str,
+        node_rank: int,
+        *,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        **overrides: object,
     ) -> Launcher:
         output = self.tmp / f"node{node_rank}-{len(self.launchers)}.out"
         args = [

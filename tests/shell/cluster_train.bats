@@ -47,6 +47,26 @@ assert_usage_error() {
   assert_usage_error "node_rank 'x' must be a non-negative integer"
 }
 
+@test "num_nodes MIN:MAX: an elastic job; MIN above MAX, or a node_rank past MAX, is refused" {
+  run ./cluster_train.sh config/train_config.yaml 3:2
+  assert_usage_error "num_nodes '3:2': MIN must not exceed MAX"
+  run ./cluster_train.sh config/train_config.yaml 2:3 3
+  assert_usage_error "node_rank 3 is out of range for num_nodes 2:3 (expected 0..2)"
+  run ./cluster_train.sh config/train_config.yaml 2:
+  assert_usage_error "num_nodes '2:' must be a positive integer, or MIN:MAX for an elastic job"
+  RDZV_LAST_CALL_S=soon run ./cluster_train.sh config/train_config.yaml 2:3 1
+  assert_usage_error "RDZV_LAST_CALL_S 'soon' must be a number of seconds"
+  # --dry-run: torchrun gets MIN:MAX and the fast rendezvous; a fixed count keeps torchrun's timings
+  BACKEND=gloo run ./cluster_train.sh --dry-run config/train_config.yaml 2:3 2 127.0.0.1 29511
+  [ "${status}" -eq 0 ]
+  grep -q -- "--nnodes 2:3 " <<<"${output}"
+  grep -q 'last_call_timeout=2\\\?,keep_alive_interval=1\\\?,keep_alive_max_attempt=3' <<<"${output}"
+  BACKEND=gloo run ./cluster_train.sh --dry-run config/train_config.yaml 2 1 127.0.0.1 29511
+  [ "${status}" -eq 0 ]
+  grep -q -- "--nnodes 2 " <<<"${output}"
+  [[ "${output}" != *last_call_timeout* ]]
+}
+
 @test "more than five positional arguments are refused (overrides go after --)" {
   run ./cluster_train.sh config/train_config.yaml 1 0 localhost 29500 extra
   assert_usage_error "too many arguments (6); overrides go after --"

@@ -16,12 +16,12 @@ from tests.helpers import REPO, python_env
 
 def test_a_killed_attempt_a_requeue_and_a_finish_add_up_to_the_wall_time(tmp_path: Path) -> None:
     killed = Attempt(
-        number=1, how="first start", launched_at=0.0, resumed_step=0, world_size=4,
+        number=1, how="first start", launched_at=0.0, resumed_step=0, world_size=4, global_batch="4 x 8 x 2 = 64",
         first_step_at=60.0, last_step=100, last_step_at=1055.0, checkpoint_s=20.0, updated_at=1060.0,
     )  # fmt: skip
     # requeued 600 s after the last heartbeat; resumed from step 80: steps 81-100 were lost
     finished = Attempt(
-        number=2, how="new launch, resumed", launched_at=1660.0, resumed_step=80, world_size=2,
+        number=2, how="new launch, resumed", launched_at=1660.0, resumed_step=80, world_size=2, global_batch=None,
         first_step_at=1700.0, last_step=200, last_step_at=2900.0, checkpoint_s=10.0, updated_at=2900.0,
         training_ended_at=2904.0, ended_at=2910.0, end="finished",
     )  # fmt: skip
@@ -38,8 +38,12 @@ def test_a_killed_attempt_a_requeue_and_a_finish_add_up_to_the_wall_time(tmp_pat
     assert summary.effective == pytest.approx((784.0 + 1194.0) / 2910.0)
     lines = summary_lines(summary)
     assert lines[0] == "Effective training time: **68.0%** of 48 min 30 s wall time, over 2 attempt(s)."
-    row = "| 1 | first start | 0 -> 100 | 0.0 s | 60.0 s | 13 min 04 s | 20.0 s | 3 min 16 s | 0.0 s | killed (no end recorded) |"
+    row = (
+        "| 1 | first start | 0 -> 100 | 4 x 8 x 2 = 64 | 0.0 s | 60.0 s | 13 min 04 s | 20.0 s | 3 min 16 s | 0.0 s "
+        "| killed (no end recorded) |"
+    )
     assert row in lines
+    assert any(line.startswith("| 2 | new launch, resumed | 80 -> 200 | - |") for line in lines)  # a record without one
     assert "| wind-down (trackers closing, report, exit) | 6.0 s | 0.2% |" in lines
     assert plot_timeline(summary, tmp_path / "attempts.png") == tmp_path / "attempts.png"
 
