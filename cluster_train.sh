@@ -56,7 +56,8 @@ Environment variables (default in brackets; a variable you export yourself is ne
   MAX_RESTARTS    worker restarts (on every node) before the job fails [3]
   RDZV_TIMEOUT    seconds to wait for all nodes (and, on workers, for the master) [900]
   RDZV_LAST_CALL_S  elastic jobs: seconds the rendezvous waits for more nodes once MIN have
-                  joined [2]; a dead node is dropped after 3 missed heartbeats of 1 s
+                  joined [2]; a dead node is dropped after 3 missed heartbeats of 1 s. Nodes that
+                  start further apart: raise it (a late node costs every worker a restart)
   MONITOR_INTERVAL  seconds between torchrun's checks of its workers and of nodes waiting to join [1];
                   each check also queries the rendezvous store on node 0 (docs/SCALING.md)
   WORKER_START    forkserver | subprocess: how torchrun starts each worker [forkserver: forked from a
@@ -396,6 +397,9 @@ main() {
   activate_python
   if [[ -n "${RESUME:-}" ]]; then export PURRSIGHT_RESUME="${RESUME}"; fi
   export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.distributed.process_group)
+  # Elastic: the nodes of a round may have gaps (node 1 of 0-2 lost), so the ranks are ordered
+  # through the store, among the nodes present, not by node_rank x processes.
+  if ((NODES_MIN < NODES_MAX)); then export PURRSIGHT_ELASTIC_NODES="${NUM_NODES}"; fi
   # The attempt's launch time: its start-up is counted from here (purrsight/runs/attempts.py),
   # or from a batch script's start when it set one (slurm/train.sbatch).
   PURRSIGHT_LAUNCH_TIME="${PURRSIGHT_LAUNCH_TIME:-$((launched / 1000000)).$(printf '%06d' $((launched % 1000000)))}"
@@ -411,6 +415,9 @@ main() {
   if ((DRY_RUN)); then
     build_torchrun_args
     printf '%s\n' "${DRY_LINES[@]}" "export PURRSIGHT_NODE_RANK=${NODE_RANK}  # global ranks ordered by node"
+    if ((NODES_MIN < NODES_MAX)); then
+      printf '%s\n' "export PURRSIGHT_ELASTIC_NODES=${NUM_NODES}  # ranks ordered among the nodes each round has"
+    fi
     if [[ "${LOG_LEVEL}" == DEBUG ]]; then printf '# %s\n' "${ENVIRONMENT_DUMP[@]}"; fi
     printf 'exec'
     printf ' %q' "${PYTHON}" "${TORCHRUN_ARGS[@]}"

@@ -51,7 +51,7 @@ RAY_LOG_DIR=""
 # for the stop budget; a value that is no number of seconds: its error on stderr, status 2.
 ray_stop_wait() {
   local wait="${RAY_JOB_STOP_WAIT_TIME_S:-${RAY_STOP_WAIT_DEFAULT}}"
-  if [[ ! "${wait}" =~ ^[0-9]+$ ]]; then
+  if [[ ! "${wait}" =~ ^(0|[1-9][0-9]*)$ ]]; then
     log "error: RAY_JOB_STOP_WAIT_TIME_S=${wait} is not a number of seconds (${RAY_STOP_WAIT_DEFAULT} by default)" >&2
     return 2
   fi

@@ -72,35 +72,59 @@ requeue_setup() {
   fi
 }
 
-# The seconds before the time limit at which the script's own `#SBATCH --signal=[B:][SIG]USR1[@N]`
-# line asks for USR1 (SLURM's default lead: 60 s); empty when it asks for none. A --signal given
-# on the sbatch command line is not in the script: USR1_LEAD_S names it then.
+# The seconds before the time limit at which the script's own last `#SBATCH --signal` line (the
+# last wins, as in sbatch) sends USR1 to this batch script: `B:` (or `RB:`) and USR1 or 10, `@N`
+# (SLURM's default lead without it: 60 s). Empty when it sends none to the script; "steps" when it
+# sends USR1 to the job's steps only (no B:), where no trap of ours hears it. A --signal given on the
+# sbatch command line is not in the script: USR1_LEAD_S names it then.
 usr1_lead() {
   if [[ -n "${USR1_LEAD_S:-}" ]]; then
     printf '%s\n' "${USR1_LEAD_S}"
     return 0
   fi
-  sed -n 's/^#SBATCH  *--signal=\(B:\)\{0,1\}\(SIG\)\{0,1\}USR1\(@\([0-9]*\)\)\{0,1\}\([[:space:]].*\)\{0,1\}$/@\4/p' "$0" |
-    head -n 1 | sed 's/^@$/@60/; s/^@//'
+  local line value
+  [[ -r "$0" ]] || return 0
+  line="$(grep -E '^#SBATCH[[:space:]]+--signal[=[:space:]]' "$0" | tail -n 1)" || return 0
+  value="${line#*--signal}"
+  value="${value#"${value%%[![:space:]=]*}"}"
+  value="${value%%[[:space:]#]*}"
+  if [[ "${value}" =~ ^R?BR?:(SIG)?(USR1|10)(@([0-9]+))?$ ]]; then
+    printf '%s\n' "${BASH_REMATCH[4]:-60}"
+  elif [[ "${value}" =~ (USR1|10)(@[0-9]+)?$ ]]; then
+    printf 'steps\n'
+  fi
+}
+
+# `scontrol ARGS`'s KEY's number (KillWait, GraceTime), empty when scontrol is missing or fails.
+slurm_setting() {
+  local key="$1"
+  shift
+  { scontrol "$@" 2>/dev/null || true; } | tr ' ' '\n' | sed -n "s/^${key}=\([0-9]*\).*/\1/p" | head -n 1
 }
 
 stop_budget() {
   local needed="$1" what="$2" lead kill_wait grace
   lead="$(usr1_lead)"
-  if [[ -n "${lead}" && ! "${lead}" =~ ^[0-9]+$ ]]; then
+  if [[ "${lead}" == steps ]]; then
+    log "note: the script's --signal sends USR1 to the job's steps, not to this script (no B:): the time limit stops the run without a checkpoint; use --signal=B:USR1@$((needed + 30))"
+    lead=""
+  elif [[ -n "${lead}" && ! "${lead}" =~ ^(0|[1-9][0-9]*)$ ]]; then
     log "error: USR1_LEAD_S=${lead} is not a number of seconds (the N of sbatch --signal=B:USR1@N)"
     exit 2
+  elif [[ -z "${lead}" ]]; then
+    log "note: no USR1 before the time limit (sbatch --signal=B:USR1@N): the time limit stops the run without a checkpoint"
   fi
   # The requeue must come before the time limit: after it, SLURM ends the job as TIMEOUT.
   if [[ -n "${lead}" ]] && ((lead < needed)); then
     log "error: USR1 comes ${lead} s before the time limit, and the stop it starts takes up to ${needed} s (${what}): submit with --signal=B:USR1@$((needed + 30)) (and USR1_LEAD_S=$((needed + 30)) when it is on the command line), or shorten the stop"
     exit 2
   fi
-  [[ -n "${lead}" ]] || log "note: no USR1 before the time limit (sbatch --signal=B:USR1@N): the time limit stops the run without a checkpoint"
-  kill_wait="$(scontrol show config 2>/dev/null | sed -n 's/^KillWait *= *\([0-9]*\) sec.*/\1/p')"
+  # `show config` prints "KillWait = 60 sec": made KEY=VALUE for slurm_setting.
+  kill_wait="$({ scontrol show config 2>/dev/null || true; } | sed -n 's/^KillWait *= *\([0-9]*\) sec.*/\1/p')"
   [[ -n "${kill_wait}" ]] || return 0
-  grace="$(scontrol show partition "${SLURM_JOB_PARTITION:-}" -o 2>/dev/null | tr ' ' '\n' | sed -n 's/^GraceTime=\([0-9]*\)$/\1/p')"
-  if ((kill_wait + ${grace:-0} < needed)); then
+  grace="$(slurm_setting GraceTime show partition "${SLURM_JOB_PARTITION:-}" -o)"
+  # A scancel leaves KillWait; a preemption GraceTime (the partition's; a QOS may set its own), then KillWait.
+  if ((kill_wait < needed || kill_wait + ${grace:-0} < needed)); then
     log "note: a scancel leaves the stop KillWait (${kill_wait} s), a preemption GraceTime + KillWait ($((${grace:-0} + kill_wait)) s), before SIGKILL; the stop takes up to ${needed} s (${what}): a checkpoint that takes longer is cut short; USR1 leaves ${lead:-0} s"
   fi
 }

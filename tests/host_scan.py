@@ -10,6 +10,7 @@ under the job's temp dir (every Ray process keeps its logs open there, and a chi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -104,7 +105,7 @@ def processes_using(prefix: str) -> dict[int, str]:
 
 # The kernel's process events connector (linux/cn_proc.h): a message for each exec, to root.
 NETLINK_CONNECTOR, CN_IDX_PROC, CN_VAL_PROC, NLMSG_DONE = 11, 1, 1, 3
-PROC_CN_MCAST_LISTEN, PROC_EVENT_EXEC = 1, 2
+PROC_CN_MCAST_LISTEN, PROC_CN_MCAST_IGNORE, PROC_EVENT_EXEC = 1, 2, 2
 EVENT_AT = 16 + 20  # the event after the netlink header (16 bytes) and the connector's (20)
 
 
@@ -113,13 +114,23 @@ def exec_events() -> socket.socket | None:
     refuses it (not root, no connector): then the twice-a-second scan is all there is."""
     try:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_CONNECTOR)
-        sock.bind((0, CN_IDX_PROC))
-        listen = struct.pack("=I", PROC_CN_MCAST_LISTEN)
-        message = struct.pack("=IIIIHH", CN_IDX_PROC, CN_VAL_PROC, 0, 0, len(listen), 0) + listen
-        sock.send(struct.pack("=IHHII", 16 + len(message), NLMSG_DONE, 0, 0, 0) + message)
     except OSError:
         return None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 2**20)  # a busy machine's bursts of execs
+        sock.bind((0, CN_IDX_PROC))
+        subscribe(sock, PROC_CN_MCAST_LISTEN)
+    except OSError:
+        sock.close()
+        return None
     return sock
+
+
+def subscribe(sock: socket.socket, operation: int) -> None:
+    """PROC_CN_MCAST_LISTEN or _IGNORE: the kernel sends process events while any socket listens."""
+    body = struct.pack("=I", operation)
+    message = struct.pack("=IIIIHH", CN_IDX_PROC, CN_VAL_PROC, 0, 0, len(body), 0) + body
+    sock.send(struct.pack("=IHHII", 16 + len(message), NLMSG_DONE, 0, 0, 0) + message)
 
 
 def exec_pid(message: bytes) -> int | None:
@@ -199,6 +210,8 @@ class SecretWatch:
         self._thread.join()
         if self._events is not None:
             self._exec_thread.join()
+            with contextlib.suppress(OSError):
+                subscribe(self._events, PROC_CN_MCAST_IGNORE)
             self._events.close()
         self.hits += readable_by_others_holding(sorted(self.seen), self.roots())
 

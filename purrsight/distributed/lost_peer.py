@@ -14,11 +14,11 @@ import re
 from purrsight.errors import PeerLostError
 
 # gloo's TCP transport ("Connection closed by peer [addr]:port", "Connection reset by peer"), and
-# NCCL's words for a peer that went away.
+# NCCL's words for a peer that went away. Not "NCCL communicator was aborted": NCCL says that after
+# its own timeout too, which is a hang (the watchdog's), not a loss.
 LOST_PEER = re.compile(
     r"Connection (?:closed|reset) by peer(?: \[[^\]]*\]:\d+)?"
     r"|remote process exited or there was a network error"
-    r"|NCCL communicator was aborted"
 )
 
 
@@ -28,5 +28,6 @@ def raise_for_lost_peer(error: BaseException) -> None:
     if found is not None:
         raise PeerLostError(
             f"a peer process is gone ({found.group(0)}): its node died or it was killed; torchrun's agents restart "
-            "the workers from the last checkpoint (an elastic MIN:MAX job goes on without that node)"
+            "the workers from the last checkpoint (an elastic MIN:MAX job goes on without that node, unless it was "
+            "node 0, which holds the rendezvous)"
         ) from error

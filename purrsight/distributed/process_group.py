@@ -23,10 +23,18 @@ from typing import Any, TypeVar, cast
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TORCHRUN_RANK = "PURRSIGHT_TORCHRUN_RANK"  # the rank torchrun assigned, kept for the store
+ELASTIC_NODES = "PURRSIGHT_ELASTIC_NODES"  # MIN:MAX, exported by the launcher for an elastic job
+ORDER_KEY = "purrsight/node_order/"  # + torchrun's rank: "node_rank local_rank", one key per process
 
 
 def order_ranks_by_node(environ: MutableMapping[str, str]) -> str | None:
-    """Renumber RANK/GROUP_RANK in ``environ``; returns a line for the log, or None if untouched."""
+    """Renumber RANK/GROUP_RANK in ``environ``; returns a line for the log, or None if untouched.
+
+    In an elastic job (PURRSIGHT_ELASTIC_NODES) a round's nodes may have gaps: node 1 of 0-2 lost
+    leaves 0 and 2, and node_rank x processes would name rank 2 of a world of 2. There the ranks are
+    ordered among the nodes present, through the store, when the process group starts
+    (:func:`ranks_among_present_nodes`); here only torchrun's rank is kept for the store.
+    """
     node_rank_text = environ.get("PURRSIGHT_NODE_RANK")
     if node_rank_text is None or "LOCAL_RANK" not in environ or "RANK" not in environ:
         return None
@@ -34,6 +42,9 @@ def order_ranks_by_node(environ: MutableMapping[str, str]) -> str | None:
     local_rank = int(environ["LOCAL_RANK"])
     local_world = int(environ["LOCAL_WORLD_SIZE"])
     world = int(environ["WORLD_SIZE"])
+    if environ.get(ELASTIC_NODES):
+        environ.setdefault(TORCHRUN_RANK, environ["RANK"])
+        return f"node_rank {node_rank} local_rank {local_rank}, elastic: ranks ordered among this round's nodes at the start"
     if world % local_world or node_rank >= world // local_world:
         return (
             f"ranks left as torchrun assigned them: node_rank {node_rank} does not fit {world} processes of {local_world} per node"
@@ -77,8 +88,39 @@ def init_process_group_in_node_order(backend: str, timeout: timedelta) -> bool:
     )
     if shared_agent_store:  # the agent's store outlives rounds: isolate ours by restart count
         store = dist.PrefixStore(f"/purrsight/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if os.environ.get(ELASTIC_NODES):
+        line = ranks_among_present_nodes(store, os.environ)
+        log.info(line)
     dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
     return True
+
+
+def ranks_among_present_nodes(store: Any, environ: MutableMapping[str, str]) -> str:
+    """Node-ordered RANK and GROUP_RANK among the nodes this round has, agreed through ``store``.
+
+    Every process publishes its (node_rank, local_rank) under its torchrun rank and reads the
+    others'; its rank is its place in their order, its group rank its node's place among the
+    nodes present. The store is new each round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or the
+    restart-count prefix), so no key of an earlier round is read.
+    """
+    world = int(environ["WORLD_SIZE"])
+    mine = (int(environ["PURRSIGHT_NODE_RANK"]), int(environ["LOCAL_RANK"]))
+    store.set(f"{ORDER_KEY}{environ[TORCHRUN_RANK]}", f"{mine[0]} {mine[1]}")
+    keys = [f"{ORDER_KEY}{rank}" for rank in range(world)]
+    store.wait(keys)
+    placed = sorted(tuple(int(part) for part in store.get(key).decode().split()) for key in keys)
+    if len(set(placed)) != world:  # every process sees the same list: all exit 2 together
+        from purrsight.errors import UserError
+
+        raise UserError(f"two nodes of this job were started with the same node_rank (node_rank, local_rank: {placed})")
+    nodes = sorted({node for node, _ in placed})
+    rank, group = placed.index(mine), nodes.index(mine[0])
+    environ["RANK"] = environ["ROLE_RANK"] = str(rank)
+    environ["GROUP_RANK"] = environ["ROLE_GROUP_RANK"] = str(group)
+    return (
+        f"elastic round of {len(nodes)} node(s) {nodes}: node_rank {mine[0]} local_rank {mine[1]} is global rank {rank} "
+        f"(torchrun assigned {environ[TORCHRUN_RANK]})"
+    )
 
 
 def init_process_group(backend: str, timeout: timedelta) -> bool:

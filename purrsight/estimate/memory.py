@@ -292,4 +292,9 @@ def footprint(config: Config, llm_config: Path | None = None) -> Footprint:
 def estimate(config: Config, gpus: int, llm_config: Path | None = None, gpus_per_node: int | None = None) -> Estimate:
     """Per-GPU bytes of ``config`` on ``gpus`` GPUs under each strategy, and host bytes per node of
     ``gpus_per_node`` ranks (default: 8, or fewer GPUs in all) (the module docstring)."""
+    from purrsight.global_batch import resolve_global_batch
+
+    # trainer.global_batch_size sets the accumulation for the world: whether gradients accumulate
+    # (a window's whole fp32 gradients under fsdp) depends on it.
+    config, _ = resolve_global_batch(config, gpus)
     return footprint(config, llm_config).estimate(gpus, gpus_per_node)

@@ -17,6 +17,7 @@ from purrsight.distributed.lost_peer import raise_for_lost_peer
 from purrsight.distributed.preflight_callback import Preflight
 from purrsight.distributed.process_group import TORCHRUN_RANK, agreed_max, init_process_group, worker_generation
 from purrsight.distributed.watchdog import raise_for_peer_firing
+from purrsight.global_batch import resolve_global_batch
 from purrsight.observability.report import write_report
 from purrsight.observability.trackers import close_trackers
 from purrsight.run_folder import checkpoint_dir
@@ -26,7 +27,6 @@ from purrsight.runs.checkpoint_saver import CheckpointSaver
 from purrsight.runs.data_position import DataPosition
 from purrsight.runs.start import agreed_start
 from purrsight.training.datamodule import Phase2DataModule
-from purrsight.training.global_batch import resolve_global_batch
 from purrsight.training.module import Phase2Module
 from purrsight.training.trainer_builder import build_trainer, resolve_placement
 
@@ -102,7 +102,7 @@ def train(
     # (the start's position check, the data, the trainer): an elastic restart keeps the global batch.
     config, global_batch = resolve_global_batch(config, int(os.environ.get("WORLD_SIZE", "1")))
     if int(os.environ.get("RANK", "0")) == 0:
-        log.info(global_batch.line())
+        (log.info if global_batch.exact else log.warning)(global_batch.line())
     plan = agreed_start(config, resume or os.environ.get("PURRSIGHT_RESUME") or None, generation, distributed)
     ckpt = plan.checkpoint
     pl.seed_everything(config.run.seed, workers=True, verbose=False)
@@ -129,7 +129,8 @@ def train(
         trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
     except RuntimeError as error:
         raise_for_peer_firing(trainer.callbacks, error)  # type: ignore[attr-defined]  # set by Lightning's callback connector
-        raise_for_lost_peer(error)
+        if saver.stopped_by_signal is None:  # during a stop a peer may end first, its checkpoint written
+            raise_for_lost_peer(error)
         raise
     validated_at_end = trainer.global_step % config.trainer.val_every_n_steps == 0
     if saver.stopped_by_signal is None and data.val_set is not None and not validated_at_end:

@@ -87,6 +87,7 @@ stop_budget_job() {
   mkdir -p "${BATS_TEST_TMPDIR}/bin"
   cat >"${BATS_TEST_TMPDIR}/bin/scontrol" <<'EOF'
 #!/usr/bin/env bash
+[[ -z "${SCONTROL_FAILS:-}" ]] || exit 1
 case "$2" in
   config) printf 'JobAcctGatherType       = jobacct_gather/none\nKillWait                = %s sec\n' "${KILL_WAIT}" ;;
   partition) printf 'PartitionName=%s AllowGroups=ALL GraceTime=%s Hidden=NO\n' "$3" "${GRACE_TIME}" ;;
@@ -123,13 +124,33 @@ EOF
   # The lead given on the command line (USR1_LEAD_S); SLURM's default lead without @ (60 s)
   USR1_LEAD_S=400 SIGNAL_LINE="#SBATCH --signal=B:USR1@240" NEEDED_S=330 stop_budget_job
   [ "${status}" -eq 0 ]
-  SIGNAL_LINE="#SBATCH --signal=SIGUSR1" NEEDED_S=61 stop_budget_job
+  SIGNAL_LINE="#SBATCH --signal=B:SIGUSR1" NEEDED_S=61 stop_budget_job
   [ "${status}" -eq 2 ]
   [[ "${output}" == *"USR1 comes 60 s before"* ]]
-  # KillWait and GraceTime that hold the stop: no note; no USR1 at all: said; a bad lead: exit 2
-  KILL_WAIT=200 GRACE_TIME=30 SIGNAL_LINE="#SBATCH --signal=B:USR1@300" NEEDED_S=210 stop_budget_job
+  # KillWait that holds the stop: no note; a long GraceTime does not hide a short KillWait (a scancel's)
+  KILL_WAIT=240 GRACE_TIME=0 SIGNAL_LINE="#SBATCH --signal=B:USR1@300" NEEDED_S=210 stop_budget_job
   [ "${status}" -eq 0 ]
   [[ "${output}" != *"note:"* ]]
+  KILL_WAIT=30 GRACE_TIME=300 SIGNAL_LINE="#SBATCH --signal=B:USR1@300" NEEDED_S=210 stop_budget_job
+  [[ "${output}" == *"note: a scancel leaves the stop KillWait (30 s), a preemption GraceTime + KillWait (330 s)"* ]]
+  # USR1 without B: reaches the steps, not the script: said, not counted as a lead
+  SIGNAL_LINE="#SBATCH --signal=USR1@240" NEEDED_S=210 stop_budget_job
+  [ "${status}" -eq 0 ]
+  [[ "${output}" == *"sends USR1 to the job's steps, not to this script (no B:)"* ]]
+  # The last --signal line wins, as in sbatch; RB: and the form with a space are read too
+  SIGNAL_LINE="$(printf '#SBATCH --signal=B:USR1@600\n#SBATCH --signal=B:USR1@100')" NEEDED_S=210 stop_budget_job
+  [ "${status}" -eq 2 ]
+  [[ "${output}" == *"USR1 comes 100 s before"* ]]
+  SIGNAL_LINE="#SBATCH --signal  RB:USR1@300 # a comment" NEEDED_S=210 stop_budget_job
+  [ "${status}" -eq 0 ]
+  [[ "${output}" == *"USR1 leaves 300 s"* ]]
+  # scontrol failing (slurmctld away): no note, and no silent exit
+  SCONTROL_FAILS=1 SIGNAL_LINE="#SBATCH --signal=B:USR1@300" NEEDED_S=210 stop_budget_job
+  [ "${status}" -eq 0 ]
+  [[ "${output}" == *"budget: fits"* ]]
+  # a lead with a leading zero is no number of seconds (bash would read it as octal)
+  USR1_LEAD_S=0300 SIGNAL_LINE="" NEEDED_S=210 stop_budget_job
+  [ "${status}" -eq 2 ]
   SIGNAL_LINE="#SBATCH --time=10" NEEDED_S=210 stop_budget_job
   [ "${status}" -eq 0 ]
   [[ "${output}" == *"note: no USR1 before the time limit"* ]]

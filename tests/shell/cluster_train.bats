@@ -60,11 +60,12 @@ assert_usage_error() {
   BACKEND=gloo run ./cluster_train.sh --dry-run config/train_config.yaml 2:3 2 127.0.0.1 29511
   [ "${status}" -eq 0 ]
   grep -q -- "--nnodes 2:3 " <<<"${output}"
+  grep -q "export PURRSIGHT_ELASTIC_NODES=2:3" <<<"${output}"
   grep -q 'last_call_timeout=2\\\?,keep_alive_interval=1\\\?,keep_alive_max_attempt=3' <<<"${output}"
   BACKEND=gloo run ./cluster_train.sh --dry-run config/train_config.yaml 2 1 127.0.0.1 29511
   [ "${status}" -eq 0 ]
   grep -q -- "--nnodes 2 " <<<"${output}"
-  [[ "${output}" != *last_call_timeout* ]]
+  [[ "${output}" != *last_call_timeout* && "${output}" != *PURRSIGHT_ELASTIC_NODES* ]]
 }
 
 @test "more than five positional arguments are refused (overrides go after --)" {

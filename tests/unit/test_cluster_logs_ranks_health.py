@@ -271,3 +271,48 @@ def test_node_0_reads_a_llava_file_as_the_trainer_does_with_its_media_root(synth
     without_root = tiny_config(synthetic_dir, tmp_path, **overrides)
     with pytest.raises(CheckFailedError, match=r"llava.json:\d+ \(id 'a'\): image file .*annotations/coco/a.png does not exist"):
         check_data(without_root, node_rank=0)
+
+
+def test_an_elastic_round_with_a_gap_in_its_node_ranks_orders_ranks_among_the_nodes_present() -> None:
+    """Node 1 of 0-2 lost: nodes 0 and 2 remain, two processes each, torchrun's ranks in another
+    order. Through one store each process takes its place among the nodes present: node 0's are
+    ranks 0-1, node 2's ranks 2-3 (group rank 1); two nodes with one node_rank are refused."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from purrsight.distributed.process_group import ranks_among_present_nodes
+    from purrsight.errors import UserError
+
+    def round_of(placements: list[tuple[int, int]]) -> list[dict[str, str]]:
+        store = dist.HashStore()
+        store.set_timeout(timedelta(seconds=30))
+        environs = [
+            {"PURRSIGHT_NODE_RANK": str(node), "LOCAL_RANK": str(local), "WORLD_SIZE": str(len(placements)),
+             "RANK": str(torchrun), "PURRSIGHT_TORCHRUN_RANK": str(torchrun), "PURRSIGHT_ELASTIC_NODES": "2:3"}
+            for torchrun, (node, local) in enumerate(placements)
+        ]  # fmt: skip
+        errors: list[BaseException] = []
+
+        def join(environ: dict[str, str]) -> None:
+            try:
+                ranks_among_present_nodes(store, environ)
+            except BaseException as error:  # reported below, per process
+                errors.append(error)
+
+        threads = [threading.Thread(target=join, args=(environ,)) for environ in environs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        if errors:
+            raise errors[0]
+        return environs
+
+    # torchrun ordered the nodes by address: node 2's processes first
+    environs = round_of([(2, 0), (2, 1), (0, 0), (0, 1)])
+    assert [(e["RANK"], e["GROUP_RANK"]) for e in environs] == [("2", "1"), ("3", "1"), ("0", "0"), ("1", "0")]
+    assert [e["PURRSIGHT_TORCHRUN_RANK"] for e in environs] == ["0", "1", "2", "3"]  # kept: its rank 0 hosts the store
+    with pytest.raises(UserError, match="same node_rank"):
+        round_of([(0, 0), (1, 0), (1, 0)])

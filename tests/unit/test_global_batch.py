@@ -10,7 +10,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from purrsight.config import ConfigError, load_config
-from purrsight.training.global_batch import accumulation_for, resolve_global_batch
+from purrsight.global_batch import accumulation_for, resolve_global_batch
 from tests.helpers import DEFAULT_CONFIG
 
 
@@ -42,7 +42,10 @@ def test_an_elastic_world_keeps_the_global_batch_and_names_it_in_one_line(tmp_pa
     assert two.trainer.accumulate_grad_batches == 3 and made.samples == 48
     five, made = resolve_global_batch(config, 5)  # 48 / 40: not a whole count, the nearest
     assert five.trainer.accumulate_grad_batches == 1 and made.samples == 40
-    assert made.line().endswith("the nearest to trainer.global_batch_size 48, which 5 x 8 does not divide")
+    assert made.line().endswith("the nearest to trainer.global_batch_size 48, which 5 x 8 does not divide") and not made.exact
+    both = ["data.batch_size=8", "trainer.global_batch_size=48", "trainer.accumulate_grad_batches=4"]
+    configured = load_config(DEFAULT_CONFIG, both)
+    assert resolve_global_batch(configured, 3)[1].line().endswith("; trainer.accumulate_grad_batches 4 is not used")
     assert config.trainer.accumulate_grad_batches == 1  # the loaded config is left as it was
 
     unset = load_config(DEFAULT_CONFIG, ["data.batch_size=8", "trainer.accumulate_grad_batches=4"])
@@ -55,3 +58,13 @@ def test_an_elastic_world_keeps_the_global_batch_and_names_it_in_one_line(tmp_pa
 def test_a_global_batch_that_is_no_positive_count_is_refused_by_name(value: str) -> None:
     with pytest.raises(ConfigError, match=r"trainer\.global_batch_size"):
         load_config(DEFAULT_CONFIG, [f"trainer.global_batch_size={value}"])
+
+
+def test_the_memory_estimate_counts_the_accumulation_the_global_batch_sets() -> None:
+    """4 GPUs x 8 samples for 64 a step: 2 micro-batches, so fsdp keeps a window's whole gradients."""
+    from purrsight.estimate.memory import estimate
+
+    plain = estimate(load_config(DEFAULT_CONFIG, ["data.batch_size=8"]), 4).per_gpu["fsdp"]
+    accumulating = estimate(load_config(DEFAULT_CONFIG, ["data.batch_size=8", "trainer.accumulate_grad_batches=2"]), 4)
+    asked = estimate(load_config(DEFAULT_CONFIG, ["data.batch_size=8", "trainer.global_batch_size=64"]), 4)
+    assert asked.per_gpu["fsdp"] == accumulating.per_gpu["fsdp"] != plain

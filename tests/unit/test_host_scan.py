@@ -62,7 +62,9 @@ def test_the_secret_watch_reads_commands_that_live_less_than_its_scan_interval(t
     probe.close()
     secret = f"secret-{secrets.token_hex(8)}"
     with SecretWatch(lambda: [secret]) as watch:
+        deadline = time.monotonic() + 30
         while secret not in watch.seen:  # the scan has picked up what to look for
+            assert time.monotonic() < deadline, "the scan never ran"
             time.sleep(0.05)
         started = [subprocess.Popen(["sh", "-c", "sleep 0.1; true", secret]) for _ in range(5)]
         for proc in started:

@@ -30,3 +30,5 @@ def test_a_transport_error_for_a_gone_peer_becomes_one_line_naming_it(message: s
 
 def test_any_other_error_is_left_to_its_traceback() -> None:
     raise_for_lost_peer(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))  # returns: the caller re-raises
+    # NCCL says this after its own timeout too: a hang, the watchdog's to name, not a loss
+    raise_for_lost_peer(RuntimeError("NCCL communicator was aborted on rank 3."))

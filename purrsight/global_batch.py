@@ -29,6 +29,12 @@ class GlobalBatch:
     batch: int
     accumulation: int
     asked: int | None  # trainer.global_batch_size, None when unset
+    configured: int | None = None  # trainer.accumulate_grad_batches as configured, when asked replaces it
+
+    @property
+    def exact(self) -> bool:
+        """Whether the global batch is what was asked (or nothing was asked)."""
+        return self.asked is None or self.samples == self.asked
 
     @property
     def samples(self) -> int:
@@ -39,11 +45,16 @@ class GlobalBatch:
         made = f"global batch {self.samples} = {self.world} processes x {self.batch} (data.batch_size) x {self.accumulation}"
         if self.asked is None:
             return f"{made} (trainer.accumulate_grad_batches)"
+        unused = (
+            f"; trainer.accumulate_grad_batches {self.configured} is not used"
+            if self.configured not in (None, 1, self.accumulation)  # 1: the default, no choice made
+            else ""
+        )
         if self.samples == self.asked:
-            return f"{made} micro-batches per step (trainer.global_batch_size {self.asked})"
+            return f"{made} micro-batches per step (trainer.global_batch_size {self.asked}){unused}"
         return (
             f"{made} micro-batches per step: the nearest to trainer.global_batch_size {self.asked}, which "
-            f"{self.world} x {self.batch} does not divide"
+            f"{self.world} x {self.batch} does not divide{unused}"
         )
 
 
@@ -55,4 +66,5 @@ def resolve_global_batch(config: Config, world: int) -> tuple[Config, GlobalBatc
         return config, GlobalBatch(world, batch, config.trainer.accumulate_grad_batches, None)
     accumulation = accumulation_for(asked, world, batch)
     trainer = config.trainer.model_copy(update={"accumulate_grad_batches": accumulation})
-    return config.model_copy(update={"trainer": trainer}), GlobalBatch(world, batch, accumulation, asked)
+    configured = config.trainer.accumulate_grad_batches
+    return config.model_copy(update={"trainer": trainer}), GlobalBatch(world, batch, accumulation, asked, configured)
