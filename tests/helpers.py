@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,6 +116,20 @@ def held_marker(gate: Path, rank: int = 0) -> Path:
     return gate.with_name(f"{gate.name}.rank{rank}.held")
 
 
+def recorded_steps(path: Path) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Each optimizer step of one process's record file (``record_samples_env``): its step line
+    (``step``, ``micro_batches``, ``world``) and the micro-batches trained for it. Micro-batches
+    after the last step never reached an optimizer step and are left out."""
+    pending: list[dict[str, Any]] = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "ids" in record:
+            pending.append(record)
+            continue
+        yield record, pending
+        pending = []
+
+
 def check_every_sample_once(folder: Path, every_id: set[str], whole_epochs: int, accumulation: int) -> None:
     """What a job's processes recorded into ``folder``: every optimizer step took ``accumulation``
     micro-batches, no epoch trained a sample twice, and the first ``whole_epochs`` epochs trained
@@ -127,14 +142,9 @@ def check_every_sample_once(folder: Path, every_id: set[str], whole_epochs: int,
     steps: dict[tuple[str, int], list[dict[str, Any]]] = {}  # (rank, step) -> its micro-batches, last attempt's
     for path in sorted(folder.glob("*.jsonl")):  # in the order the processes started
         rank = path.stem.rsplit("-", 1)[1]
-        pending: list[dict[str, Any]] = []
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if "ids" in record:
-                pending.append(record)
-                continue
+        for record, micro_batches in recorded_steps(path):
             assert record["micro_batches"] == accumulation, f"step {record['step']} in {path.name}: {record}"
-            steps[rank, record["step"]], pending = pending, []
+            steps[rank, record["step"]] = micro_batches
     by_epoch: dict[int, list[str]] = {}
     for micro_batches in steps.values():
         for micro_batch in micro_batches:

@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import held_marker, hold_env, python_env, record_samples_env
+from tests.helpers import held_marker, hold_env, python_env, record_samples_env, recorded_steps
 from tests.launcher.conftest import Cluster, descendants, wait_for
 
 GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT = 12, 2, 30, 8, 5
@@ -36,19 +36,13 @@ def steps_trained(records: Path, killed_ns: int, resumed_from: int) -> dict[int,
     steps: dict[int, list[dict[str, Any]]] = {}
     for path in sorted(records.glob("*.jsonl")):
         after_the_loss = int(path.name.split("-", 1)[0]) > killed_ns
-        pending: list[dict[str, Any]] = []
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if "ids" in record:
-                pending.append(record)
-                continue
+        for record, micro_batches in recorded_steps(path):
             step, world = record["step"], record["world"]
             kept = (after_the_loss and world == 2 and step > resumed_from) or (
                 not after_the_loss and world == 3 and step <= resumed_from
             )
             if kept:
-                steps.setdefault(step, []).extend(pending)
-            pending = []
+                steps.setdefault(step, []).extend(micro_batches)
     return steps
 
 
@@ -60,7 +54,7 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_with
     # round; a second round to admit a late one would restart the first from scratch.
     env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": "4", **record_samples_env(records, python_env())}
     env |= hold_env({KILLED_AT: gate}, python_env())
-    overrides: dict[str, object] = dict(
+    overrides: dict[str, Any] = dict(
         data__batch_size=BATCH, trainer__global_batch_size=GLOBAL_BATCH, trainer__max_steps=STEPS,
         checkpoint__every_n_steps=SAVED_AT, checkpoint__keep_last=10, logging__every_n_steps=1,
         trainer__val_every_n_steps=1000,
