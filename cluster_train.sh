@@ -149,6 +149,7 @@ validate_args() {
     die_usage "num_nodes '${NUM_NODES}' must be a positive integer, or MIN:MAX for an elastic job (e.g. 2:4)"
   NODES_MIN=$((10#${NUM_NODES%%:*})) NODES_MAX=$((10#${NUM_NODES##*:}))
   ((NODES_MIN <= NODES_MAX)) || die_usage "num_nodes '${NUM_NODES}': MIN must not exceed MAX"
+  ELASTIC=$((NODES_MIN < NODES_MAX)) # 1: MIN:MAX with room to shrink or grow
   is_uint "${NODE_RANK}" || die_usage "node_rank '${NODE_RANK}' must be a non-negative integer"
   ((10#${NODE_RANK} < NODES_MAX)) ||
     die_usage "node_rank ${NODE_RANK} is out of range for num_nodes ${NUM_NODES} (expected 0..$((NODES_MAX - 1)))"
@@ -316,7 +317,7 @@ build_torchrun_args() {
   # Elastic (MIN:MAX): once MIN nodes are in, a new round waits RDZV_LAST_CALL_S for more (c10d's
   # 30 s by default), and a node that stopped its 1 s heartbeats is dropped after 3 (default 5 s x 3):
   # the rest train again within seconds of a loss. A fixed count keeps torchrun's defaults.
-  if ((NODES_MIN < NODES_MAX)); then
+  if ((ELASTIC)); then
     rdzv_conf+=",last_call_timeout=${RDZV_LAST_CALL_S},keep_alive_interval=1,keep_alive_max_attempt=3"
   fi
   TORCHRUN_ARGS=(
@@ -340,7 +341,7 @@ build_torchrun_args() {
 
 print_banner() {
   local elastic=""
-  if ((NODES_MIN < NODES_MAX)); then elastic=" (elastic: goes on while ${NODES_MIN} of up to ${NODES_MAX} nodes remain)"; fi
+  if ((ELASTIC)); then elastic=" (elastic: goes on while ${NODES_MIN} of up to ${NODES_MAX} nodes remain)"; fi
   log "node ${NODE_RANK}/${NUM_NODES}${elastic}: master ${MASTER_HOST} (${MASTER_IP}):${PORT}, ${NPROC} process(es) on ${ACCELERATOR^^}, backend ${BACKEND}"
   log "python ${NODE_PYTHON} (${PYTHON}, ${PYTHON_SOURCE}); torch ${NODE_TORCH}; CUDA ${NODE_CUDA}; NCCL ${NODE_NCCL}; GPUs ${NODE_GPUS} ${NODE_GPU_NAMES}"
   log "environment (a variable you exported yourself is kept):"
@@ -399,7 +400,7 @@ main() {
   export PURRSIGHT_NODE_RANK="${NODE_RANK}" # the trainer orders global ranks by node (purrsight.distributed.process_group)
   # Elastic: the nodes of a round may have gaps (node 1 of 0-2 lost), so the ranks are ordered
   # through the store, among the nodes present, not by node_rank x processes.
-  if ((NODES_MIN < NODES_MAX)); then export PURRSIGHT_ELASTIC_NODES="${NUM_NODES}"; fi
+  if ((ELASTIC)); then export PURRSIGHT_ELASTIC_NODES="${NUM_NODES}"; fi
   # The attempt's launch time: its start-up is counted from here (purrsight/runs/attempts.py),
   # or from a batch script's start when it set one (slurm/train.sbatch).
   PURRSIGHT_LAUNCH_TIME="${PURRSIGHT_LAUNCH_TIME:-$((launched / 1000000)).$(printf '%06d' $((launched % 1000000)))}"
@@ -415,7 +416,7 @@ main() {
   if ((DRY_RUN)); then
     build_torchrun_args
     printf '%s\n' "${DRY_LINES[@]}" "export PURRSIGHT_NODE_RANK=${NODE_RANK}  # global ranks ordered by node"
-    if ((NODES_MIN < NODES_MAX)); then
+    if ((ELASTIC)); then
       printf '%s\n' "export PURRSIGHT_ELASTIC_NODES=${NUM_NODES}  # ranks ordered among the nodes each round has"
     fi
     if [[ "${LOG_LEVEL}" == DEBUG ]]; then printf '# %s\n' "${ENVIRONMENT_DUMP[@]}"; fi

@@ -40,6 +40,11 @@ class GlobalBatch:
     def samples(self) -> int:
         return self.world * self.batch * self.accumulation
 
+    @property
+    def product(self) -> str:
+        """``processes x batch x accumulation = samples``: report.md's attempt table shows it."""
+        return f"{self.world} x {self.batch} x {self.accumulation} = {self.samples}"
+
     def line(self) -> str:
         """One line for the log: the product, and how far it is from what was asked."""
         made = f"global batch {self.samples} = {self.world} processes x {self.batch} (data.batch_size) x {self.accumulation}"

@@ -3,6 +3,7 @@
 # `cd "${SLURM_SUBMIT_DIR}"`): the allocation's node addresses, and the run's end.
 #
 #   node_address NODE        the node's address as SLURM reaches it (NodeAddr), else DNS
+#   scontrol_field KEY ARGS  KEY's value in `scontrol ARGS -o`; empty when scontrol fails
 #   gpus_per_node            the GPUs SLURM gave each node ("a100:8" -> 8; 0 when none or unreadable)
 #   step_cpus INDEX|all      --cpus-per-task for a one-task step on node INDEX of the allocation (or
 #                            one on every node): srun no longer inherits it (SLURM 22.05), and under CPU
@@ -24,9 +25,17 @@ readonly NO_REQUEUE_CODES=" 2 3 "
 
 STOP_SIGNAL=""
 
+# The value of KEY in `scontrol ARGS -o`'s one-line KEY=VALUE output; empty when scontrol is
+# missing or fails (under pipefail a failing scontrol would otherwise end the sourcing script).
+scontrol_field() {
+  local key="$1"
+  shift
+  { scontrol "$@" 2>/dev/null || true; } | tr ' ' '\n' | sed -n "s/^${key}=//p" | head -n 1
+}
+
 node_address() {
   local addr
-  addr="$(scontrol show node "$1" -o | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')"
+  addr="$(scontrol_field NodeAddr show node "$1" -o)"
   [[ -n "${addr}" && "${addr}" != "$1" ]] || addr="$(getent ahosts "$1" | awk 'NR == 1 { print $1 }')"
   printf '%s\n' "${addr:-$1}"
 }
@@ -95,13 +104,6 @@ usr1_lead() {
   fi
 }
 
-# `scontrol ARGS`'s KEY's number (KillWait, GraceTime), empty when scontrol is missing or fails.
-slurm_setting() {
-  local key="$1"
-  shift
-  { scontrol "$@" 2>/dev/null || true; } | tr ' ' '\n' | sed -n "s/^${key}=\([0-9]*\).*/\1/p" | head -n 1
-}
-
 stop_budget() {
   local needed="$1" what="$2" lead kill_wait grace
   lead="$(usr1_lead)"
@@ -119,13 +121,14 @@ stop_budget() {
     log "error: USR1 comes ${lead} s before the time limit, and the stop it starts takes up to ${needed} s (${what}): submit with --signal=B:USR1@$((needed + 30)) (and USR1_LEAD_S=$((needed + 30)) when it is on the command line), or shorten the stop"
     exit 2
   fi
-  # `show config` prints "KillWait = 60 sec": made KEY=VALUE for slurm_setting.
+  # `show config` prints "KillWait = 60 sec", not KEY=VALUE.
   kill_wait="$({ scontrol show config 2>/dev/null || true; } | sed -n 's/^KillWait *= *\([0-9]*\) sec.*/\1/p')"
   [[ -n "${kill_wait}" ]] || return 0
-  grace="$(slurm_setting GraceTime show partition "${SLURM_JOB_PARTITION:-}" -o)"
+  grace="$(scontrol_field GraceTime show partition "${SLURM_JOB_PARTITION:-}" -o)"
+  [[ "${grace}" =~ ^[0-9]+$ ]] || grace=0
   # A scancel leaves KillWait; a preemption GraceTime (the partition's; a QOS may set its own), then KillWait.
-  if ((kill_wait < needed || kill_wait + ${grace:-0} < needed)); then
-    log "note: a scancel leaves the stop KillWait (${kill_wait} s), a preemption GraceTime + KillWait ($((${grace:-0} + kill_wait)) s), before SIGKILL; the stop takes up to ${needed} s (${what}): a checkpoint that takes longer is cut short; USR1 leaves ${lead:-0} s"
+  if ((kill_wait < needed || kill_wait + grace < needed)); then
+    log "note: a scancel leaves the stop KillWait (${kill_wait} s), a preemption GraceTime + KillWait ($((grace + kill_wait)) s), before SIGKILL; the stop takes up to ${needed} s (${what}): a checkpoint that takes longer is cut short; USR1 leaves ${lead:-0} s"
   fi
 }
 
@@ -169,7 +172,7 @@ exclude_bad_nodes() {
     log "every node failed its checks: the fault is the job's (config, data), not a node's"
     return 1
   fi
-  current="$(scontrol show job "${SLURM_JOB_ID}" -o | tr ' ' '\n' | sed -n 's/^ExcNodeList=//p')"
+  current="$(scontrol_field ExcNodeList show job "${SLURM_JOB_ID}" -o)"
   [[ "${current}" == "(null)" ]] && current=""
   mapfile -t excluded < <({ [[ -z "${current}" ]] || scontrol show hostnames "${current}"; printf '%s\n' "${bad[@]}"; } | sort -u)
   if ((${#excluded[@]} > ${MAX_EXCLUDED_NODES:-4})); then

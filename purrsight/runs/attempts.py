@@ -213,16 +213,6 @@ def plot_timeline(summary: Summary, path: Path) -> Path | None:
     return path
 
 
-def global_batch_of(trainer: pl.Trainer) -> str | None:
-    """``processes x batch x accumulation = samples`` of this attempt, None where the batch is unknown."""
-    config = getattr(getattr(trainer, "datamodule", None), "config", None)
-    batch = getattr(getattr(config, "data", None), "batch_size", None)
-    if not isinstance(batch, int):
-        return None
-    accumulation = trainer.accumulate_grad_batches
-    return f"{trainer.world_size} x {batch} x {accumulation} = {trainer.world_size * batch * accumulation}"
-
-
 def launch_time(generation: int) -> float:
     """When this attempt was launched: the launcher's start for its first workers, else this process's start."""
     launched = os.environ.get(LAUNCH_TIME_ENV)
@@ -245,10 +235,11 @@ def how_started(number: int, generation: int, resumed_step: int) -> str:
 class AttemptRecorder(pl.Callback):
     """Rank 0 writes this attempt's file: at the start, every HEARTBEAT_S during training, at the end."""
 
-    def __init__(self, run_dir: Path, generation: int, seconds_saving: Any) -> None:
+    def __init__(self, run_dir: Path, generation: int, seconds_saving: Any, global_batch: str | None = None) -> None:
         self.folder = run_dir / ATTEMPTS_DIR
         self.generation = generation
         self.seconds_saving = seconds_saving  # a callable: the checkpoint saver's running total
+        self.global_batch = global_batch  # "processes x batch x accumulation = samples" (purrsight/global_batch.py)
         self.attempt: Attempt | None = None
         self._written = 0.0
 
@@ -274,7 +265,7 @@ class AttemptRecorder(pl.Callback):
             launched_at=launch_time(self.generation),
             resumed_step=step,
             world_size=trainer.world_size,
-            global_batch=global_batch_of(trainer),
+            global_batch=self.global_batch,
             last_step=step,
         )
         self._write(time.time())

@@ -119,7 +119,7 @@ def train(
         if change:
             log.warning(change)
     data = Phase2DataModule(config)
-    recorder = AttemptRecorder(config.run.run_dir, generation, lambda: saver.seconds_saving)
+    recorder = AttemptRecorder(config.run.run_dir, generation, lambda: saver.seconds_saving, global_batch.product)
     trainer = build_trainer(
         config, saver, callbacks, resumed_step=plan.step, strategy=strategy, recorder=recorder, generation=generation
     )

@@ -35,7 +35,7 @@ def test_the_accumulation_gives_the_nearest_global_batch_and_the_exact_one_where
 def test_an_elastic_world_keeps_the_global_batch_and_names_it_in_one_line(tmp_path: Path) -> None:
     config = load_config(DEFAULT_CONFIG, ["data.batch_size=8", "trainer.global_batch_size=48"])
     three, made = resolve_global_batch(config, 3)
-    assert three.trainer.accumulate_grad_batches == 2 and made.samples == 48
+    assert three.trainer.accumulate_grad_batches == 2 and made.samples == 48 and made.product == "3 x 8 x 2 = 48"
     line = "global batch 48 = 3 processes x 8 (data.batch_size) x 2 micro-batches per step (trainer.global_batch_size 48)"
     assert made.line() == line
     two, made = resolve_global_batch(config, 2)  # a node of three lost: the accumulation rises
