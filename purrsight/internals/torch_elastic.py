@@ -12,6 +12,13 @@
   runs each worker through ``purrsight.launcher.forked_workers.run_worker`` (its own session and
   signals). Where it has moved, ``install_worker_entry`` says so in one line and the workers are
   started as subprocesses, as without ``--run-path``: slower to start, nothing else differs.
+- ``DynamicRendezvousHandler.num_nodes_waiting``: what the agent polls, between its checks of
+  its workers, for nodes waiting to join. The store it reads lives in the first node's agent;
+  once that node's job has ended, torchelastic raises from the poll and the agent dies with a
+  traceback while its own workers are still finishing (the watchdog's 86 became torchrun's 1).
+  ``install_lost_store_tolerance`` reads a lost store as no node waiting: nothing can join a
+  rendezvous whose store is gone, and the agent goes on to collect its workers' own exit codes.
+  Where the method has moved, one line says so and a lost store ends the agent as before.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from types import FrameType, ModuleType
 RENDEZVOUS_METRIC = "._rendezvous.duration.ms"
 HANDLER_NAME = "_terminate_process_handler"
 WORKER_ENTRY_NAME = "run_script_path"
+WAITING_POLL_NAME = "num_nodes_waiting"
 
 Handler = Callable[[int, FrameType | None], None]
 
@@ -42,6 +50,36 @@ def install_worker_entry(entry: Callable[..., None]) -> bool:
 
     found = callable(getattr(run, WORKER_ENTRY_NAME, None)) and WORKER_ENTRY_NAME in _source_of(run.config_from_args)
     return _replace(run, WORKER_ENTRY_NAME, entry, found, "starting the workers as subprocesses", " for --run-path")
+
+
+def install_lost_store_tolerance(on_lost: Callable[[Exception], None]) -> bool:
+    """Make the agent's poll for waiting nodes call ``on_lost`` and answer 0 where the rendezvous
+    store cannot be reached; False (and one line) where torchelastic no longer has that poll."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    handler_class = dynamic_rendezvous.DynamicRendezvousHandler
+    poll = vars(handler_class).get(WAITING_POLL_NAME)  # its own, not the abstract base's
+    if getattr(poll, "tolerates_a_lost_store", False):
+        return True  # installed by an earlier main() in this process
+    if not callable(poll):
+        print(
+            f"torchrun: this torch's rendezvous handler has no {WAITING_POLL_NAME}; a lost store ends the agent",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+
+    def num_nodes_waiting(handler: object) -> int:
+        try:
+            return int(poll(handler))
+        except RendezvousConnectionError as err:
+            on_lost(err)
+            return 0
+
+    num_nodes_waiting.tolerates_a_lost_store = True  # type: ignore[attr-defined]
+    setattr(handler_class, WAITING_POLL_NAME, num_nodes_waiting)
+    return True
 
 
 def _replace(module: ModuleType, name: str, value: object, found: bool, otherwise: str, role: str = "") -> bool:

@@ -6,6 +6,11 @@
 - The agent stops once per job: torchelastic raises for every SIGTERM, and a second one during
   the workers' close (SLURM signals every process of a step) cut the close short and left
   torchrun hung at exit. Later signals are noted and ignored (internals/torch_elastic.py).
+- The first node's agent holds the rendezvous store. When that node's job ends first (its
+  watchdog fired, it failed, it was lost), the other agents say so in one line and go on
+  collecting their own workers' codes, instead of dying with a traceback while those workers
+  finish (internals/torch_elastic.py). A rendezvous that cannot be completed (a restart after
+  that, a node that never came) is one line and torchrun's 1, not a traceback.
 - Each rendezvous gets a line with torchelastic's own timing (docs/SCALING.md reads them):
 
     2026-11-23 05:21:40 [torchrun] rendezvous 0 done in 1.84 s
@@ -36,10 +41,16 @@ if __name__ == "__main__" and forked_workers.asked_for(sys.argv[1:]):
 from torch.distributed.elastic import metrics
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.run import parse_args, run
 
 from purrsight.errors import SIGNAL_BASE, ExitCode
-from purrsight.internals.torch_elastic import RENDEZVOUS_METRIC, install_terminate_handler, install_worker_entry
+from purrsight.internals.torch_elastic import (
+    RENDEZVOUS_METRIC,
+    install_lost_store_tolerance,
+    install_terminate_handler,
+    install_worker_entry,
+)
 
 TORCHRUN_FAILED = 1  # torchrun's own code for a failed worker group, kept for callers that read it
 
@@ -76,6 +87,25 @@ class StopOnce:
         raise SignalException(f"Process {os.getpid()} got signal: {received}", sigval=received)
 
 
+class LostStoreLine:
+    """Says once, for the whole job, that the rendezvous store went away with the node holding it."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.said = False
+
+    def __call__(self, err: Exception) -> None:
+        if self.said:
+            return
+        self.said = True
+        print(
+            f"torchrun: the rendezvous store at {self.endpoint} is gone: the job of the node holding it has ended "
+            "(its log says why); this node's workers go on until they end",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 class WithoutTraceback(logging.Filter):
     """Keeps torchelastic's "failed (exitcode: N)" line, drops the traceback it attaches.
 
@@ -107,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     install_terminate_handler(StopOnce())
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(WithoutTraceback())
     args = parse_args(argv if argv is not None else sys.argv[1:])
+    install_lost_store_tolerance(LostStoreLine(args.rdzv_endpoint))
     if args.run_path and args.start_method == "forkserver":
         if install_worker_entry(forked_workers.run_worker):
             forked_workers.start_server()  # started already when run as a program; here when main() is called
@@ -121,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return job_exit_code([failure.exitcode for failure in err.failures.values()])
+    except RendezvousError as err:
+        reason = str(err).splitlines()[0] if str(err) else "no reason given"
+        print(
+            f"torchrun: the rendezvous at {args.rdzv_endpoint} failed ({type(err).__name__}: {reason}); "
+            "if the first node's job has ended, its log says why",
+            file=sys.stderr,
+        )
+        return TORCHRUN_FAILED
     except SignalException as err:
         print(f"torchrun: stopped by {err.sigval.name}; the workers were asked to save and exit", file=sys.stderr)
         return SIGNAL_BASE + int(err.sigval)

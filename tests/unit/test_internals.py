@@ -82,6 +82,39 @@ def test_a_moved_worker_entry_is_one_line_and_subprocess_workers(
     assert "starting the workers as subprocesses" in capsys.readouterr().err
 
 
+def test_the_agent_polls_for_waiting_nodes_by_the_name_we_wrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lost store reads as no node waiting; any other failure of the poll still raises."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    handler_class = dynamic_rendezvous.DynamicRendezvousHandler
+    assert f"rdzv_handler.{torch_elastic.WAITING_POLL_NAME}()" in inspect.getsource(SimpleElasticAgent._invoke_run)
+    failures: list[Exception] = [RendezvousConnectionError("store gone"), RuntimeError("a bug")]
+
+    def poll(handler: object) -> int:
+        raise failures.pop(0)
+
+    monkeypatch.setattr(handler_class, torch_elastic.WAITING_POLL_NAME, poll)
+    lost: list[Exception] = []
+    assert torch_elastic.install_lost_store_tolerance(lost.append)
+    assert torch_elastic.install_lost_store_tolerance(lost.append)  # a second main() in one process wraps once
+    wrapped = getattr(handler_class, torch_elastic.WAITING_POLL_NAME)
+    assert wrapped(object()) == 0 and [str(err) for err in lost] == ["store gone"]
+    with pytest.raises(RuntimeError, match="a bug"):
+        wrapped(object())
+
+
+def test_a_moved_waiting_poll_is_one_line_and_the_old_behaviour(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    monkeypatch.delattr(dynamic_rendezvous.DynamicRendezvousHandler, torch_elastic.WAITING_POLL_NAME)
+    assert not torch_elastic.install_lost_store_tolerance(lambda err: None)
+    assert "a lost store ends the agent" in capsys.readouterr().err
+
+
 def test_pythons_exit_handlers_run_on_request() -> None:
     """What a forked worker runs at its script's end: the handlers registered, once."""
     done = subprocess.run(

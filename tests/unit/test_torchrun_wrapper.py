@@ -20,6 +20,7 @@ import pytest
 from torch.distributed.elastic import metrics
 
 from purrsight.launcher.torchrun import RendezvousLog, job_exit_code
+from tests.helpers import free_port
 
 
 class SimpleElasticAgent:  # the name torchelastic's metric carries: <class>._rendezvous.duration.ms
@@ -93,3 +94,46 @@ def test_repeated_sigterms_stop_torchrun_once_after_its_worker_saved(tmp_path: P
     assert torchrun.returncode == 128 + signal.SIGTERM, output
     assert output.count("torchrun: SIGTERM again while stopping on SIGTERM: ignored") == 2, output
     assert output.index("worker: checkpoint saved") < output.index("torchrun: stopped by SIGTERM"), output
+
+
+ENDS_WITH_86_AFTER = """
+import sys, time
+time.sleep(float(sys.argv[1]))  # node 0's worker ends first, so its agent (the store's host) is gone
+sys.exit(86)
+"""
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_node_outliving_the_store_host_keeps_its_workers_codes_and_fails_a_rendezvous_in_one_line(
+    tmp_path: Path, restarts: int
+) -> None:
+    """Two real agents on loopback; node 0 (holding the c10d store) ends 4 s before node 1's worker.
+    Node 1's agent polls the gone store between its checks of that worker: it says so once and still
+    ends with the worker's 86 (the hang test's failure in CI was torchrun's 1 and a traceback). With a
+    restart left, its next rendezvous cannot reach the store: one line and torchrun's 1."""
+    worker, port = tmp_path / "worker.py", free_port()
+    worker.write_text(ENDS_WITH_86_AFTER)
+
+    def agent(node: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "purrsight.launcher.torchrun", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-conf", f"is_host={node == 0},join_timeout=60", "--monitor-interval", "0.1",
+             "--max-restarts", str(restarts if node else 0), str(worker), str(1 + 4 * node)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+
+    agents = [agent(0), agent(1)]
+    try:
+        outputs = [agent.communicate(timeout=90)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert agents[0].returncode == 86, outputs[0]
+    assert outputs[1].count(f"torchrun: the rendezvous store at 127.0.0.1:{port} is gone") == 1, outputs[1]
+    assert "Traceback" not in outputs[1], outputs[1]
+    if restarts == 0:
+        assert agents[1].returncode == 86, outputs[1]
+    else:
+        assert agents[1].returncode == 1, outputs[1]
+        assert f"torchrun: the rendezvous at 127.0.0.1:{port} failed (" in outputs[1], outputs[1]
