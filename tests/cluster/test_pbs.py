@@ -324,6 +324,8 @@ def test_ray_pbs_stopped_by_qdel_through_pbsdsh_or_ssh_checkpoints_and_leaves_no
 # variables, a TaskProlog writes PBS_NODEFILE (one line per slot), and since SLURM has no pbsdsh
 # the scripts start each host's task with srun (pbs/nodes.sh). Not covered: pbsdsh itself (the
 # simulated tests above), a Torque server's "N.server" job ids, select=...:ngpus= (dropped).
+# pbs/ray.pbs through qsub, stopped by qdel, is job A of tests/cluster/test_ray_batch.py's
+# two-jobs test: a Ray job beside another one's on the same nodes.
 
 
 def qsub_script(tmp: Path, name: str, resources: str) -> Path:
@@ -395,45 +397,3 @@ def test_qsub_train_pbs_on_two_nodes_qrerun_resumes_and_qdel_leaves_a_checkpoint
     stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", out)
     assert len(stopped) == 2 and stopped[0] == stopped[1], out[-3000:]  # both ranks, at the same step
     assert (checkpoints / f"step-{int(stopped[0]):08d}.ckpt").exists()
-
-
-@pytest.mark.root
-def test_qsub_ray_pbs_trains_on_two_nodes_and_qdel_stops_it_with_a_checkpoint(
-    slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path
-) -> None:
-    """qsub -V with tracker credentials exported; qdel mid-run (SIGTERM to every task, Ray's own
-    included, SIGKILL after the kill delay): a checkpoint at the step the run reached, no process
-    of the job's Ray left (renamed ones counted), and neither the job's Ray token nor a credential
-    on any command line or in a file other users may read, at any moment of the job."""
-    from tests.cluster.test_ray_batch import SECRETS, no_ray_left, ray_processes_seen, watch_secrets
-
-    script = qsub_script(tmp_path, "ray.pbs", "nodes=2:ppn=2")  # PBS_NODEFILE: each host twice
-    seen: dict[int, str] = {}
-    with watch_secrets(tmp_path, slurm.root, jobs=[]) as watch:
-        job = qsub(
-            slurm, tmp_path, script, synthetic_dir, extra_env=SECRETS,
-            trainer__max_steps=100000, checkpoint__every_n_steps=100000,
-        )  # fmt: skip
-        watch.roots = lambda: [tmp_path, slurm.root, *Path("/tmp").glob(f"prs-{job}-*")]
-        out = tmp_path / "job.out"
-        deadline = time.monotonic() + 300
-        while not (out.exists() and "step 5/" in out.read_text(errors="replace")):
-            state = slurm.job_field(job, "JobState")
-            assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), (state, out.exists() and out.read_text())
-            seen.update(ray_processes_seen(job))
-            time.sleep(1)
-        seen.update(ray_processes_seen(job))
-        subprocess.run(["qdel", job], env=slurm.env, check=True, timeout=60)
-        assert slurm.wait_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=120) == "CANCELLED"
-    text = out.read_text(errors="replace")
-    assert "Ray over 2 node(s) node0 node1; head 127.0.1.1" in text and "all 2 node(s) up: node0, node1" in text
-    stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", text)
-    assert len(stopped) == 1, text[-3000:]
-    saved = sorted((tmp_path / "runs" / "phase2-tiny" / "checkpoints").glob("step-*.ckpt"))
-    assert [path.name for path in saved] == [f"step-{int(stopped[0]):08d}.ckpt"], saved
-    for node in ("node0", "node1"):
-        log = (tmp_path / "logs" / f"ray-{job}" / f"{node}.log").read_text()
-        assert "SIGTERM: the job is stopping; Ray stays up" in log and "stopping this job's Ray" in log, log[-2000:]
-    no_ray_left(job, seen)
-    watch.assert_clean(set(SECRETS.values()))
-    assert len(watch.seen) > len(SECRETS), "the scans never saw the job's Ray token"

@@ -1,9 +1,10 @@
-"""slurm/ray.sbatch and slurm/prepare.sbatch on the real three-node SLURM cluster (see conftest.py).
+"""slurm/ray.sbatch, pbs/ray.pbs (through slurm-wlm-torque's qsub) and slurm/prepare.sbatch on
+the real three-node SLURM cluster (see conftest.py).
 
 Each job starts real Ray (a head and a worker node, `ray start` on the test nodes' own loopback
 addresses), submits the training through purrsight.ray_engine.submit and stops its Ray at the end.
-Every way the site stops a job is real: a plain scancel (SIGTERM to every process of the job,
-SIGKILL after KillWait), a preemption by a job of a higher partition (the same signals, then
+Every way the site stops a job is real: a qdel, which is a plain scancel here (SIGTERM to every
+process of the job, SIGKILL after KillWait), a preemption by a job of a higher partition (the same signals, then
 SLURM's requeue), USR1 before the time limit.
 """
 
@@ -20,6 +21,7 @@ import pytest
 
 from purrsight.ray_node.ports import JobPorts
 from tests.cluster.conftest import SlurmCluster
+from tests.cluster.test_pbs import qsub, qsub_script
 from tests.cluster.test_slurm import batch_output, job_env, sbatch, submit
 from tests.helpers import (
     REPO,
@@ -126,21 +128,22 @@ def wait_for_file(path: Path, slurm: SlurmCluster, job: str, seen: dict[int, str
         time.sleep(1)
 
 
-def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_stop_one_with_a_checkpoint(
+def test_two_ray_jobs_on_the_same_nodes_a_qdel_and_a_preemption_each_stop_one_with_a_checkpoint(
     slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path
 ) -> None:
-    """docs/DATA.md's array (slurm/prepare.sbatch, 2 parts), then two ray.sbatch jobs at once on
-    node0 and node1: A from the index, B from the prepared set, both with tracker credentials in
-    their environment.
+    """docs/DATA.md's array (slurm/prepare.sbatch, 2 parts), then two Ray jobs at once on node0
+    and node1, both with tracker credentials in their environment: A, pbs/ray.pbs through `qsub -V`
+    (slurm-wlm-torque), from the index; B, slurm/ray.sbatch, from the prepared set.
 
-    A plain `scancel` stops A: SIGTERM to every process of the job, Ray's included, which hold it
-    and stay up while the driver stops the run: a checkpoint at the step it reached, and no
-    requeue. A's teardown leaves B's Ray training on the same nodes. Then a job of the `urgent`
-    partition preempts B (SIGTERM to everything, SIGKILL after KillWait, SLURM's requeue): a
-    checkpoint at its step, a resume once the urgent job is done, and B finishes with every
+    `qdel` stops A (a plain scancel here: SIGTERM to every process of the job, Ray's included,
+    which hold it and stay up while the driver stops the run): a checkpoint at the step it reached,
+    and no requeue. A's teardown leaves B's Ray training on the same nodes. Then a job of the
+    `urgent` partition preempts B (SIGTERM to everything, SIGKILL after KillWait, SLURM's requeue):
+    a checkpoint at its step, a resume once the urgent job is done, and B finishes with every
     sample trained once per epoch. Each job's ports come from its own id, each node's Ray is
     sized from the allocation; no command line and no file others may read holds a job's Ray
-    token or a tracker credential; neither job leaves a Ray process (renamed ones counted) or temp dir.
+    token or a tracker credential, at any moment of the jobs; neither job leaves a Ray process
+    (renamed ones counted) or temp dir.
 
     Nothing waits for one job to be slower than another: B is held at gates it reads
     (tests/helpers.hold_env) at step 10 until A's teardown is done, and at step 21 until the
@@ -176,22 +179,23 @@ def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_st
     a_down, never = tmp_path / "a-torn-down", tmp_path / "released-only-by-a-stop"
     gates = hold_env({10: a_down, 21: never}, slurm.env)
     records = tmp_path / "samples"
-    first = submit(
-        slurm, tmp_path / "a", synthetic_dir, extra_env=SECRETS, script="slurm/ray.sbatch", sbatch_args=on_shared_nodes,
-        trainer__max_steps=100000, checkpoint__every_n_steps=100000,
+    # node0 and node1 by name (-w), one slot each, and SLURM's --mem: as on_shared_nodes gives B.
+    first = qsub(
+        slurm, tmp_path / "a", qsub_script(tmp_path / "a", "ray.pbs", "nodes=node0+node1,mem=1000mb"), synthetic_dir,
+        extra_env=SECRETS, trainer__max_steps=100000, checkpoint__every_n_steps=100000,
     )  # fmt: skip
     second = submit(
         slurm, tmp_path / "b", synthetic_dir, extra_env={**SECRETS, **record_samples_env(records, slurm.env), **gates},
         script="slurm/ray.sbatch", sbatch_args=on_shared_nodes,
         trainer__max_steps=steps, checkpoint__every_n_steps=100000, data__prepared=str(prepared),
     )  # fmt: skip
-    out_a, out_b = (tmp_path / name / f"purrsight-ray-{job}.out" for name, job in (("a", first), ("b", second)))
+    out_a, out_b = tmp_path / "a" / "job.out", tmp_path / "b" / f"purrsight-ray-{second}.out"
     seen: dict[str, dict[int, str]] = {first: {}, second: {}}
     with watch_secrets(tmp_path, slurm.root, jobs=[first, second]) as watch:
         wait_for_text(out_a, "step 5/", slurm, first, seen[first])
         wait_for_text(out_b, "step 5/", slurm, second, seen[second])
         seen[first].update(ray_processes_seen(first))
-        slurm.run("scancel", first)
+        subprocess.run(["qdel", first], env=slurm.env, check=True, timeout=60)
         assert slurm.wait_state(first, ENDED, timeout=120) == "CANCELLED", out_a.read_text()[-3000:]
         (teardown,) = [line for line in out_a.read_text().splitlines() if "Ray on every node" in line]
         wait_for_file(held_marker(a_down), slurm, second, seen[second])
@@ -212,7 +216,7 @@ def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_st
         assert slurm.wait_state(urgent, ENDED, timeout=300) == "COMPLETED", slurm.log("slurmctld")
         wait_for_text(out_b, "resume=auto: continuing from", slurm, second, seen[second], timeout=400)
         assert slurm.wait_state(second, ENDED, timeout=500) == "COMPLETED", out_b.read_text()[-4000:]
-    outs = {job: batch_output(tmp_path / name, job, "purrsight-ray") for job, name in ((first, "a"), (second, "b"))}
+    outs = {first: out_a.read_text(errors="replace"), second: batch_output(tmp_path / "b", second, "purrsight-ray")}
 
     for job, name in ((first, "a"), (second, "b")):
         out = outs[job]
@@ -220,7 +224,7 @@ def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_st
         assert "all 2 node(s) up: node0, node1" in out
         for node, address in (("node0", "127.0.1.1"), ("node1", "127.0.1.2")):
             log = (tmp_path / name / "logs" / f"ray-{job}" / f"{node}.log").read_text()
-            sized = re.search(rf"at {address}: 1 CPUs \(affinity mask\), 0 GPUs \(SLURM\), object store 0\.3 GiB", log)
+            sized = re.search(rf"at {address}: 1 CPUs \(affinity mask\), 0 GPUs \([^)]+\), object store 0\.3 GiB", log)
             assert sized, log[-2000:]
             assert f"stopping this job's Ray on {node}" in log
         no_ray_left(job, seen[job])
@@ -228,19 +232,22 @@ def test_two_ray_jobs_on_the_same_nodes_a_plain_scancel_and_a_preemption_each_st
     watch.assert_clean(set(SECRETS.values()))
     assert len(watch.seen) >= len(SECRETS) + 3, "the scans never saw the jobs' Ray tokens"  # A's, B's and B's requeued run's
 
-    # A, cancelled: a checkpoint at the step it reached, SIGTERM having reached every process of it.
+    # A, qdel'd: a checkpoint at the step it reached, SIGTERM having reached every process of it.
+    assert "Ray over 2 node(s) node0 node1; head 127.0.1.1" in outs[first], outs[first][-3000:]
     stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", outs[first])
     assert len(stopped) == 1, outs[first][-3000:]
     saved = sorted((tmp_path / "a" / "runs" / "phase2-tiny" / "checkpoints").glob("step-*.ckpt"))
     assert [path.name for path in saved] == [f"step-{int(stopped[0]):08d}.ckpt"], saved  # no periodic one was due
-    assert "stopped by SIGTERM (scancel or preemption): not requeueing; the checkpoints are kept" in outs[first]
+    assert f"the checkpoints are kept (qrerun {first} resumes)" in outs[first], outs[first][-3000:]
     assert slurm.job_field(first, "Restarts") == "0"
     for node in ("node0", "node1"):
         log = (tmp_path / "a" / "logs" / f"ray-{first}" / f"{node}.log").read_text()
         assert "SIGTERM: the job is stopping; Ray stays up" in log, log[-2000:]
 
-    # B, preempted: the stop's checkpoint, SLURM's requeue, the resume from it, the end.
+    # B, preempted: the stop's checkpoint, SLURM's requeue (the script, which cannot tell a
+    # preemption from a scancel, requeues nothing itself), the resume from it, the end.
     assert f"data: 128 train samples (prepared {prepared})" in outs[second]
+    assert "stopped by SIGTERM (scancel or preemption): not requeueing; the checkpoints are kept" in outs[second]
     stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", outs[second])
     resumed = re.search(r"resume=auto: continuing from .*step-(\d+)\.ckpt", outs[second])
     assert len(stopped) == 1 and resumed and resumed.group(1) == f"{int(stopped[0]):08d}", outs[second][-4000:]

@@ -2,7 +2,9 @@
 and every point reaches it once (real parts).
 
 A real ``mlflow server`` in its own process group, SIGKILLed as a whole (the server and its
-workers, as when its machine dies), then started again on the same store and port. The trainer
+workers, as when its machine dies), then started again on the same store and port (mid-attempt
+too: the server killed then restarted while one attempt trains is the last attempt of the
+three-attempt test, merged there as it only added checks to a run that test already makes). The trainer
 is the tiny default in one process, every step logged. Three tests drive the MLflow logger in
 this process instead of a trainer, where the case is one call of it: Lightning's call on an
 error in training, a request whose answer a loopback relay holds back, and a start with points
@@ -26,15 +28,23 @@ from mlflow.tracking import MlflowClient
 
 from purrsight.observability.tracker_journal import QUEUE_DIR, QueuedPoint
 from purrsight.observability.trackers import RunMLflowLogger
-from tests.helpers import DEFAULT_CONFIG, REPO, free_port, python_env, tiny_config, tiny_overrides
+from tests.helpers import DEFAULT_CONFIG, REPO, free_port, hold_env, python_env, tiny_config, tiny_overrides
 from tests.launcher.conftest import wait_for
 from tests.mlflow_server import kill_server, start_mlflow
 
 EVERY = 10  # checkpoints in the test of three attempts: a kill redoes at most 10 steps
+LAST = 200  # that test's last step
 
 
 def start_training(
-    synthetic_dir: Path, out: Path, uri: str, steps: int, log_name: str = "trainer.log", resume: bool = False, **extra: object
+    synthetic_dir: Path,
+    out: Path,
+    uri: str,
+    steps: int,
+    log_name: str = "trainer.log",
+    resume: bool = False,
+    env: dict[str, str] | None = None,
+    **extra: object,
 ) -> tuple[subprocess.Popen[str], Path]:
     log = out / log_name
     out.mkdir(parents=True, exist_ok=True)
@@ -47,7 +57,8 @@ def start_training(
     with log.open("w") as sink:
         trainer = subprocess.Popen(
             command + (["--resume"] if resume else []),
-            cwd=REPO, env={**python_env(), "OMP_NUM_THREADS": "1"}, stdout=sink, stderr=subprocess.STDOUT, text=True,
+            cwd=REPO, env={**python_env(), "OMP_NUM_THREADS": "1", **(env or {})}, stdout=sink, stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
     return trainer, log
 
@@ -69,39 +80,6 @@ def missing_or_repeated(steps: list[int], last: int) -> str:
     return f"missing {sorted(set(range(1, last + 1)) - set(steps))}, repeated {sorted({s for s in steps if steps.count(s) > 1})}"
 
 
-def test_a_server_killed_then_restarted_on_its_store_gets_every_step_once(synthetic_dir: Path, tmp_path: Path) -> None:
-    """Killed at step 40 of 600, started again at step 100 (it takes some 15 s to come up): training
-    goes on at full speed meanwhile, the points queued in the outage are sent once it is back, and
-    the server ends with every step exactly once and the run marked finished."""
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    server = start_mlflow(tmp_path / "mlflow", port)
-    trainer: subprocess.Popen[str] | None = None
-    try:
-        trainer, log = start_training(synthetic_dir, tmp_path / "run", uri, steps=600)
-        assert wait_for(lambda: at_step(log, 40), timeout=240, interval=0.05), log.read_text()[-3000:]
-        kill_server(server)
-        killed_at = time.monotonic()
-        assert wait_for(lambda: at_step(log, 100), timeout=120, interval=0.05), log.read_text()[-3000:]
-        # 60 steps during the outage at training speed: MLflow's own retries (5, 8, 16, 33, 64 s...)
-        # on the training thread took minutes per step.
-        assert time.monotonic() - killed_at < 60
-        server = start_mlflow(tmp_path / "mlflow", port)
-        assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
-        steps, status = steps_on_server(uri)
-    finally:
-        if trainer is not None:
-            trainer.kill()
-        kill_server(server)
-    text = log.read_text()
-    assert "mlflow: could not send step" in text and "mlflow: reachable again" in text, text[-3000:]
-    assert sorted(steps) == list(range(1, 601)), missing_or_repeated(steps, 600)
-    assert status == "FINISHED"  # the run's end went through the queue too
-    entry = json.loads((tmp_path / "run" / "phase2-tiny" / "trackers.json").read_text())["mlflow"]
-    assert "lost" not in entry and "kept" not in entry, entry
-    assert not list((tmp_path / "run" / "phase2-tiny" / QUEUE_DIR / "mlflow").glob("*.jsonl"))  # nothing left waiting
-
-
 def test_a_stop_and_a_kill_during_outages_leave_the_queue_on_disk_and_the_next_attempts_send_it(
     synthetic_dir: Path, tmp_path: Path
 ) -> None:
@@ -112,10 +90,14 @@ def test_a_stop_and_a_kill_during_outages_leave_the_queue_on_disk_and_the_next_a
     2. The server is back on its store; a resume sends them and trains on. The server dies again
        at step 80 and the trainer is SIGKILLed at step 100: nothing of ours runs, as on the
        watchdog's exit (``os._exit``) or a node's death.
-    3. The server is back; a resume to step 110 sends what the killed attempt left.
+    3. The server is back; a resume sends what the killed attempt left. The server is killed at
+       step 120 and started again on its store at step 180 (it takes some 15 s to come up):
+       training goes on at full speed meanwhile (held at step 190 until the server is back, so
+       the run's end finds it up), and what was queued in the outage is sent once it is back.
 
-    The server then holds steps 1-110, each once: none lost, none sent twice (steps 91-100 or so
-    were trained twice, and the tracker keeps the first values).
+    The server then holds steps 1-200, each once: none lost, none sent twice (steps 91-100 or so
+    were trained twice, and the tracker keeps the first values), and the run marked finished
+    (its end went through the queue too).
     """
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
@@ -146,18 +128,34 @@ def test_a_stop_and_a_kill_during_outages_leave_the_queue_on_disk_and_the_next_a
         assert list((run_dir / QUEUE_DIR / "mlflow").glob("*.jsonl"))  # what it queued is on disk
 
         server = start_mlflow(tmp_path / "mlflow", port)
-        trainer, log = start_training(synthetic_dir, tmp_path / "run", uri, 110, "last.log", True, checkpoint__every_n_steps=EVERY)
-        assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
+        server_back = tmp_path / "server-back"
+        trainer, log = start_training(
+            synthetic_dir, tmp_path / "run", uri, LAST, "last.log", True, hold_env({LAST - 10: server_back}, python_env()),
+            checkpoint__every_n_steps=EVERY,
+        )  # fmt: skip
+        assert wait_for(lambda: at_step(log, 120), timeout=240, interval=0.05), log.read_text()[-3000:]
         assert "mlflow: the last attempt left" in log.read_text()
+        kill_server(server)
+        killed_at = time.monotonic()
+        assert wait_for(lambda: at_step(log, 180), timeout=120, interval=0.05), log.read_text()[-3000:]
+        # 60 steps during the outage at training speed: MLflow's own retries (5, 8, 16, 33, 64 s...)
+        # on the training thread took minutes per step.
+        assert time.monotonic() - killed_at < 60
+        server = start_mlflow(tmp_path / "mlflow", port)
+        server_back.touch()
+        assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
         steps, status = steps_on_server(uri)
     finally:
         if trainer is not None:
             trainer.kill()
         kill_server(server)
-    assert sorted(steps) == list(range(1, 111)), missing_or_repeated(steps, 110)
+    text = log.read_text()
+    assert "mlflow: could not send step" in text and "mlflow: reachable again" in text, text[-3000:]
+    assert sorted(steps) == list(range(1, LAST + 1)), missing_or_repeated(steps, LAST)
     assert status == "FINISHED"
     entry = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
     assert "kept" not in entry and "lost" not in entry, entry
+    assert not list((run_dir / QUEUE_DIR / "mlflow").glob("*.jsonl"))  # nothing left waiting
     assert "## Tracker points" not in (run_dir / "report.md").read_text()
 
 
