@@ -27,7 +27,9 @@ Arguments (positional, defaults in brackets):
   num_nodes     nodes in the job: N, or MIN:MAX (elastic)  [1]
                 MIN:MAX starts once MIN nodes have joined, admits up to MAX, and goes on
                 while MIN remain: a lost node restarts the rest from the last checkpoint at
-                the exact data position (trainer.global_batch_size keeps the global batch)
+                the exact data position (trainer.global_batch_size keeps the global batch);
+                a node back (started again with RESUME=auto) joins at the others' next step
+                end, with a checkpoint there
   node_rank     this node, 0 .. N-1 (or MAX-1); 0 is master and hosts the rendezvous [0]
   master_addr   address of node 0, reachable from all      [localhost]
   master_port   free TCP port on node 0 for the rendezvous [29500]

@@ -16,9 +16,11 @@
   its workers, for nodes waiting to join. The store it reads lives in the first node's agent;
   once that node's job has ended, torchelastic raises from the poll and the agent dies with a
   traceback while its own workers are still finishing (the watchdog's 86 became torchrun's 1).
-  ``install_lost_store_tolerance`` reads a lost store as no node waiting: nothing can join a
-  rendezvous whose store is gone, and the agent goes on to collect its workers' own exit codes.
-  Where the method has moved, one line says so and a lost store ends the agent as before.
+  ``watch_waiting_nodes`` reads a lost store as no node waiting: nothing can join a rendezvous
+  whose store is gone, and the agent goes on to collect its workers' own exit codes. It also
+  hands on a count above 0: the agent is about to restart its workers for a joining node, which
+  torchelastic logs at INFO only. Where the method has moved, one line says so, a lost store ends
+  the agent as before, and a join is not announced.
 """
 
 from __future__ import annotations
@@ -52,15 +54,16 @@ def install_worker_entry(entry: Callable[..., None]) -> bool:
     return _replace(run, WORKER_ENTRY_NAME, entry, found, "starting the workers as subprocesses", " for --run-path")
 
 
-def install_lost_store_tolerance(on_lost: Callable[[Exception], None]) -> bool:
-    """Make the agent's poll for waiting nodes call ``on_lost`` and answer 0 where the rendezvous
-    store cannot be reached; False (and one line) where torchelastic no longer has that poll."""
+def watch_waiting_nodes(on_lost: Callable[[Exception], None], on_waiting: Callable[[int], None]) -> bool:
+    """Make the agent's poll for waiting nodes call ``on_waiting`` with a count above 0, and
+    ``on_lost`` (answering 0) where the rendezvous store cannot be reached; False (and one line)
+    where torchelastic no longer has that poll."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     handler_class = dynamic_rendezvous.DynamicRendezvousHandler
     poll = vars(handler_class).get(WAITING_POLL_NAME)  # its own, not the abstract base's
-    if getattr(poll, "tolerates_a_lost_store", False):
+    if getattr(poll, "watched", False):
         return True  # installed by an earlier main() in this process
     if not callable(poll):
         print(
@@ -72,12 +75,15 @@ def install_lost_store_tolerance(on_lost: Callable[[Exception], None]) -> bool:
 
     def num_nodes_waiting(handler: object) -> int:
         try:
-            return int(poll(handler))
+            waiting = int(poll(handler))
         except RendezvousConnectionError as err:
             on_lost(err)
             return 0
+        if waiting > 0:
+            on_waiting(waiting)
+        return waiting
 
-    num_nodes_waiting.tolerates_a_lost_store = True  # type: ignore[attr-defined]
+    num_nodes_waiting.watched = True  # type: ignore[attr-defined]
     setattr(handler_class, WAITING_POLL_NAME, num_nodes_waiting)
     return True
 

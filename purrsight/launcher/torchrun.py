@@ -11,6 +11,8 @@
   collecting their own workers' codes, instead of dying with a traceback while those workers
   finish (internals/torch_elastic.py). A rendezvous that cannot be completed (a restart after
   that, a node that never came) is one line and torchrun's 1, not a traceback.
+- A node waiting to join an elastic job gets a line on every present node: the agent stops its
+  workers (SIGTERM: a checkpoint at the step's end) and starts them again with it.
 - Each rendezvous gets a line with torchelastic's own timing (docs/SCALING.md reads them):
 
     2026-11-23 05:21:40 [torchrun] rendezvous 0 done in 1.84 s
@@ -47,9 +49,9 @@ from torch.distributed.run import parse_args, run
 from purrsight.errors import SIGNAL_BASE, ExitCode
 from purrsight.internals.torch_elastic import (
     RENDEZVOUS_METRIC,
-    install_lost_store_tolerance,
     install_terminate_handler,
     install_worker_entry,
+    watch_waiting_nodes,
 )
 
 TORCHRUN_FAILED = 1  # torchrun's own code for a failed worker group, kept for callers that read it
@@ -106,6 +108,16 @@ class LostStoreLine:
         )
 
 
+def say_nodes_joining(count: int) -> None:
+    """The agent restarts its workers for nodes waiting to join (an elastic job's MAX not reached)."""
+    print(
+        f"torchrun: {count} node(s) waiting to join: the workers stop with a checkpoint at their step's end "
+        "and the group starts again with them",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 class WithoutTraceback(logging.Filter):
     """Keeps torchelastic's "failed (exitcode: N)" line, drops the traceback it attaches.
 
@@ -137,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     install_terminate_handler(StopOnce())
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(WithoutTraceback())
     args = parse_args(argv if argv is not None else sys.argv[1:])
-    install_lost_store_tolerance(LostStoreLine(args.rdzv_endpoint))
+    watch_waiting_nodes(LostStoreLine(args.rdzv_endpoint), say_nodes_joining)
     if args.run_path and args.start_method == "forkserver":
         if install_worker_entry(forked_workers.run_worker):
             forked_workers.start_server()  # started already when run as a program; here when main() is called

@@ -1,4 +1,5 @@
-"""An elastic job (`cluster_train.sh CONFIG 2:3 ...`) that loses a node goes on without it.
+"""An elastic job (`cluster_train.sh CONFIG 2:3 ...`) that loses a node goes on without it, and
+takes it back when it returns.
 
 Three launchers on loopback, one rank each, `trainer.global_batch_size=12` with 2 samples a
 micro-batch: 3 ranks x 2 x 2 micro-batches a step. Every rank is held at the end of step 8 (a gate:
@@ -6,10 +7,15 @@ tests/helpers.hold_env), node 1 is killed whole there (SIGKILL to every process 
 launcher, torchrun's agent, the fork server and the worker), and the gate opens. The two others fail
 their next collective, their agents meet again without node 1 (c10d's rendezvous: 2 of 2:3), node
 2's rank becomes rank 1 (ranks ordered among the nodes present: nodes 0 and 2, a gap), and the
-workers resume from the step-5 checkpoint on 2 ranks x 2 x 3 micro-batches: 12 samples a step still. Every step of
-the run trained 12 samples (an epoch's last, shorter window aside), no epoch trained a sample
-twice, and each whole epoch trained every sample but the sampler's tail. 128 samples: 126 a
-pass on 3 ranks (2 left out), 128 on 2; 11 steps an epoch on either world, the last one short.
+workers resume from the step-5 checkpoint on 2 ranks x 2 x 3 micro-batches: 12 samples a step still.
+
+Held again at step 14, node 1's launcher is started anew (RESUME=auto: the run is in its folder
+already, and a start without it is refused): the two agents see it waiting, stop their
+workers (SIGTERM: a checkpoint at the end of step 14 or 15), and the three meet and resume from that
+checkpoint, nothing trained lost, on 3 ranks x 2 x 2 again. Every step of the run trained 12 samples
+(an epoch's last, shorter window aside), no epoch trained a sample twice, and each whole epoch
+trained every sample but the sampler's tail. 128 samples: 126 a pass on 3 ranks (2 left out), 128
+on 2; 11 steps an epoch on either world, the last one short.
 """
 
 from __future__ import annotations
@@ -27,33 +33,33 @@ from typing import Any
 from tests.helpers import held_marker, hold_env, python_env, record_samples_env, recorded_steps
 from tests.launcher.conftest import Cluster, descendants, wait_for
 
-GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT = 12, 2, 30, 8, 5
+GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT, JOIN_AT = 12, 2, 30, 8, 5, 14
 
 
-def steps_trained(records: Path, killed_ns: int, resumed_from: int) -> dict[int, list[dict[str, Any]]]:
+def steps_trained(records: Path, killed_ns: int, joined_ns: int, joined_at: int) -> dict[int, list[dict[str, Any]]]:
     """step -> the micro-batches every rank trained for it, in the attempt whose steps the
-    checkpoints kept: the 3-rank attempt's up to the resume, the 2-rank attempt's after it."""
+    checkpoints kept: the first 3-rank attempt's up to the resume from step SAVED_AT, the 2-rank
+    attempt's from there to the join's checkpoint, the second 3-rank attempt's after it."""
+    attempts = ((0, 3, 0, SAVED_AT), (killed_ns, 2, SAVED_AT, joined_at), (joined_ns, 3, joined_at, STEPS))
     steps: dict[int, list[dict[str, Any]]] = {}
     for path in sorted(records.glob("*.jsonl")):
-        after_the_loss = int(path.name.split("-", 1)[0]) > killed_ns
+        started_ns = int(path.name.split("-", 1)[0])
+        _, world, after, through = max(attempt for attempt in attempts if attempt[0] < started_ns)
         for record, micro_batches in recorded_steps(path):
-            step, world = record["step"], record["world"]
-            kept = (after_the_loss and world == 2 and step > resumed_from) or (
-                not after_the_loss and world == 3 and step <= resumed_from
-            )
-            if kept:
-                steps.setdefault(step, []).extend(micro_batches)
+            if record["world"] == world and after < record["step"] <= through:
+                steps.setdefault(record["step"], []).extend(micro_batches)
     return steps
 
 
-def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_with_the_global_batch_kept(
+def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then_it_rejoins_with_the_global_batch_kept(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     gate, records = tmp_path / "released-after-the-kill", tmp_path / "samples"
+    join_gate = tmp_path / "released-only-by-the-joins-stop"
     # RDZV_LAST_CALL_S 4 (2 by default): three launchers starting on two busy cores meet in one first
     # round; a second round to admit a late one would restart the first from scratch.
     env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": "4", **record_samples_env(records, python_env())}
-    env |= hold_env({KILLED_AT: gate}, python_env())
+    env |= hold_env({KILLED_AT: gate, JOIN_AT: join_gate}, python_env())
     overrides: dict[str, Any] = dict(
         data__batch_size=BATCH, trainer__global_batch_size=GLOBAL_BATCH, trainer__max_steps=STEPS,
         checkpoint__every_n_steps=SAVED_AT, checkpoint__keep_last=10, logging__every_n_steps=1,
@@ -86,9 +92,15 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_with
 
     assert wait_for(training_again, timeout=180, interval=0.2), log.read_text(errors="replace")[-4000:]
     again_s = time.monotonic() - lost
-    assert nodes[0].wait(timeout=300) == 0 and nodes[2].wait(timeout=120) == 0, log.read_text(errors="replace")[-4000:]
+
+    # The node back, once the two hold at step JOIN_AT: only the stop its arrival brings releases them.
+    assert wait_for(lambda: all(held_marker(join_gate, rank).exists() for rank in range(2)), timeout=180)
+    before_the_join = len(log.read_text(errors="replace"))
+    joined_ns = time.time_ns()
+    nodes[1] = cluster.start("2:3", 1, env={**env, "RESUME": "auto"}, **overrides)  # joins the run in its folder
+    assert all(nodes[n].wait(timeout=300) == 0 for n in (0, 2, 1)), log.read_text(errors="replace")[-4000:]
     whole = log.read_text(errors="replace")
-    text = whole[before_the_loss:]
+    text, joined = whole[before_the_loss:before_the_join], whole[before_the_join:]
     print(f"a node lost at step {KILLED_AT}: the others trained again {again_s:.1f} s after the kill")
 
     assert "(elastic: goes on while 2 of up to 3 nodes remain)" in whole
@@ -105,7 +117,19 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_with
     assert resumed and int(resumed.group(1)) == SAVED_AT, text[-3000:]
     assert again_s < 90, again_s  # the measured figure is bench's (docs/RELIABILITY.md); this bounds a hang
 
-    steps = steps_trained(records, killed_ns, SAVED_AT)
+    # The join: announced, a checkpoint at the step's end, the three resume from it, nothing lost.
+    assert "torchrun: 1 node(s) waiting to join" in joined, joined[-4000:]
+    assert "elastic round of 3 node(s) [0, 1, 2]: node_rank 0 local_rank 0 is global rank 0" in joined
+    assert "elastic round of 3 node(s) [0, 1, 2]: node_rank 1 local_rank 0 is global rank 1" in cluster.node_log(1)
+    assert "global batch 12 = 3 processes x 2 (data.batch_size) x 2 micro-batches per step" in joined
+    assert "a peer process is gone" not in joined and "Traceback" not in joined, joined[-4000:]
+    saved = re.findall(r"checkpoint saved: .*step-(\d+)\.ckpt", joined)
+    rejoined = re.search(r"resuming from checkpoint .*step-(\d+)\.ckpt", joined)
+    assert saved and rejoined and int(saved[0]) == int(rejoined.group(1)), joined[-4000:]
+    joined_at = int(saved[0])
+    assert JOIN_AT <= joined_at <= JOIN_AT + 1, joined_at  # held at 14: the stop lands at its end or the next's
+
+    steps = steps_trained(records, killed_ns, joined_ns, joined_at)
     assert sorted(steps) == list(range(1, STEPS + 1)), sorted(steps)
     epochs = {step: {batch["epoch"] for batch in batches} for step, batches in steps.items()}
     for step, batches in steps.items():
@@ -124,4 +148,4 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_with
             assert len(every_id - set(taken)) <= 2, (epoch, sorted(every_id - set(taken)))
 
     report = (cluster.run_dir / "report.md").read_text()
-    assert "| 3 x 2 x 2 = 12 |" in report and "| 2 x 2 x 3 = 12 |" in report, report
+    assert report.count("| 3 x 2 x 2 = 12 |") == 2 and "| 2 x 2 x 3 = 12 |" in report, report

@@ -83,24 +83,29 @@ def test_a_moved_worker_entry_is_one_line_and_subprocess_workers(
 
 
 def test_the_agent_polls_for_waiting_nodes_by_the_name_we_wrap(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lost store reads as no node waiting; any other failure of the poll still raises."""
+    """A lost store reads as no node waiting; a count above 0 is handed on; any other failure of the poll still raises."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     handler_class = dynamic_rendezvous.DynamicRendezvousHandler
     assert f"rdzv_handler.{torch_elastic.WAITING_POLL_NAME}()" in inspect.getsource(SimpleElasticAgent._invoke_run)
-    failures: list[Exception] = [RendezvousConnectionError("store gone"), RuntimeError("a bug")]
+    answers: list[int | Exception] = [RendezvousConnectionError("store gone"), 0, 2, RuntimeError("a bug")]
 
     def poll(handler: object) -> int:
-        raise failures.pop(0)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     monkeypatch.setattr(handler_class, torch_elastic.WAITING_POLL_NAME, poll)
     lost: list[Exception] = []
-    assert torch_elastic.install_lost_store_tolerance(lost.append)
-    assert torch_elastic.install_lost_store_tolerance(lost.append)  # a second main() in one process wraps once
+    waiting: list[int] = []
+    assert torch_elastic.watch_waiting_nodes(lost.append, waiting.append)
+    assert torch_elastic.watch_waiting_nodes(lost.append, waiting.append)  # a second main() in one process wraps once
     wrapped = getattr(handler_class, torch_elastic.WAITING_POLL_NAME)
-    assert wrapped(object()) == 0 and [str(err) for err in lost] == ["store gone"]
+    assert [wrapped(object()) for _ in range(3)] == [0, 0, 2]
+    assert [str(err) for err in lost] == ["store gone"] and waiting == [2]
     with pytest.raises(RuntimeError, match="a bug"):
         wrapped(object())
 
@@ -111,7 +116,7 @@ def test_a_moved_waiting_poll_is_one_line_and_the_old_behaviour(
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     monkeypatch.delattr(dynamic_rendezvous.DynamicRendezvousHandler, torch_elastic.WAITING_POLL_NAME)
-    assert not torch_elastic.install_lost_store_tolerance(lambda err: None)
+    assert not torch_elastic.watch_waiting_nodes(lambda err: None, lambda count: None)
     assert "a lost store ends the agent" in capsys.readouterr().err
 
 
