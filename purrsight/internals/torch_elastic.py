@@ -20,7 +20,13 @@
   whose store is gone, and the agent goes on to collect its workers' own exit codes. It also
   hands on a count above 0: the agent is about to restart its workers for a joining node, which
   torchelastic logs at INFO only. Where the method has moved, one line says so, a lost store ends
-  the agent as before, and a join is not announced.
+  the agent as before, and a join is not announced. On a lost store it also stops the
+  handler's heartbeats (``_stop_heartbeats``), which otherwise log a warning every second for
+  as long as the workers take to end.
+- ``LocalElasticAgent._monitor_workers``: the agent's check of its workers. ``watch_worker_failures``
+  hands on each failed result, so a job whose agent then cannot meet again (the store gone with
+  node 0) still ends with its workers' documented code. Where it has moved, one line says so and
+  such a job ends with torchrun's 1.
 """
 
 from __future__ import annotations
@@ -28,11 +34,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from types import FrameType, ModuleType
+from typing import Any
 
 RENDEZVOUS_METRIC = "._rendezvous.duration.ms"
 HANDLER_NAME = "_terminate_process_handler"
 WORKER_ENTRY_NAME = "run_script_path"
 WAITING_POLL_NAME = "num_nodes_waiting"
+HEARTBEAT_STOP_NAME = "_stop_heartbeats"
+MONITOR_NAME = "_monitor_workers"
 
 Handler = Callable[[int, FrameType | None], None]
 
@@ -77,6 +86,9 @@ def watch_waiting_nodes(on_lost: Callable[[Exception], None], on_waiting: Callab
         try:
             waiting = int(poll(handler))
         except RendezvousConnectionError as err:
+            stop_heartbeats = getattr(handler, HEARTBEAT_STOP_NAME, None)
+            if callable(stop_heartbeats):
+                stop_heartbeats()  # each would fail and warn, every keep-alive interval
             on_lost(err)
             return 0
         if waiting > 0:
@@ -85,6 +97,34 @@ def watch_waiting_nodes(on_lost: Callable[[Exception], None], on_waiting: Callab
 
     num_nodes_waiting.watched = True  # type: ignore[attr-defined]
     setattr(handler_class, WAITING_POLL_NAME, num_nodes_waiting)
+    return True
+
+
+def watch_worker_failures(on_failed: Callable[[Any], None]) -> bool:
+    """Make the agent's check of its workers hand each failed ``RunResult`` to ``on_failed``;
+    False (and one line) where torchelastic's local agent no longer has that check."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    check = vars(LocalElasticAgent).get(MONITOR_NAME)
+    if getattr(check, "watched", False):
+        return True  # installed by an earlier main() in this process
+    if not callable(check):
+        print(
+            f"torchrun: this torch's local agent has no {MONITOR_NAME}; a job whose rendezvous fails after its "
+            "workers did ends with torchrun's 1",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+
+    def monitor_workers(agent: object, worker_group: object) -> Any:
+        result = check(agent, worker_group)
+        if result.is_failed():
+            on_failed(result)
+        return result
+
+    monitor_workers.watched = True  # type: ignore[attr-defined]
+    setattr(LocalElasticAgent, MONITOR_NAME, monitor_workers)
     return True
 
 

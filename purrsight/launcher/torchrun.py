@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 from types import FrameType
+from typing import Any
 
 from purrsight.launcher import forked_workers
 
@@ -42,8 +43,8 @@ if __name__ == "__main__" and forked_workers.asked_for(sys.argv[1:]):
 
 from torch.distributed.elastic import metrics
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 from torch.distributed.run import parse_args, run
 
 from purrsight.errors import SIGNAL_BASE, ExitCode
@@ -52,6 +53,7 @@ from purrsight.internals.torch_elastic import (
     install_terminate_handler,
     install_worker_entry,
     watch_waiting_nodes,
+    watch_worker_failures,
 )
 
 TORCHRUN_FAILED = 1  # torchrun's own code for a failed worker group, kept for callers that read it
@@ -89,6 +91,17 @@ class StopOnce:
         raise SignalException(f"Process {os.getpid()} got signal: {received}", sigval=received)
 
 
+class LastFailure:
+    """The workers' failures in the agent's last failed check (internals/torch_elastic.py): the
+    codes a job ends with when its restart then cannot meet the other nodes."""
+
+    def __init__(self) -> None:
+        self.failures: dict[int, ProcessFailure] = {}
+
+    def __call__(self, result: Any) -> None:
+        self.failures = dict(result.failures)
+
+
 class LostStoreLine:
     """Says once, for the whole job, that the rendezvous store went away with the node holding it."""
 
@@ -102,7 +115,7 @@ class LostStoreLine:
         self.said = True
         print(
             f"torchrun: the rendezvous store at {self.endpoint} is gone: the job of the node holding it has ended "
-            "(its log says why); this node's workers go on until they end",
+            "(its log says why); this node's workers go on until they end, and their code is this job's",
             file=sys.stderr,
             flush=True,
         )
@@ -144,12 +157,35 @@ def job_exit_code(worker_codes: list[int]) -> int:
     return TORCHRUN_FAILED
 
 
+def report_failures(failures: dict[int, ProcessFailure]) -> int:
+    """One line per failed rank; the job's code from theirs."""
+    for rank, failure in sorted(failures.items()):
+        print(
+            f"torchrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) exited with code {failure.exitcode}",
+            file=sys.stderr,
+        )
+    return job_exit_code([failure.exitcode for failure in failures.values()])
+
+
+def rendezvous_reason(err: BaseException) -> str:
+    """The error's first line and, where it wraps one ("See inner exception"), its cause's."""
+    parts: list[str] = []
+    current: BaseException | None = err
+    while current is not None and len(parts) < 2:
+        first = str(current).splitlines()[0] if str(current) else "no reason given"
+        parts.append(f"{type(current).__name__}: {first}")
+        current = current.__cause__
+    return "; ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     metrics.configure(RendezvousLog(), group="torchelastic")
     install_terminate_handler(StopOnce())
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(WithoutTraceback())
     args = parse_args(argv if argv is not None else sys.argv[1:])
     watch_waiting_nodes(LostStoreLine(args.rdzv_endpoint), say_nodes_joining)
+    last_failure = LastFailure()
+    watch_worker_failures(last_failure)
     if args.run_path and args.start_method == "forkserver":
         if install_worker_entry(forked_workers.run_worker):
             forked_workers.start_server()  # started already when run as a program; here when main() is called
@@ -158,20 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as err:
-        for rank, failure in sorted(err.failures.items()):
-            print(
-                f"torchrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) exited with code {failure.exitcode}",
-                file=sys.stderr,
-            )
-        return job_exit_code([failure.exitcode for failure in err.failures.values()])
+        return report_failures(err.failures)
+    except RendezvousClosedError:
+        print(f"torchrun: the job at {args.rdzv_endpoint} has ended (its rendezvous is closed): nothing to join", file=sys.stderr)
+        return TORCHRUN_FAILED
     except RendezvousError as err:
-        reason = str(err).splitlines()[0] if str(err) else "no reason given"
         print(
-            f"torchrun: the rendezvous at {args.rdzv_endpoint} failed ({type(err).__name__}: {reason}); "
+            f"torchrun: the rendezvous at {args.rdzv_endpoint} failed ({rendezvous_reason(err)}); "
             "if the first node's job has ended, its log says why",
             file=sys.stderr,
         )
-        return TORCHRUN_FAILED
+        # The workers failed first (their restart is what met the gone store): their code, not 1.
+        return report_failures(last_failure.failures) if last_failure.failures else TORCHRUN_FAILED
     except SignalException as err:
         print(f"torchrun: stopped by {err.sigval.name}; the workers were asked to save and exit", file=sys.stderr)
         return SIGNAL_BASE + int(err.sigval)

@@ -92,8 +92,8 @@ def test_a_stop_and_a_kill_during_outages_leave_the_queue_on_disk_and_the_next_a
        watchdog's exit (``os._exit``) or a node's death.
     3. The server is back; a resume sends what the killed attempt left. The server is killed at
        step 120 and started again on its store at step 180 (it takes some 15 s to come up):
-       training goes on at full speed meanwhile (held at step 190 until the server is back, so
-       the run's end finds it up), and what was queued in the outage is sent once it is back.
+       training goes on at full speed meanwhile (held at step 190 until the sender has found the
+       server back by itself), and what was queued in the outage is sent once it is back.
 
     The server then holds steps 1-200, each once: none lost, none sent twice (steps 91-100 or so
     were trained twice, and the tracker keeps the first values), and the run marked finished
@@ -142,6 +142,8 @@ def test_a_stop_and_a_kill_during_outages_leave_the_queue_on_disk_and_the_next_a
         # on the training thread took minutes per step.
         assert time.monotonic() - killed_at < 60
         server = start_mlflow(tmp_path / "mlflow", port)
+        # The sender finds the server back by itself, while training still runs (its backoff: up to 30 s).
+        assert wait_for(lambda: "mlflow: reachable again" in log.read_text(), timeout=90), log.read_text()[-3000:]
         server_back.touch()
         assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
         steps, status = steps_on_server(uri)

@@ -98,10 +98,19 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
     before_the_join = len(log.read_text(errors="replace"))
     joined_ns = time.time_ns()
     nodes[1] = cluster.start("2:3", 1, env={**env, "RESUME": "auto"}, **overrides)  # joins the run in its folder
+    started = time.monotonic()
+
+    def three_training() -> bool:
+        _, resumed, after = log.read_text(errors="replace")[before_the_join:].partition("resuming from checkpoint")
+        return bool(resumed) and re.search(r"step \d+/30", after) is not None
+
+    assert wait_for(three_training, timeout=180, interval=0.2), log.read_text(errors="replace")[-4000:]
+    join_s = time.monotonic() - started
     assert all(nodes[n].wait(timeout=300) == 0 for n in (0, 2, 1)), log.read_text(errors="replace")[-4000:]
     whole = log.read_text(errors="replace")
     text, joined = whole[before_the_loss:before_the_join], whole[before_the_join:]
     print(f"a node lost at step {KILLED_AT}: the others trained again {again_s:.1f} s after the kill")
+    print(f"the node back at step {JOIN_AT}: three training {join_s:.1f} s after its launcher's start")
 
     assert "(elastic: goes on while 2 of up to 3 nodes remain)" in whole
     assert "elastic round of 3 node(s) [0, 1, 2]: node_rank 0 local_rank 0 is global rank 0" in whole
@@ -128,6 +137,15 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
     assert saved and rejoined and int(saved[0]) == int(rejoined.group(1)), joined[-4000:]
     joined_at = int(saved[0])
     assert JOIN_AT <= joined_at <= JOIN_AT + 1, joined_at  # held at 14: the stop lands at its end or the next's
+
+    # Nothing trained lost: the two stopped at the step the three resume from, not past it.
+    last_on_two = max(
+        record["step"]
+        for path in records.glob("*.jsonl")
+        if killed_ns < int(path.name.split("-", 1)[0]) < joined_ns
+        for record, _ in recorded_steps(path)
+    )
+    assert last_on_two == joined_at, (last_on_two, joined_at)
 
     steps = steps_trained(records, killed_ns, joined_ns, joined_at)
     assert sorted(steps) == list(range(1, STEPS + 1)), sorted(steps)

@@ -104,7 +104,17 @@ def test_the_agent_polls_for_waiting_nodes_by_the_name_we_wrap(monkeypatch: pyte
     assert torch_elastic.watch_waiting_nodes(lost.append, waiting.append)
     assert torch_elastic.watch_waiting_nodes(lost.append, waiting.append)  # a second main() in one process wraps once
     wrapped = getattr(handler_class, torch_elastic.WAITING_POLL_NAME)
-    assert [wrapped(object()) for _ in range(3)] == [0, 0, 2]
+
+    class Handler:
+        heartbeats = True
+
+        def _stop_heartbeats(self) -> None:
+            self.heartbeats = False
+
+    assert torch_elastic.HEARTBEAT_STOP_NAME in vars(handler_class)
+    handler = Handler()
+    assert [wrapped(handler) for _ in range(3)] == [0, 0, 2]
+    assert not handler.heartbeats  # stopped once the store was found gone
     assert [str(err) for err in lost] == ["store gone"] and waiting == [2]
     with pytest.raises(RuntimeError, match="a bug"):
         wrapped(object())
@@ -118,6 +128,30 @@ def test_a_moved_waiting_poll_is_one_line_and_the_old_behaviour(
     monkeypatch.delattr(dynamic_rendezvous.DynamicRendezvousHandler, torch_elastic.WAITING_POLL_NAME)
     assert not torch_elastic.watch_waiting_nodes(lambda err: None, lambda count: None)
     assert "a lost store ends the agent" in capsys.readouterr().err
+
+
+def test_the_local_agent_checks_its_workers_by_the_name_we_wrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each failed check's result is handed on; a healthy one is not; the result itself is returned unchanged."""
+    from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert f"self.{torch_elastic.MONITOR_NAME}(self._worker_group)" in inspect.getsource(SimpleElasticAgent._invoke_run)
+    results = [RunResult(state=WorkerState.HEALTHY), RunResult(state=WorkerState.FAILED, failures={})]
+    monkeypatch.setattr(LocalElasticAgent, torch_elastic.MONITOR_NAME, lambda agent, group: results.pop(0))
+    failed: list[object] = []
+    assert torch_elastic.watch_worker_failures(failed.append)
+    assert torch_elastic.watch_worker_failures(failed.append)  # wraps once
+    check = getattr(LocalElasticAgent, torch_elastic.MONITOR_NAME)
+    healthy, failure = check(object(), object()), check(object(), object())
+    assert healthy.state == WorkerState.HEALTHY and failed == [failure]
+
+
+def test_a_moved_worker_check_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monkeypatch.delattr(LocalElasticAgent, torch_elastic.MONITOR_NAME)
+    assert not torch_elastic.watch_worker_failures(lambda result: None)
+    assert "ends with torchrun's 1" in capsys.readouterr().err
 
 
 def test_pythons_exit_handlers_run_on_request() -> None:
