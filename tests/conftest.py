@@ -75,22 +75,11 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-# The longest files first, then folders by their tests' mean time in a fresh clone's run
-# (2026-11-28: faults 39 s, launcher 28, integration 22, bench 12, bad_inputs 3, unit 0.5). In file
-# order the two workers' last 100 s were test_fsdp's 160 s on one of them, the other idle; by
-# folder alone, test_fsdp still started 15 minutes in and ran alone for the last 80 s. With the
-# long tests first, what is left to share near the end (`--dist worksteal` takes half a busy
-# worker's queue from its end) is the short ones. Each file keeps its tests' order; the slowest
-# tests of each run are named at its end (tests/suite_budget.py), which is where this list comes from.
-LONGEST_FILES = (
-    "integration/test_fsdp.py",
-    "faults/test_network_cut.py",
-    "faults/test_trackers.py",
-    "faults/test_tracker_outage.py",
-    "integration/test_prepared_training.py",
-    "faults/test_hang_culprit.py",
-    "integration/test_format_training.py",
-)
+# Folders by their tests' mean time in a fresh clone's run (2026-11-28: faults 39 s, launcher 28,
+# integration 22, bench 12, bad_inputs 3, unit 0.5), run in that order. In file order the two
+# workers' last 100 s were test_fsdp's 160 s on one of them, the other idle: with the long tests
+# first, what is left to share (`--dist worksteal` takes half a busy worker's queue from its end)
+# near the end is the short ones. Unlisted folders go last, each keeping its files' order.
 LONGEST_FIRST = ("faults", "launcher", "integration", "bench", "bad_inputs")
 
 
@@ -103,12 +92,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if folder in SERIAL_FOLDERS:
             item.add_marker(pytest.mark.serial)
 
-    def rank(item: pytest.Item) -> tuple[int, int]:
-        path = item.path.relative_to(tests)
-        if path.as_posix() in LONGEST_FILES:
-            return 0, LONGEST_FILES.index(path.as_posix())
-        folder = path.parts[0]
-        return 1, LONGEST_FIRST.index(folder) if folder in LONGEST_FIRST else len(LONGEST_FIRST)
+    def rank(item: pytest.Item) -> int:
+        folder = item.path.relative_to(tests).parts[0]
+        return LONGEST_FIRST.index(folder) if folder in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: a file's tests stay together, in order, for its module fixtures
 

@@ -64,11 +64,3 @@ def test_pytest_writes_each_tests_seconds_and_the_check_reads_them(tmp_path: Pat
     assert re.match(r"quick: \d+\.\d min of 4 ", check.stdout), check.stdout
     assert "test_slow" in "".join(check.stdout.splitlines()[1:3]), check.stdout
     assert "CPU-s  " in check.stdout and "test_busy_child" in check.stdout.split("CPU:", 1)[1].splitlines()[1], check.stdout
-
-
-def test_the_files_run_first_exist() -> None:
-    """tests/conftest.py runs these first; a renamed one would silently lose its place."""
-    from tests.conftest import LONGEST_FILES
-
-    tests = Path(__file__).resolve().parents[1]
-    assert [name for name in LONGEST_FILES if not (tests / name).is_file()] == []
