@@ -70,34 +70,24 @@ def watch_waiting_nodes(on_lost: Callable[[Exception], None], on_waiting: Callab
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+    def watched(poll: Callable[[Any], int]) -> Callable[[Any], int]:
+        def num_nodes_waiting(handler: Any) -> int:
+            try:
+                waiting = int(poll(handler))
+            except RendezvousConnectionError as err:
+                stop_heartbeats = getattr(handler, HEARTBEAT_STOP_NAME, None)
+                if callable(stop_heartbeats):
+                    stop_heartbeats()  # each would fail and warn, every keep-alive interval
+                on_lost(err)
+                return 0
+            if waiting > 0:
+                on_waiting(waiting)
+            return waiting
+
+        return num_nodes_waiting
+
     handler_class = dynamic_rendezvous.DynamicRendezvousHandler
-    poll = vars(handler_class).get(WAITING_POLL_NAME)  # its own, not the abstract base's
-    if getattr(poll, "watched", False):
-        return True  # installed by an earlier main() in this process
-    if not callable(poll):
-        print(
-            f"torchrun: this torch's rendezvous handler has no {WAITING_POLL_NAME}; a lost store ends the agent",
-            file=sys.stderr,
-            flush=True,
-        )
-        return False
-
-    def num_nodes_waiting(handler: object) -> int:
-        try:
-            waiting = int(poll(handler))
-        except RendezvousConnectionError as err:
-            stop_heartbeats = getattr(handler, HEARTBEAT_STOP_NAME, None)
-            if callable(stop_heartbeats):
-                stop_heartbeats()  # each would fail and warn, every keep-alive interval
-            on_lost(err)
-            return 0
-        if waiting > 0:
-            on_waiting(waiting)
-        return waiting
-
-    num_nodes_waiting.watched = True  # type: ignore[attr-defined]
-    setattr(handler_class, WAITING_POLL_NAME, num_nodes_waiting)
-    return True
+    return _wrap_method(handler_class, WAITING_POLL_NAME, watched, "a lost store ends the agent")
 
 
 def watch_worker_failures(on_failed: Callable[[Any], None]) -> bool:
@@ -105,26 +95,32 @@ def watch_worker_failures(on_failed: Callable[[Any], None]) -> bool:
     False (and one line) where torchelastic's local agent no longer has that check."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    check = vars(LocalElasticAgent).get(MONITOR_NAME)
-    if getattr(check, "watched", False):
-        return True  # installed by an earlier main() in this process
-    if not callable(check):
-        print(
-            f"torchrun: this torch's local agent has no {MONITOR_NAME}; a job whose rendezvous fails after its "
-            "workers did ends with torchrun's 1",
-            file=sys.stderr,
-            flush=True,
-        )
+    def watched(check: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def monitor_workers(agent: Any, worker_group: Any) -> Any:
+            result = check(agent, worker_group)
+            if result.is_failed():
+                on_failed(result)
+            return result
+
+        return monitor_workers
+
+    otherwise = "a job whose rendezvous fails after its workers did ends with torchrun's 1"
+    return _wrap_method(LocalElasticAgent, MONITOR_NAME, watched, otherwise)
+
+
+def _wrap_method(owner: type, name: str, wrap: Callable[[Any], Any], otherwise: str) -> bool:
+    """Replace ``owner.name`` by ``wrap(owner.name)``, once per process (a second main() finds it
+    wrapped); False and one line saying what the agent does without it where ``owner`` has no
+    such method of its own (an abstract base's does not count)."""
+    method = vars(owner).get(name)
+    if getattr(method, "watched", False):
+        return True
+    if not callable(method):
+        print(f"torchrun: this torch's {owner.__name__} has no {name}; {otherwise}", file=sys.stderr, flush=True)
         return False
-
-    def monitor_workers(agent: object, worker_group: object) -> Any:
-        result = check(agent, worker_group)
-        if result.is_failed():
-            on_failed(result)
-        return result
-
-    monitor_workers.watched = True  # type: ignore[attr-defined]
-    setattr(LocalElasticAgent, MONITOR_NAME, monitor_workers)
+    wrapped = wrap(method)
+    wrapped.watched = True
+    setattr(owner, name, wrapped)
     return True
 
 

@@ -10,7 +10,8 @@
   watchdog fired, it failed, it was lost), the other agents say so in one line and go on
   collecting their own workers' codes, instead of dying with a traceback while those workers
   finish (internals/torch_elastic.py). A rendezvous that cannot be completed (a restart after
-  that, a node that never came) is one line and torchrun's 1, not a traceback.
+  that, a node that never came) is one line, not a traceback, and the code of the workers' last
+  failure where they had one (else torchrun's 1).
 - A node waiting to join an elastic job gets a line on every present node: the agent stops its
   workers (SIGTERM: a checkpoint at the step's end) and starts them again with it.
 - Each rendezvous gets a line with torchelastic's own timing (docs/SCALING.md reads them):
