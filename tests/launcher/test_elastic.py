@@ -36,6 +36,12 @@ from tests.launcher.conftest import Cluster, descendants, wait_for
 GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT, JOIN_AT = 12, 2, 30, 8, 5, 14
 
 
+def resumed_and_training(log: Path, offset: int) -> bool:
+    """Whether the node log, from ``offset`` on, has a resume and a training step after it."""
+    _, resumed, after = log.read_text(errors="replace")[offset:].partition("resuming from checkpoint")
+    return bool(resumed) and re.search(rf"step \d+/{STEPS}", after) is not None
+
+
 def steps_trained(records: Path, killed_ns: int, joined_ns: int, joined_at: int) -> dict[int, list[dict[str, Any]]]:
     """step -> the micro-batches every rank trained for it, in the attempt whose steps the
     checkpoints kept: the first 3-rank attempt's up to the resume from step SAVED_AT, the 2-rank
@@ -85,12 +91,9 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
     lost = time.monotonic()
     gate.touch()
 
-    def training_again() -> bool:
-        text = log.read_text(errors="replace")[before_the_loss:]
-        _, resumed, after = text.partition("resuming from checkpoint")
-        return bool(resumed) and re.search(r"step \d+/30", after) is not None
-
-    assert wait_for(training_again, timeout=180, interval=0.2), log.read_text(errors="replace")[-4000:]
+    assert wait_for(lambda: resumed_and_training(log, before_the_loss), timeout=180, interval=0.2), log.read_text(errors="replace")[
+        -4000:
+    ]
     again_s = time.monotonic() - lost
 
     # The node back, once the two hold at step JOIN_AT: only the stop its arrival brings releases them.
@@ -100,11 +103,9 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
     nodes[1] = cluster.start("2:3", 1, env={**env, "RESUME": "auto"}, **overrides)  # joins the run in its folder
     started = time.monotonic()
 
-    def three_training() -> bool:
-        _, resumed, after = log.read_text(errors="replace")[before_the_join:].partition("resuming from checkpoint")
-        return bool(resumed) and re.search(r"step \d+/30", after) is not None
-
-    assert wait_for(three_training, timeout=180, interval=0.2), log.read_text(errors="replace")[-4000:]
+    assert wait_for(lambda: resumed_and_training(log, before_the_join), timeout=180, interval=0.2), log.read_text(errors="replace")[
+        -4000:
+    ]
     join_s = time.monotonic() - started
     assert all(nodes[n].wait(timeout=300) == 0 for n in (0, 2, 1)), log.read_text(errors="replace")[-4000:]
     whole = log.read_text(errors="replace")
