@@ -23,15 +23,23 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.cpu_cgroup import move_into_own_cgroup
+
 README = Path(__file__).resolve().parent / "README.md"
 DURATIONS_ENV = "PURRSIGHT_DURATIONS"
 CPU_PROPERTY = "purrsight_cpu_s"  # the user property a test's CPU seconds travel in
+CPU_COUNTER_PROPERTY = "purrsight_cpu_counter"  # and how they were counted: "cgroup" or "waited"
+CPU_COUNTED = {
+    "cgroup": "in every process the tests started (a cgroup's count)",
+    "waited": "in the tests' own processes and those they waited for (not fork servers' children)",
+}
 TIER_ENV = "PURRSIGHT_TIER"
 SLOWEST_SHOWN = 5
 # A budget row of tests/README.md: | `tier` | what runs | 17 min |
@@ -52,21 +60,23 @@ class TierTime:
     wall_s: float
     tests: dict[str, float]
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per test (files before 2026-11-27: none)
+    cpu_counted: str = "waited"  # "cgroup": every process the tests started; "waited": those they waited for
 
     @classmethod
     def read(cls, path: Path) -> TierTime:
         data = json.loads(path.read_text())
         cpu = {str(k): float(v) for k, v in data.get("cpu", {}).items()}
-        return cls(str(data["tier"]), float(data["wall_s"]), {str(k): float(v) for k, v in data["tests"].items()}, cpu)
+        tests = {str(k): float(v) for k, v in data["tests"].items()}
+        return cls(str(data["tier"]), float(data["wall_s"]), tests, cpu, str(data.get("cpu_counted") or "waited"))
 
 
 def verdicts(times: list[TierTime], limits: dict[str, float], whole_s: float | None = None) -> tuple[list[str], bool]:
     """One line per tier (and the whole run), the slowest tests under each; and whether all fit."""
     lines, fits = [], True
-    measured = [(t.tier, t.wall_s, t.tests, t.cpu) for t in times]
+    measured = [(t.tier, t.wall_s, t.tests, t.cpu, t.cpu_counted) for t in times]
     if whole_s is not None:
-        measured.append(("whole", whole_s, {}, {}))
-    for tier, wall_s, tests, cpu in measured:
+        measured.append(("whole", whole_s, {}, {}, ""))
+    for tier, wall_s, tests, cpu, counted in measured:
         if tier not in limits:
             lines.append(f"{tier}: {wall_s / 60:.1f} min, no budget in tests/README.md: add a row for it")
             fits = False
@@ -79,7 +89,8 @@ def verdicts(times: list[TierTime], limits: dict[str, float], whole_s: float | N
         for nodeid, seconds in sorted(tests.items(), key=lambda item: -item[1])[:SLOWEST_SHOWN]:
             lines.append(f"    {seconds:7.1f} s  {nodeid}")
         if cpu:  # what each test costs the suite, whatever ran beside it
-            lines.append(f"  CPU: {sum(cpu.values()) / 60:.1f} min in the tests' own processes; the costliest:")
+            whose = CPU_COUNTED.get(counted, f"counted by {counted}")
+            lines.append(f"  CPU: {sum(cpu.values()) / 60:.1f} min {whose}; the costliest:")
             for nodeid, seconds in sorted(cpu.items(), key=lambda item: -item[1])[:SLOWEST_SHOWN]:
                 lines.append(f"    {seconds:7.1f} CPU-s  {nodeid}")
     return lines, fits
@@ -91,26 +102,40 @@ def cpu_seconds() -> float:
     return used.user + used.system + used.children_user + used.children_system
 
 
+def everything_started_reader() -> tuple[str, Callable[[], float]]:
+    """CPU seconds of this process and all it starts, fork servers' children included, where a cgroup
+    of its own can be made (tests/cpu_cgroup.py: as root, CI); else ``cpu_seconds``. With its name."""
+    read = move_into_own_cgroup()
+    return ("cgroup", read) if read is not None else ("waited", cpu_seconds)
+
+
 class CpuPerTest:
     """In the process that runs the tests (an xdist worker, or pytest itself): each test's CPU seconds,
     its own and its waited-for subprocesses' (a torchrun job and its workers, a launcher, a trainer),
     carried to the controller in the teardown report's user properties.
 
     Wall time on two busy cores says how crowded the machine was; CPU says what a test costs the
-    suite (one 6-CPU-second script took 67 s in a full run). Not counted: processes no test waits
-    for (SLURM's and Ray's daemons and their jobs, in the serial tier), which the wall time shows."""
+    suite (one 6-CPU-second script took 67 s in a full run). As root the count is a cgroup's, made at
+    the first test: everything the tests start, fork servers' workers and SLURM's and Ray's daemons
+    included (a daemon's CPU lands on the test it ran beside). Elsewhere only the processes a test
+    waited for count, about half a multi-rank test's CPU."""
 
     def __init__(self) -> None:
         self._started: dict[str, float] = {}
+        self._counter: tuple[str, Callable[[], float]] | None = None
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        self._started[item.nodeid] = cpu_seconds()
+        if self._counter is None:  # here, where tests run (not in xdist's controller)
+            self._counter = everything_started_reader()
+        self._started[item.nodeid] = self._counter[1]()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-        if call.when == "teardown" and item.nodeid in self._started:
-            item.user_properties.append((CPU_PROPERTY, cpu_seconds() - self._started.pop(item.nodeid)))
+        if call.when == "teardown" and item.nodeid in self._started and self._counter is not None:
+            kind, read = self._counter
+            item.user_properties.append((CPU_PROPERTY, read() - self._started.pop(item.nodeid)))
+            item.user_properties.append((CPU_COUNTER_PROPERTY, kind))
         yield
 
 
@@ -123,6 +148,7 @@ class DurationsWriter:
         self.tests: dict[str, float] = {}
         self.began: dict[str, float] = {}  # when each test's setup began (epoch s): the run's timeline
         self.cpu: dict[str, float] = {}
+        self.cpu_counters: set[str] = set()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.tests[report.nodeid] = self.tests.get(report.nodeid, 0.0) + report.duration
@@ -130,6 +156,8 @@ class DurationsWriter:
         for name, value in report.user_properties:
             if name == CPU_PROPERTY:
                 self.cpu[report.nodeid] = round(float(value), 2)  # type: ignore[arg-type]  # user properties are objects
+            elif name == CPU_COUNTER_PROPERTY:
+                self.cpu_counters.add(str(value))
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         record = {
@@ -138,6 +166,7 @@ class DurationsWriter:
             "tests": self.tests,
             "began": self.began,
             "cpu": self.cpu,
+            "cpu_counted": "+".join(sorted(self.cpu_counters)),
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(record, indent=1) + "\n")

@@ -10,6 +10,8 @@ the job with its own code, the restart being spent.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import socket
@@ -64,6 +66,7 @@ def test_cut_link_is_noticed_named_and_survived_then_a_frozen_rank_is_named(
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # each node's tree in a group of its own, for the cleanup's killpg
         )
         for rank, host in enumerate(two_hosts)
     ]
@@ -87,9 +90,13 @@ def test_cut_link_is_noticed_named_and_survived_then_a_frozen_rank_is_named(
         victim.send_signal(signal.SIGSTOP)
         assert procs[0].wait(timeout=WATCHDOG_S + 120) == 86  # the watchdog's code: no restart left
     finally:
+        # The whole group: node 1's launcher, its torchrun agent and the frozen worker outlive node 0's
+        # end (a frozen worker never exits, and the agent waits for it: minutes of a leftover agent
+        # and fork server, found beside later tests).
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     verdict = resumed_part(logs[0])
     assert re.search(
         rf"hang: rank 1 \(node 1, {re.escape(socket.gethostname())}\) last finished training step \d+, .*stopped answering", verdict

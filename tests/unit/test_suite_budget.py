@@ -10,7 +10,20 @@ import sys
 from pathlib import Path
 
 from tests.helpers import REPO
-from tests.suite_budget import README, TierTime, budgets, verdicts
+from tests.suite_budget import CPU_COUNTED, README, TierTime, budgets, verdicts
+
+
+def cgroup_writable() -> bool:
+    """Whether a cgroup can be made here, asked without tests/cpu_cgroup.py: a group made and removed."""
+    for root in (Path("/sys/fs/cgroup/cpuacct"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
+        probe = root / f"probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+            probe.rmdir()
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def test_the_readme_gives_a_budget_to_every_tier_scripts_test_sh_runs() -> None:
@@ -38,10 +51,14 @@ def test_a_tier_over_its_budget_fails_and_names_its_slowest_tests() -> None:
 
 def test_pytest_writes_each_tests_seconds_and_the_check_reads_them(tmp_path: Path) -> None:
     """A real pytest run with the plugin (through tests/conftest.py), then the check as scripts/test.sh runs it."""
-    burn = "import time\\nend = time.process_time() + 0.5\\nwhile time.process_time() < end: pass"
+    burn = "import sys, time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\nopen(sys.argv[1], 'w')"
+    # An orphan, as a fork server's workers are: its parent exits without waiting for it.
+    orphan = "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', *sys.argv[1:]])"
     (tmp_path / "test_two.py").write_text(
-        "import subprocess, sys, time\n\ndef test_slow():\n    time.sleep(0.3)\n\n"
-        f"def test_busy_child():\n    subprocess.run([sys.executable, '-c', '{burn}'], check=True)\n"
+        "import os, subprocess, sys, time\n\ndef test_slow():\n    time.sleep(0.3)\n\n"
+        f"def test_busy_child():\n    subprocess.run([sys.executable, '-c', {burn!r}, 'busy.done'], check=True)\n\n"
+        f"def test_orphan():\n    subprocess.run([sys.executable, '-c', {orphan!r}, {burn!r}, 'orphan.done'], check=True)\n"
+        "    while not os.path.exists('orphan.done'):\n        time.sleep(0.05)\n"
     )
     durations = tmp_path / "quick.json"
     env = {"PURRSIGHT_DURATIONS": str(durations), "PURRSIGHT_TIER": "quick", "PYTHONPATH": str(REPO)}
@@ -54,13 +71,19 @@ def test_pytest_writes_each_tests_seconds_and_the_check_reads_them(tmp_path: Pat
     record = json.loads(durations.read_text())
     assert record["tier"] == "quick"
     slow = next(seconds for nodeid, seconds in record["tests"].items() if nodeid.endswith("test_slow"))
-    assert slow >= 0.3 and len(record["tests"]) == 2
+    assert slow >= 0.3 and len(record["tests"]) == 3
     assert record["wall_s"] >= slow
     cpu = {nodeid.rsplit("::", 1)[1]: seconds for nodeid, seconds in record["cpu"].items()}
     assert cpu["test_busy_child"] >= 0.5 and cpu["test_slow"] < 0.2, cpu  # a child's CPU counts, a sleep's wait does not
+    # As root (CI) a cgroup counts the orphan too; elsewhere only what the test waited for, and the report says which.
+    expected = "cgroup" if os.geteuid() == 0 and cgroup_writable() else "waited"
+    assert record["cpu_counted"] == expected
+    assert (cpu["test_orphan"] >= 0.5) == (expected == "cgroup"), cpu
     check = subprocess.run([sys.executable, "-m", "tests.suite_budget", str(durations)], cwd=REPO, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
     # Two xdist workers take seconds to start on a busy machine: the wall time is not 0.0 min there.
     assert re.match(r"quick: \d+\.\d min of 4 ", check.stdout), check.stdout
-    assert "test_slow" in "".join(check.stdout.splitlines()[1:3]), check.stdout
-    assert "CPU-s  " in check.stdout and "test_busy_child" in check.stdout.split("CPU:", 1)[1].splitlines()[1], check.stdout
+    assert "test_slow" in "".join(check.stdout.splitlines()[1:4]), check.stdout
+    assert CPU_COUNTED[expected] in check.stdout
+    costliest = "".join(check.stdout.split("CPU:", 1)[1].splitlines()[1:3])
+    assert "CPU-s  " in check.stdout and "test_busy_child" in costliest, check.stdout
