@@ -159,7 +159,8 @@ quick_failures() {
 }
 
 # The nodes that failed their own checks this run (each names itself in the file:
-# purrsight/launcher/health.py, purrsight/ray_node/wait.py) join the job's exclude list, into
+# purrsight/launcher/health.py, purrsight/ray_node/wait.py), and those an elastic job lost
+# (slurm/train.sbatch, "lost mid-run"), join the job's exclude list, into
 # EXCLUDE_LIST. Not when every node failed (then the fault is the job's: config, data) or
 # beyond MAX_EXCLUDED_NODES.
 exclude_bad_nodes() {
@@ -180,7 +181,11 @@ exclude_bad_nodes() {
     return 1
   fi
   while IFS=$'\t' read -r node checks; do
-    log "node ${node} failed its health checks (${checks}): excluding it from this job"
+    if [[ "${checks}" == lost* ]]; then # written by an elastic job's wrapper (batch/elastic.sh)
+      log "node ${node} was ${checks}: excluding it from this job"
+    else
+      log "node ${node} failed its health checks (${checks}): excluding it from this job"
+    fi
   done <"${file}"
   EXCLUDE_LIST="$(IFS=,; printf '%s' "${excluded[*]}")"
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from purrsight.runs.attempts import read_attempts, summarize
@@ -26,6 +28,13 @@ from tests.helpers import (
 
 # The test nodes have 2 CPUs and no GPUs: these (and --nodes, 2 unless a test says) override the script's #SBATCH defaults.
 SMALL_ALLOCATION = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
+
+
+def launcher_of_node_2(cmdline: list[str]) -> bool:
+    """Whether ``cmdline`` is node 2's launcher of an elastic job: bash [path/]cluster_train.sh CONFIG 2:3 2 ..."""
+    at = next((i for i, arg in enumerate(cmdline[:3]) if arg.endswith("cluster_train.sh")), None)
+    return at is not None and cmdline[at + 1 : at + 4] == ["config/train_config.yaml", "2:3", "2"]
+
 
 pytestmark = pytest.mark.root  # SLURM's daemons run as root here
 
@@ -208,3 +217,48 @@ def test_a_node_that_fails_its_health_checks_is_excluded_and_the_job_completes_o
     assert "process group ready: global rank 0 of 2" in logs[0]
     assert "process group ready: global rank 1 of 2" in logs[1]
     assert re.search(r"2 node\(s\) \S+; master 127\.0\.1\.\d:\d+", out) and "training finished" in out
+
+
+def test_an_elastic_job_that_loses_a_node_goes_on_with_the_others_and_completes_without_a_requeue(
+    slurm: SlurmCluster, synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """MIN_NODES=2 on three nodes (`sbatch --no-kill`): a step per node (slurm/train.sbatch), so one
+    node's end is its own. Held at the end of step 8, node 2's task is killed whole (its launcher,
+    torchrun's agent, the fork server and the worker, SIGKILL at once: what a node whose GPU fell
+    off the bus leaves); its step ends, the job does not, and the two others resume from the step-5
+    checkpoint with the global batch kept (12: 3 x 2 x 2, then 2 x 2 x 3) and finish. The data
+    position and every sample once per epoch across such a loss: tests/launcher/test_elastic.py."""
+    gate = tmp_path / "released-after-the-kill"
+    steps = 14
+    job = submit(
+        slurm, tmp_path, synthetic_dir, {**hold_env({8: gate}, slurm.env), "MIN_NODES": "2"}, nodes=3,
+        sbatch_args=("--no-kill",), trainer__max_steps=steps, checkpoint__every_n_steps=5, data__batch_size=2,
+        trainer__global_batch_size=12, trainer__val_every_n_steps=1000,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not all(held_marker(gate, rank).exists() for rank in range(3)):
+        assert time.monotonic() < deadline and slurm.job_field(job, "JobState") in {"PENDING", "RUNNING"}, batch_output(
+            tmp_path, job
+        )[-3000:]
+        time.sleep(0.5)
+    launchers = [p for p in psutil.process_iter(["cmdline"]) if launcher_of_node_2(p.info["cmdline"] or [])]
+    assert len(launchers) == 1, [
+        p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if "cluster_train" in str(p.info["cmdline"])
+    ]
+    launcher = launchers[0]
+    for process in [launcher, *launcher.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    gate.touch()
+
+    state = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=400)
+    out = batch_output(tmp_path, job)
+    assert state == "COMPLETED", out[-4000:] + slurm.log("slurmctld")
+    assert "3 node(s) node[0-2] (elastic: goes on while 2 remain)" in out
+    assert re.search(r"node 2 \(node2\) ended with exit code \d+: the job goes on with 2 of 3 nodes \(MIN_NODES=2\)", out), out
+    assert slurm.job_field(job, "Restarts") == "0" and "requeueing" not in out
+    log = (tmp_path / "logs" / "latest_node0.log").read_text()
+    assert "global batch 12 = 3 processes x 2 (data.batch_size) x 2 micro-batches per step" in log
+    assert "global batch 12 = 2 processes x 2 (data.batch_size) x 3 micro-batches per step" in log, log[-3000:]
+    assert re.search(r"resuming from checkpoint .*step-00000005\.ckpt", log), log[-3000:]
+    assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / f"step-{steps:08d}.ckpt").exists()

@@ -305,3 +305,23 @@ EOF
   grep -q '^  stop_signals_recorded$' slurm/train.sbatch
   grep -q '^  stop_signals_recorded$' slurm/ray.sbatch
 }
+
+@test "elastic.sh: MIN_NODES from 1 to the node count, else exit 2 naming it; MIN:N only below N" {
+  # shellcheck source=batch/elastic.sh
+  source batch/elastic.sh
+  [ "$(elastic_min_nodes 3)" = 3 ] # unset: every node, a fixed count as before
+  [ "$(MIN_NODES=2 elastic_min_nodes 3)" = 2 ]
+  [ "$(MIN_NODES= elastic_min_nodes 3)" = 3 ] # qsub -v MIN_NODES= : unset
+  for bad in 0 4 -1 2.5 two 02; do
+    MIN_NODES="${bad}" run elastic_min_nodes 3
+    [ "${status}" -eq 2 ]
+    [[ "${output}" == "error: MIN_NODES=${bad} must be a whole number of nodes from 1 to the job's 3" ]]
+  done
+  [ "$(elastic_num_nodes 3 2)" = 2:3 ]
+  [ "$(elastic_num_nodes 3 3)" = 3 ]
+  elastic_goes_on 2 137 2 2   # node 2 lost, two left of MIN 2: on
+  ! elastic_goes_on 0 137 2 2 || false # node 0 holds the rendezvous: never
+  ! elastic_goes_on 1 137 1 2 || false # one left of MIN 2: the job fails
+  ! elastic_goes_on 1 137 2 3 || false # a fixed count (MIN = N): any loss fails it, as before
+  ! elastic_goes_on 2 0 2 2 || false   # a node that finished is no loss
+}
