@@ -121,8 +121,8 @@ fi
 # pytest, beside the two workers: alone they left a core idle half the time. Their output goes
 # to a file, shown when they end. The workers steal queued tests from each other (`--dist
 # worksteal`): plain `load` hands each worker a queue of tests ahead, and near the end one worker
-# could still hold several long ones while the other sat idle. mypy starts when either branch
-# ends (below). Extra arguments go to both pytest runs; PYTEST_WORKERS=0 runs the
+# could still hold several long ones while the other sat idle. mypy runs beside them at nice 19
+# (below). Extra arguments go to both pytest runs; PYTEST_WORKERS=0 runs the
 # rest serially too. Both list their slowest tests (--durations): the suite's time, in CI's
 # output, has names to it.
 rm -f "${DURATIONS_DIR}"/*.json # only its own files: DURATIONS_DIR may name a folder of yours
@@ -154,8 +154,7 @@ mypy_cache="${XDG_CACHE_HOME:-${HOME}/.cache}/purrsight/mypy-$(pwd -P | sha256su
 bats_output="$(mktemp)"
 serial_output="$(mktemp)"
 mypy_output="$(mktemp)"
-workers_done="${mypy_output}.workers-done"
-trap 'rm -f "${bats_output}"{,.status} "${serial_output}"{,.status} "${mypy_output}"{,.status} "${workers_done}"' EXIT
+trap 'rm -f "${bats_output}"{,.status} "${serial_output}"{,.status} "${mypy_output}"{,.status}' EXIT
 # Each step's exit status goes to a file beside its output: the branch runs in a subshell.
 # The bats tests lead the branch: a few seconds that no longer hold up the two workers' start.
 bats_then_cluster_tests() {
@@ -167,25 +166,24 @@ bats_then_cluster_tests() {
     run_pytest -m serial --durations=10 "$@" >"${serial_output}" 2>&1 || status=$?
   echo "${status}" >"${serial_output}.status"
 }
-# mypy starts when the first of the two branches ends, on the core it leaves: which one ends first
-# changes with what a change adds (the cluster tier ended a minute after the workers at ca0d239,
-# 30 s before them at e05ac51), and after a fixed one it lengthened the longer branch.
-mypy_when_a_branch_ends() {
+# mypy runs from the start at the lowest priority (nice 19): on these two busy cores it takes the
+# CPU the tests leave (a test waiting on a gate, a rendezvous, SLURM), and all of a core once a
+# branch ends. Started when the first branch ended (as until 2026-11-28) it ran last, alone, for
+# the run's final minute (14:38:40-14:39:43 of a 20.7-minute fresh-clone run at 564944f).
+mypy_niced() {
   local status=0
-  until [[ -e "${serial_output}.status" || -e "${workers_done}" ]]; do sleep 1; done
-  mypy --cache-dir "${mypy_cache}" purrsight train_phase2.py bench >"${mypy_output}" 2>&1 || status=$?
+  nice -n 19 mypy --cache-dir "${mypy_cache}" purrsight train_phase2.py bench >"${mypy_output}" 2>&1 || status=$?
   echo "${status}" >"${mypy_output}.status"
 }
 log "beside the rest: bats, then pytest -m serial (SLURM, PBS, Ray) one at a time; output shown at their end"
 bats_then_cluster_tests "$@" &
 background_pid=$!
-mypy_when_a_branch_ends &
+mypy_niced &
 mypy_pid=$!
-log "python tests: pytest -m 'not serial', ${WORKERS} workers; mypy once either branch ends"
+log "python tests: pytest -m 'not serial', ${WORKERS} workers; mypy beside them at nice 19"
 status=0
 PURRSIGHT_TIER=not-serial PURRSIGHT_DURATIONS="${DURATIONS_DIR}/not-serial.json" \
   run_pytest -n "${WORKERS}" --dist worksteal -m "not serial" --durations=15 "$@" || status=$?
-touch "${workers_done}"
 wait "${background_pid}" || true
 wait "${mypy_pid}" || true
 log "shell tests: bats"

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -28,7 +29,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["OMP_NUM_THREADS"] = "1"
 
 from purrsight.data.synthetic import generate  # noqa: E402 (after hiding the GPUs)
-from tests import suite_budget  # noqa: E402
+from tests import run_order, suite_budget  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -75,14 +76,6 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-# Folders by their tests' mean time in a fresh clone's run (2026-11-28: faults 39 s, launcher 28,
-# integration 22, bench 12, bad_inputs 3, unit 0.5), run in that order. In file order the two
-# workers' last 100 s were test_fsdp's 160 s on one of them, the other idle: with the long tests
-# first, what is left to share (`--dist worksteal` takes half a busy worker's queue from its end)
-# near the end is the short ones. Unlisted folders go last, each keeping its files' order.
-LONGEST_FIRST = ("faults", "launcher", "integration", "bench", "bad_inputs")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
     for item in items:
@@ -92,11 +85,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if folder in SERIAL_FOLDERS:
             item.add_marker(pytest.mark.serial)
 
-    def rank(item: pytest.Item) -> int:
-        folder = item.path.relative_to(tests).parts[0]
-        return LONGEST_FIRST.index(folder) if folder in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: a file's tests stay together, in order, for its module fixtures
+    # Each xdist worker's share led by its longest files (tests/run_order.py); a file's tests stay
+    # together, in order, for its module fixtures.
+    root = tests.parent
+    counts = Counter(item.path.relative_to(root).as_posix() for item in items)
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    order = [path for share in run_order.shares(list(counts.items()), workers, run_order.known_seconds()) for path in share]
+    place = {path: index for index, path in enumerate(order)}
+    items.sort(key=lambda item: place[item.path.relative_to(root).as_posix()])
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -188,12 +188,35 @@ def pytest_configure(config: pytest.Config) -> None:
     register(config)
 
 
+def write_file_seconds(times: list[TierTime], out: Path, shortest_s: float = 5.0) -> None:
+    """Each test file's seconds (its tests' summed) in ``times``, those of ``shortest_s`` and more,
+    as tests/run_order.py reads them; the xdist tier's only (the cluster tier runs one at a time)."""
+    seconds: dict[str, float] = {}
+    for tier in times:
+        if tier.tier == "serial":
+            continue
+        for nodeid, spent in tier.tests.items():
+            path = nodeid.split("::", 1)[0]
+            seconds[path] = seconds.get(path, 0.0) + spent
+    kept = {path: round(spent, 1) for path, spent in sorted(seconds.items()) if spent >= shortest_s}
+    measured = f"{time.strftime('%Y-%m-%d')}: each file's tests summed, files of {shortest_s:g} s and more"
+    out.write_text(json.dumps({"measured": measured, "seconds": kept}, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Each tier's time (the plugin's files) against tests/README.md's budget.")
     parser.add_argument("files", nargs="+", type=Path, help="durations files (PURRSIGHT_DURATIONS)")
     parser.add_argument("--whole-s", type=float, help="the whole command's seconds, checked against the `whole` row")
+    parser.add_argument(
+        "--file-seconds",
+        type=Path,
+        metavar="OUT",
+        help="also write each file's seconds to OUT (tests/file_seconds.json: the run order's table)",
+    )
     args = parser.parse_args(argv)
     times = [TierTime.read(path) for path in args.files if path.exists()]
+    if args.file_seconds is not None:
+        write_file_seconds(times, args.file_seconds)
     missing = [str(path) for path in args.files if not path.exists()]
     lines, fits = verdicts(times, budgets(), args.whole_s)
     for line in lines:
