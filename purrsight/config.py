@@ -343,7 +343,11 @@ class LoggingConfig(_Section):
 class RayConfig(_Section):
     """Only read by ``--engine ray`` (purrsight/ray_engine): the Ray cluster runs the workers."""
 
-    num_workers: int = Field(2, gt=0, description="Training processes (Ray Train workers), one per GPU on GPU clusters.")
+    num_workers: int | list[int] = Field(
+        2,
+        description="Training processes (Ray Train workers), one per GPU on GPU clusters; [MIN, MAX]: elastic, the group "
+        "starts with what the cluster fits up to MAX and goes on with at least MIN when a node is lost.",
+    )
     resources_per_worker: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 1.0}, description='Ray resources each worker reserves, e.g. {"GPU": 1, "CPU": 8}.'
     )
@@ -357,6 +361,22 @@ class RayConfig(_Section):
         None,
         description="Storage every Ray node mounts; relative paths in the config are taken from it (none: the driver's folder).",
     )
+
+    @field_validator("num_workers")
+    @classmethod
+    def _worker_count(cls, value: int | list[int]) -> int | list[int]:
+        if not isinstance(value, int) and len(value) != 2:
+            raise ValueError(f"{value}: a count, or [MIN, MAX] for an elastic group")
+        low, high = (value, value) if isinstance(value, int) else (value[0], value[1])
+        if not 1 <= low <= high:
+            raise ValueError(f"{value}: at least 1 worker, and MIN no more than MAX")
+        return value
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        """(MIN, MAX) workers: equal for a fixed count."""
+        count = self.num_workers
+        return (count, count) if isinstance(count, int) else (count[0], count[1])
 
     @field_validator("resources_per_worker")
     @classmethod

@@ -215,6 +215,14 @@ end_without_requeue() {
 finish_run() {
   local rc="$1" started="$2"
   if ((rc == 0)); then end_without_requeue 0 "training finished"; fi
+  # SIGTERM alone is scancel, or a preemption that SLURM's PreemptMode handles (REQUEUE requeues
+  # the job itself). SLURM shows a cancelled job as COMPLETING, indistinguishable from other
+  # endings, and `scontrol requeue` would bring it back: so only USR1 (time limit, or preemption
+  # with PreemptParameters=send_user_signal) and failures requeue. Checked before the exclusions:
+  # a cancelled job stays cancelled, whatever nodes its run lost or found bad.
+  if [[ "${STOP_SIGNAL}" == TERM ]]; then
+    end_without_requeue "${rc}" "stopped by SIGTERM (scancel or preemption): not requeueing; the checkpoints are kept"
+  fi
   if ((RESTARTS < ${MAX_REQUEUES:-20})) && exclude_bad_nodes "${BAD_NODES}"; then
     rm -f "${BAD_NODES}"
     log "requeueing without ${EXCLUDE_LIST}; the next run resumes"
@@ -223,13 +231,6 @@ finish_run() {
   fi
   if [[ "${NO_REQUEUE_CODES}" == *" ${rc} "* ]]; then
     end_without_requeue "${rc}" "exit code ${rc} (bad input or a failed check): not requeueing"
-  fi
-  # SIGTERM alone is scancel, or a preemption that SLURM's PreemptMode handles (REQUEUE requeues
-  # the job itself). SLURM shows a cancelled job as COMPLETING, indistinguishable from other
-  # endings, and `scontrol requeue` would bring it back: so only USR1 (time limit, or preemption
-  # with PreemptParameters=send_user_signal) and failures requeue.
-  if [[ "${STOP_SIGNAL}" == TERM ]]; then
-    end_without_requeue "${rc}" "stopped by SIGTERM (scancel or preemption): not requeueing; the checkpoints are kept"
   fi
   local quick
   quick="$(quick_failures "${COUNTER}" "$(($(date +%s) - started))")"

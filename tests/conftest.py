@@ -32,8 +32,24 @@ from purrsight.data.synthetic import generate  # noqa: E402 (after hiding the GP
 from tests import run_order, suite_budget  # noqa: E402
 
 
+class RunOrder:
+    """Each xdist worker's share led by its longest files (tests/run_order.py), ordered once `-m`
+    has deselected (trylast: the hook above adds the markers it deselects by); a file's tests stay
+    together, in order, for its module fixtures."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        root = Path(__file__).parent.parent
+        counts = Counter(item.path.relative_to(root).as_posix() for item in items)
+        workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+        order = [path for share in run_order.shares(list(counts.items()), workers, run_order.known_seconds()) for path in share]
+        place = {path: index for index, path in enumerate(order)}
+        items.sort(key=lambda item: place[item.path.relative_to(root).as_posix()])
+
+
 def pytest_configure(config: pytest.Config) -> None:
     suite_budget.register(config)  # each tier's durations, for the budget check (tests/suite_budget.py)
+    config.pluginmanager.register(RunOrder(), "purrsight-run-order")
 
 
 def has_gpu_driver() -> bool:
@@ -84,15 +100,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if folder in SERIAL_FOLDERS:
             item.add_marker(pytest.mark.serial)
-
-    # Each xdist worker's share led by its longest files (tests/run_order.py); a file's tests stay
-    # together, in order, for its module fixtures.
-    root = tests.parent
-    counts = Counter(item.path.relative_to(root).as_posix() for item in items)
-    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    order = [path for share in run_order.shares(list(counts.items()), workers, run_order.known_seconds()) for path in share]
-    place = {path: index for index, path in enumerate(order)}
-    items.sort(key=lambda item: place[item.path.relative_to(root).as_posix()])
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

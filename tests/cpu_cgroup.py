@@ -7,9 +7,12 @@ A cgroup counts them all: a process moved into it takes every later descendant w
 
 Where a cgroup can be made (root, cgroup v1's ``cpuacct`` or cgroup v2), the process that runs the
 tests moves itself into one of its own under its present one, so its CPU accounting is the
-kernel's. Elsewhere (a user's laptop, not root) the caller keeps ``os.times()``. Only the CPU
-accounting hierarchy is touched on v1 (memory, cpu and pids stay where they were); on v2 the new
-group is a child of the present one and so stays under every limit of it.
+kernel's. Elsewhere (a user's laptop, not root, a container's read-only cgroupfs) the caller keeps
+``os.times()``, and its report says so. Only accounting is changed: on v1 only a ``cpuacct``
+mounted on its own is used (mounted with ``cpu``, as systemd does, the group would be a CPU weight
+of its own), on v2 only under a group that gives its children no ``cpu`` controller; memory,
+pids and the freezer (SLURM's proctrack) stay where they were, and a v2 group is a child of the
+present one, under every limit of it.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ PREFIX = "purrsight-tests-"
 
 
 def _own_path(hierarchy: str) -> str | None:
-    """This process's cgroup in ``hierarchy`` (a v1 controller name, or "" for v2) from /proc/self/cgroup."""
+    """This process's cgroup in ``hierarchy`` (a v1 controller name, or "" for v2) from /proc/self/cgroup;
+    None for a v1 cpuacct mounted with cpu (the usual systemd layout): a group there would also be a
+    CFS weight of its own, every test process sharing one process's CPU share."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        mine = hierarchy in controllers.split(",") if hierarchy else controllers == ""
-        if mine:
+        if not hierarchy and controllers == "":
             return path
+        if hierarchy and hierarchy in controllers.split(","):
+            return None if "cpu" in controllers.split(",") else path
     return None
 
 
@@ -64,15 +70,34 @@ def _candidates() -> list[Path]:
         found.append(V1_ROOT / own.lstrip("/"))
     root, own = _v2_root(), _own_path("")
     if root is not None and own is not None:
-        found.append(root / own.lstrip("/"))
+        parent = root / own.lstrip("/")
+        subtree = parent / "cgroup.subtree_control"
+        if not (subtree.exists() and "cpu" in subtree.read_text().split()):  # as v1's cpu: a weight of its own
+            found.append(parent)
     return found
 
 
 def _remove_stale(parent: Path) -> None:
-    """Groups of earlier runs that nothing lives in any more (rmdir refuses a group with processes)."""
+    """Groups of processes that have ended (a group is named by its pid), with those made inside
+    them (a test that ran pytest), deepest first; rmdir refuses a group that still holds a process."""
     for stale in parent.glob(f"{PREFIX}*"):
+        if _alive(int(stale.name.removeprefix(PREFIX) or 0)):
+            continue  # a sibling xdist worker's, or this run's serial pytest's
+        for group in sorted((p for p in stale.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                group.rmdir()
         with contextlib.suppress(OSError):
             stale.rmdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
 
 
 def move_into_own_cgroup() -> Callable[[], float] | None:

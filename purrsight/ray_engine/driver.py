@@ -91,8 +91,9 @@ def submission_id() -> str:
 
 
 def check_cluster_fits(config: Config, available: dict[str, float]) -> None:
-    """A config that asks for more than the cluster has would wait for resources forever."""
-    wanted = config.ray.num_workers
+    """A config that asks for more than the cluster has would wait for resources forever (an
+    elastic group, ``[MIN, MAX]``, needs room for MIN: Ray Train starts it with what fits)."""
+    wanted = config.ray.worker_range[0]
     missing = [
         f"{name} {amount * wanted:g} (the cluster has {available.get(name, 0):g})"
         for name, amount in config.ray.resources_per_worker.items()
@@ -100,7 +101,8 @@ def check_cluster_fits(config: Config, available: dict[str, float]) -> None:
     ]
     if missing:
         raise RayClusterError(
-            f"ray.num_workers={wanted} x ray.resources_per_worker={config.ray.resources_per_worker} needs "
+            f"ray.num_workers={config.ray.num_workers}{'' if wanted == config.ray.num_workers else f' (at least {wanted})'}"
+            f" x ray.resources_per_worker={config.ray.resources_per_worker} needs "
             + ", ".join(missing)
             + "; lower ray.num_workers or the resources per worker, or add nodes (see `ray status`)"
         )
@@ -211,7 +213,7 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
         },
         torch_config=TorchConfig(backend=backend, timeout_s=config.distributed.timeout_s),
         scaling_config=ScalingConfig(
-            num_workers=config.ray.num_workers,
+            num_workers=config.ray.num_workers if isinstance(config.ray.num_workers, int) else config.ray.worker_range,
             use_gpu=placement.accelerator == "gpu",
             resources_per_worker=dict(config.ray.resources_per_worker),
             placement_strategy=config.ray.placement_strategy,
@@ -226,7 +228,11 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
         ),
     )
-    log.info("starting %d Ray Train workers, each %s, backend %s", config.ray.num_workers, config.ray.resources_per_worker, backend)
+    low, high = config.ray.worker_range
+    workers = f"{low} Ray Train workers"
+    if low < high:
+        workers = f"{low} to {high} Ray Train workers (elastic: goes on while {low} remain)"
+    log.info("starting %s, each %s, backend %s", workers, config.ray.resources_per_worker, backend)
     hangs = HangsSince(config.run.run_dir / HANGS_LOG)
     try:
         result = trainer.fit()

@@ -102,6 +102,25 @@ def test_one_failing_node_fails_the_job_and_stops_the_others(synthetic_dir: Path
     assert leftover == []
 
 
+def test_an_elastic_job_goes_on_without_a_failed_node_while_min_nodes_remain(synthetic_dir: Path, tmp_path: Path) -> None:
+    """MIN_NODES=1 of two hosts (batch/elastic.sh): the same failed spawn on node 1 is logged and left
+    behind, node 0 (launched with 1:2) trains alone to the end, and the job exits 0."""
+    done, _ = run_pbs(tmp_path, synthetic_dir, FAKE_PBSDSH_FAIL_INDEX="2", PBS_STATUS_WAIT_S="3", MIN_NODES="1")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "2 node(s): 127.0.0.1 localhost (elastic: goes on while 1 remain)" in done.stdout
+    assert "node 1 (localhost) ended with exit code 1: the job goes on with 1 of 2 nodes (MIN_NODES=1)" in done.stdout
+    assert "stopping the other nodes" not in done.stdout
+    assert "training finished on 1 of 2 node(s)" in done.stdout
+    log = (tmp_path / "logs" / "latest_node0.log").read_text()
+    assert "node 0/1:2 (elastic" in log and "process group ready: global rank 0 of 1" in log, log[-3000:]
+    assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt").exists()
+    refused_dir = tmp_path / "refused"
+    refused_dir.mkdir()
+    refused, _ = run_pbs(refused_dir, synthetic_dir, MIN_NODES="3")  # more nodes than the job has: refused before any starts
+    assert refused.returncode == 2, (refused.stdout + refused.stderr)[-2000:]
+    assert refused.stderr.strip() == "error: MIN_NODES=3 must be a whole number of nodes from 1 to the job's 2"
+
+
 def test_a_task_that_fails_fails_the_job_though_pbsdsh_exits_0(synthetic_dir: Path, tmp_path: Path) -> None:
     """OpenPBS's pbsdsh exits 0 once its task has ended, whatever the task's code: the job's code is
     the tasks' own (node_task.sh writes it), not the clients'. A config override the trainer

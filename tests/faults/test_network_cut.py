@@ -24,7 +24,7 @@ import pytest
 
 from purrsight.distributed.hang_culprit import PUBLISH_S
 from tests.helpers import REPO, launcher_env, tiny_overrides
-from tests.launcher.conftest import wait_for
+from tests.launcher.conftest import descendants, wait_for
 from tests.launcher.test_launcher import workers
 from tests.network_hosts import Host, network_hosts
 
@@ -66,7 +66,6 @@ def test_cut_link_is_noticed_named_and_survived_then_a_frozen_rank_is_named(
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            start_new_session=True,  # each node's tree in a group of its own, for the cleanup's killpg
         )
         for rank, host in enumerate(two_hosts)
     ]
@@ -90,12 +89,14 @@ def test_cut_link_is_noticed_named_and_survived_then_a_frozen_rank_is_named(
         victim.send_signal(signal.SIGSTOP)
         assert procs[0].wait(timeout=WATCHDOG_S + 120) == 86  # the watchdog's code: no restart left
     finally:
-        # The whole group: node 1's launcher, its torchrun agent and the frozen worker outlive node 0's
-        # end (a frozen worker never exits, and the agent waits for it: minutes of a leftover agent
-        # and fork server, found beside later tests).
+        # Every process of both nodes: node 1's launcher, torchrun agent and fork server outlived node
+        # 0's end by half an hour once (the frozen worker never exits, and the agent waits for it).
+        # The forked workers have sessions of their own, so a killpg of the launcher's misses them.
         for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            tree = [proc.pid, *(child.pid for child in descendants(proc.pid))]
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.wait()
     verdict = resumed_part(logs[0])
     assert re.search(

@@ -75,7 +75,7 @@ class RayCluster:
         return ports
 
     def start(self) -> None:
-        common = ["--num-cpus", "1", "--num-gpus", "0"]
+        common = ["--num-cpus", "1", "--num-gpus", "0"]  # as start_worker_node's
         self._start(
             "head",
             [
@@ -96,10 +96,24 @@ class RayCluster:
             self.env(RAY_JOB_STOP_WAIT_TIME_S=STOP_WAIT_S),
         )
         self.wait_for_nodes(1, timeout=120)
-        worker = ["--address", f"{HEAD_ADDR}:{self.gcs_port}", "--node-ip-address", WORKER_ADDR, *common, *self.node_ports()]
-        self._start("node1", worker, self.env())
-        self.wait_for_nodes(2, timeout=120)
+        self.start_worker_node()
         self.wait_for_job_agent(timeout=120)
+
+    def start_worker_node(self) -> None:
+        """The second node (again, after a test killed it: Ray counts the new one as a new node)."""
+        worker = ["--address", f"{HEAD_ADDR}:{self.gcs_port}", "--node-ip-address", WORKER_ADDR]
+        self._start("node1", [*worker, "--num-cpus", "1", "--num-gpus", "0", *self.node_ports()], self.env())
+        self.nodes[1:] = self.nodes[-1:]  # a killed node's entry is replaced
+        self.wait_for_nodes(2, timeout=120)
+
+    def kill_worker_node(self) -> None:
+        """The second node lost whole: its `ray start`, raylet, agents and workers, SIGKILL at once."""
+        node = self.nodes[1]
+        processes = [node, *node.children(recursive=True)]
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(processes, timeout=30)
 
     def wait_for_nodes(self, count: int, timeout: float) -> None:
         """Until the head reports ``count`` nodes alive: asked by one child that imports Ray once

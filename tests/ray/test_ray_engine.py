@@ -246,3 +246,32 @@ def test_a_bad_sample_in_a_worker_is_not_retried(
         end = next((n for n, line in enumerate(report) if "Error:" in line), len(report))
         frames = [line for line in report[:end] if 'File "' in line]
         assert len(frames) == 1 and "purrsight/ray_engine/worker.py" in frames[0], report
+
+
+def test_an_elastic_group_loses_a_node_and_finishes_on_the_other_with_the_global_batch_kept(
+    ray_cluster: RayCluster, shared: Path
+) -> None:
+    """ray.num_workers=[1, 2] (Ray Train's ScalingConfig(num_workers=(1, 2))): two workers, one a node.
+    Past the step-10 checkpoint the second node is lost whole (its raylet, agents and worker,
+    SIGKILL at once). Ray Train restarts the group with what the cluster still fits, one worker,
+    which resumes from step 10 at 1 x 16 x 2 samples a step where two trained 2 x 16 x 1
+    (trainer.global_batch_size=32), and finishes. The node is started again for the tests after."""
+    run_dir = shared / "runs" / "elastic"
+    settings = {"ray__num_workers": "[1,2]", "trainer__global_batch_size": 32, "trainer__max_steps": 24}
+    submitted = ray_cluster.submit(*ray_args(shared, "elastic", **settings), no_wait=True)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submission_id(submitted.stdout + submitted.stderr)
+    try:
+        assert wait_for(lambda: trained_past(run_dir, 10), timeout=300, interval=0.1), "the job never trained past step 10"
+        ray_cluster.kill_worker_node()
+        followed = ray_cluster.job("logs", "--follow", job)
+        assert job_info(ray_cluster, job)["status"] == "SUCCEEDED", followed.stdout[-4000:]
+    finally:
+        ray_cluster.start_worker_node()
+    logs = followed.stdout
+    assert "starting 1 to 2 Ray Train workers (elastic: goes on while 1 remain)" in logs, logs[-3000:]
+    assert "global batch 32 = 2 processes x 16 (data.batch_size) x 1 micro-batches per step" in logs, logs[-3000:]
+    assert "global batch 32 = 1 processes x 16 (data.batch_size) x 2 micro-batches per step" in logs, logs[-3000:]
+    assert re.search(r"resuming from .*step-00000010\.ckpt", logs), logs[-3000:]
+    steps = [int(row["step"]) for row in read_metrics(run_dir) if row.get("train/loss")]
+    assert steps == list(range(1, 25)), "every step once: the redone steps replace their rows"

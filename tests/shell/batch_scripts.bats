@@ -324,4 +324,89 @@ EOF
   ! elastic_goes_on 1 137 1 2 || false # one left of MIN 2: the job fails
   ! elastic_goes_on 1 137 2 3 || false # a fixed count (MIN = N): any loss fails it, as before
   ! elastic_goes_on 2 0 2 2 || false   # a node that finished is no loss
+  ! elastic_goes_on 2 2 2 2 || false   # bad input (exit 2) is every node's: the job's failure
+  elastic_goes_on 2 3 2 2              # a node that failed its health checks is left out
+  [ "$(elastic_lost_line node2 137)" = "$(printf 'node2\tlost mid-run, exit code 137')" ]
+  [ -z "$(elastic_lost_line node2 3)" ] # the health check names its node itself
+  [ -z "$(elastic_lost_line node2 2)" ]
+}
+
+# slurm/train.sbatch with MIN_NODES=2 of three nodes, over stand-ins for srun (one step per node:
+# it runs until second STUB_RUN_S_<rank> (60), ends with STUB_CODE_<rank> at second STUB_DIES_<rank>, or with 143 once
+# scancel has signalled the steps, node 0 a second after the others as it writes the checkpoint),
+# scancel and scontrol (each call recorded). What the script decides from those codes is the test.
+elastic_sbatch() {
+  local dir="${BATS_TEST_TMPDIR}/job"
+  mkdir -p "${dir}/bin"
+  ln -sfn "${REPO}/slurm" "${dir}/slurm"
+  ln -sfn "${REPO}/batch" "${dir}/batch"
+  cat >"${dir}/bin/srun" <<'EOF'
+#!/usr/bin/env bash
+for arg; do [[ "${arg}" == --relative=* ]] && rank="${arg#--relative=}"; done
+dies="STUB_DIES_${rank}" code="STUB_CODE_${rank}" run="STUB_RUN_S_${rank}"
+while ((SECONDS < ${!run:-60})); do
+  if [[ -e "${STUB_STOPPED}" ]]; then ((rank)) || sleep 1; exit 143; fi
+  if [[ -n "${!dies:-}" ]] && ((SECONDS >= ${!dies})); then exit "${!code:-137}"; fi
+  sleep 0.1
+done
+EOF
+  printf '#!/bin/sh\necho "scancel $*" >>"%s/calls"\ntouch "%s"\n' "${dir}" "${dir}/stopped" >"${dir}/bin/scancel"
+  cat >"${dir}/bin/scontrol" <<EOF
+#!/usr/bin/env bash
+echo "scontrol \$*" >>"${dir}/calls"
+[[ "\$1 \$2" != "show hostnames" ]] || printf 'node0\nnode1\nnode2\n'
+EOF
+  chmod +x "${dir}/bin/"*
+  export PATH="${dir}/bin:${PATH}" STUB_STOPPED="${dir}/stopped" SLURM_SUBMIT_DIR="${dir}" SLURM_JOB_ID=7
+  export SLURM_JOB_NUM_NODES=3 SLURM_JOB_NODELIST='node[0-2]' MIN_NODES=2 MASTER_PORT=29500
+  bash "${REPO}/slurm/train.sbatch" >"${dir}/out" 2>&1 &
+  JOB_PID=$!
+}
+
+# Until the job's output has node 2's loss line (at most 20 s): the stop below comes after it.
+after_the_loss() {
+  local tries=200
+  until grep -q "node 2 (node2) ended" "${BATS_TEST_TMPDIR}/job/out" 2>/dev/null; do
+    ((--tries)) || return 1
+    sleep 0.1
+  done
+}
+
+@test "train.sbatch elastic: a node lost goes on; a stop after it requeues without that node only, a scancel never" {
+  STUB_DIES_2=1 elastic_sbatch
+  after_the_loss
+  kill -USR1 "${JOB_PID}"
+  wait "${JOB_PID}" || true
+  out="$(cat "${BATS_TEST_TMPDIR}/job/out")"
+  [[ "${out}" == *"node 2 (node2) ended with exit code 137: the job goes on with 2 of 3 nodes (MIN_NODES=2)"* ]]
+  [[ "${out}" == *"requeueing without node2; the next run resumes"* ]]
+  [[ "${out}" != *"node 1 (node1) ended"* ]] # its 143 after the stop is no loss
+  grep -q "scontrol update JobId=7 ExcNodeList=node2$" "${BATS_TEST_TMPDIR}/job/calls"
+
+  rm -rf "${BATS_TEST_TMPDIR}/job"
+  STUB_DIES_2=1 elastic_sbatch
+  after_the_loss
+  kill -TERM "${JOB_PID}"
+  wait "${JOB_PID}" || true
+  out="$(cat "${BATS_TEST_TMPDIR}/job/out")"
+  [[ "${out}" == *"stopped by SIGTERM (scancel or preemption): not requeueing"* ]]
+  ! grep -q "requeue" "${BATS_TEST_TMPDIR}/job/calls" || false
+}
+
+@test "train.sbatch elastic: bad input on one node ends the job with 2, no node excluded; node 0's success is the job's" {
+  STUB_DIES_1=1 STUB_CODE_1=2 elastic_sbatch
+  status=0
+  wait "${JOB_PID}" || status=$?
+  out="$(cat "${BATS_TEST_TMPDIR}/job/out")"
+  [ "${status}" -eq 2 ]
+  [[ "${out}" == *"node 1 (node1) ended with exit code 2, leaving 2 of 3 nodes (MIN_NODES=2): stopping the others"* ]]
+  [[ "${out}" == *"exit code 2 (bad input or a failed check): not requeueing"* ]]
+  [ ! -s "${BATS_TEST_TMPDIR}/job/logs/.bad-nodes-slurm-7" ]
+
+  rm -rf "${BATS_TEST_TMPDIR}/job"
+  STUB_RUN_S_0=1 STUB_RUN_S_1=1 STUB_DIES_2=2 elastic_sbatch # node 2 fails a second after node 0 finished
+  status=0
+  wait "${JOB_PID}" || status=$?
+  [ "${status}" -eq 0 ]
+  grep -q "training finished" "${BATS_TEST_TMPDIR}/job/out"
 }

@@ -78,6 +78,20 @@ def test_a_config_larger_than_the_cluster_is_refused_with_the_numbers() -> None:
     driver.check_cluster_fits(config, {"GPU": 16.0, "CPU": 128.0})  # exactly enough
 
 
+def test_an_elastic_group_needs_room_for_its_min_and_a_bad_range_is_refused_by_name() -> None:
+    config = load_config(DEFAULT_CONFIG, ["ray.num_workers=[4, 16]", "ray.resources_per_worker={GPU: 1}"], check_paths=False)
+    assert config.ray.worker_range == (4, 16)
+    driver.check_cluster_fits(config, {"GPU": 4.0})  # Ray Train starts it with what fits, 4 to 16
+    too_small = r"ray.num_workers=\[3, 8\] \(at least 3\) .* needs CPU 3 \(the cluster has 2\)"
+    with pytest.raises(driver.RayClusterError, match=too_small):
+        driver.check_cluster_fits(load_config(DEFAULT_CONFIG, ["ray.num_workers=[3, 8]"], check_paths=False), {"CPU": 2.0})
+    assert load_config(DEFAULT_CONFIG, ["ray.num_workers=3"], check_paths=False).ray.worker_range == (3, 3)
+    for bad in ("[2, 1]", "[0, 2]", "[1, 2, 3]", "[2]", "0", "two"):
+        with pytest.raises(ConfigError) as caught:
+            load_config(DEFAULT_CONFIG, [f"ray.num_workers={bad}"], check_paths=False)
+        assert any("ray.num_workers" in problem for problem in caught.value.problems), (bad, caught.value.problems)
+
+
 def test_the_launch_id_is_the_submission_id(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"metadata": {"job_submission_id": "raysubmit_X"}}))
     assert driver.submission_id() == "raysubmit_X"
