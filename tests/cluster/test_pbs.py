@@ -112,7 +112,8 @@ def test_an_elastic_job_goes_on_without_a_failed_node_while_min_nodes_remain(syn
     assert "stopping the other nodes" not in done.stdout
     assert "training finished on 1 of 2 node(s)" in done.stdout
     log = (tmp_path / "logs" / "latest_node0.log").read_text()
-    assert "node 0/1:2 (elastic" in log and "process group ready: global rank 0 of 1" in log, log[-3000:]
+    assert "node 0/1:2 (elastic: goes on while 1 of up to 2 nodes remain)" in log, log[-3000:]
+    assert "global batch 8 = 1 processes x 8 (data.batch_size)" in log, log[-3000:]  # node 0 alone
     assert (tmp_path / "runs" / "phase2-tiny" / "checkpoints" / "step-00000020.ckpt").exists()
     refused_dir = tmp_path / "refused"
     refused_dir.mkdir()
@@ -153,9 +154,10 @@ def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: 
     """
     workdir = tmp_path / "work"
     (workdir / "pbs").mkdir(parents=True)
-    for name in ("train.pbs", "nodes.sh", "node_task.sh"):
-        (workdir / "pbs" / name).write_bytes((REPO / "pbs" / name).read_bytes())
-        (workdir / "pbs" / name).chmod(0o755)
+    (workdir / "batch").mkdir()
+    for name in ("pbs/train.pbs", "pbs/nodes.sh", "pbs/node_task.sh", "batch/elastic.sh"):
+        (workdir / name).write_bytes((REPO / name).read_bytes())
+        (workdir / name).chmod(0o755)
     dump = workdir / "cluster_train.sh"
     dump.write_text('#!/bin/sh\nenv > "$PWD/env.node$3"\n')
     dump.chmod(0o755)
