@@ -183,13 +183,14 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
 
     connect()
     import ray
-
-    # Train V2's classes by their own modules: what ray.train.* resolves to under V2 (the
-    # default of the pinned Ray), and typed as V2 (ray.train's stubs name V1's).
     from ray.train.torch import TorchConfig
     from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.exceptions import TrainingFailedError
     from ray.train.v2.torch.torch_trainer import TorchTrainer
+
+    # Train V2's classes by their own modules: what ray.train.* resolves to under V2 (the
+    # default of the pinned Ray), and typed as V2 (ray.train's stubs name V1's).
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from purrsight.ray_engine.coordinator import RunCoordinator
     from purrsight.ray_engine.worker import train_on_worker
@@ -197,8 +198,11 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
     check_cluster_fits(config, ray.cluster_resources())
     prepare_run_folder(config, plan)
     ray_root = config.run.run_dir.resolve() / "ray"  # Ray's storage: a folder per job, each report naming our file
-    coordinator_actor: Any = ray.remote(num_cpus=0)(RunCoordinator)  # no CPU: it only holds a few values
-    coordinator = coordinator_actor.remote()
+    # No CPU: it only holds a few values. On the driver's node: placed on another, it died with that
+    # node, and the workers Ray restarted could not reach it (a lost node ended the job).
+    beside_the_driver = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    coordinator_actor: Any = ray.remote(RunCoordinator)
+    coordinator = coordinator_actor.options(num_cpus=0, scheduling_strategy=beside_the_driver).remote()
     relay = StopRelay(coordinator)
     relay.install()
     trainer = TorchTrainer(

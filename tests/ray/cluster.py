@@ -160,11 +160,15 @@ class RayCluster:
             timeout=timeout,
         )
 
-    def submit(self, *train_args: str, no_wait: bool = False, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        """The README's submit command: the repo as working dir, train_phase2.py --engine ray."""
+    def submit(
+        self, *train_args: str, no_wait: bool = False, timeout: float = 600, env_vars: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """The README's submit command: the repo as working dir, train_phase2.py --engine ray;
+        ``env_vars`` in the job's runtime env (its driver, Ray Train's controller and workers)."""
         wait = ["--no-wait"] if no_wait else []
+        extra = ["--runtime-env-json", json.dumps({"env_vars": env_vars})] if env_vars else []
         entry = ["python", "train_phase2.py", "--engine", "ray", *train_args]
-        return self.job("submit", *wait, "--working-dir", ".", "--", *entry, timeout=timeout)
+        return self.job("submit", *wait, *extra, "--working-dir", ".", "--", *entry, timeout=timeout)
 
     def submit_and_follow(self, *train_args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         """docs/RAY.md's scriptable submit: our wrapper, which exits with the driver's code."""
