@@ -30,10 +30,13 @@ from tests.helpers import (
 SMALL_ALLOCATION = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
 
 
-def launcher_of_node_2(cmdline: list[str]) -> bool:
-    """Whether ``cmdline`` is node 2's launcher of an elastic job: bash [path/]cluster_train.sh CONFIG 2:3 2 ..."""
+def launcher_of_node_2(cmdline: list[str], run_folder: Path) -> bool:
+    """Whether ``cmdline`` is node 2's launcher of the elastic job training into ``run_folder``:
+    bash [path/]cluster_train.sh CONFIG 2:3 2 ... run.output_dir=RUN_FOLDER (not another test's
+    elastic launcher, as tests/launcher/test_elastic.py's beside it in the suite)."""
     at = next((i for i, arg in enumerate(cmdline[:3]) if arg.endswith("cluster_train.sh")), None)
-    return at is not None and cmdline[at + 1 : at + 4] == ["config/train_config.yaml", "2:3", "2"]
+    mine = f"run.output_dir={run_folder}" in cmdline
+    return mine and at is not None and cmdline[at + 1 : at + 4] == ["config/train_config.yaml", "2:3", "2"]
 
 
 pytestmark = pytest.mark.root  # SLURM's daemons run as root here
@@ -241,7 +244,7 @@ def test_an_elastic_job_that_loses_a_node_goes_on_with_the_others_and_completes_
             tmp_path, job
         )[-3000:]
         time.sleep(0.5)
-    launchers = [p for p in psutil.process_iter(["cmdline"]) if launcher_of_node_2(p.info["cmdline"] or [])]
+    launchers = [p for p in psutil.process_iter(["cmdline"]) if launcher_of_node_2(p.info["cmdline"] or [], tmp_path / "runs")]
     assert len(launchers) == 1, [
         p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if "cluster_train" in str(p.info["cmdline"])
     ]
