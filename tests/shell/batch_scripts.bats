@@ -372,23 +372,24 @@ after_the_loss() {
   done
 }
 
-@test "train.sbatch elastic: a node lost goes on; a stop after it requeues without that node only, a scancel never" {
+# Node 2 lost, then the job stopped by the signal $1; its output in `out`.
+stopped_after_the_loss() {
+  rm -rf "${BATS_TEST_TMPDIR}/job"
   STUB_DIES_2=1 elastic_sbatch
   after_the_loss
-  kill -USR1 "${JOB_PID}"
+  kill "-$1" "${JOB_PID}"
   wait "${JOB_PID}" || true
   out="$(cat "${BATS_TEST_TMPDIR}/job/out")"
+}
+
+@test "train.sbatch elastic: a node lost goes on; a stop after it requeues without that node only, a scancel never" {
+  stopped_after_the_loss USR1
   [[ "${out}" == *"node 2 (node2) ended with exit code 137: the job goes on with 2 of 3 nodes (MIN_NODES=2)"* ]]
   [[ "${out}" == *"requeueing without node2; the next run resumes"* ]]
   [[ "${out}" != *"node 1 (node1) ended"* ]] # its 143 after the stop is no loss
   grep -q "scontrol update JobId=7 ExcNodeList=node2$" "${BATS_TEST_TMPDIR}/job/calls"
 
-  rm -rf "${BATS_TEST_TMPDIR}/job"
-  STUB_DIES_2=1 elastic_sbatch
-  after_the_loss
-  kill -TERM "${JOB_PID}"
-  wait "${JOB_PID}" || true
-  out="$(cat "${BATS_TEST_TMPDIR}/job/out")"
+  stopped_after_the_loss TERM
   [[ "${out}" == *"stopped by SIGTERM (scancel or preemption): not requeueing"* ]]
   ! grep -q "requeue" "${BATS_TEST_TMPDIR}/job/calls" || false
 }
