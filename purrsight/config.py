@@ -340,6 +340,10 @@ class LoggingConfig(_Section):
     )
 
 
+def _worker_range(count: int | list[int]) -> tuple[int, int]:
+    return (count, count) if isinstance(count, int) else (count[0], count[1])
+
+
 class RayConfig(_Section):
     """Only read by ``--engine ray`` (purrsight/ray_engine): the Ray cluster runs the workers."""
 
@@ -367,7 +371,7 @@ class RayConfig(_Section):
     def _worker_count(cls, value: int | list[int]) -> int | list[int]:
         if not isinstance(value, int) and len(value) != 2:
             raise ValueError(f"{value}: a count, or [MIN, MAX] for an elastic group")
-        low, high = (value, value) if isinstance(value, int) else (value[0], value[1])
+        low, high = _worker_range(value)
         if not 1 <= low <= high:
             raise ValueError(f"{value}: at least 1 worker, and MIN no more than MAX")
         return value
@@ -375,8 +379,7 @@ class RayConfig(_Section):
     @property
     def worker_range(self) -> tuple[int, int]:
         """(MIN, MAX) workers: equal for a fixed count."""
-        count = self.num_workers
-        return (count, count) if isinstance(count, int) else (count[0], count[1])
+        return _worker_range(self.num_workers)
 
     @field_validator("resources_per_worker")
     @classmethod

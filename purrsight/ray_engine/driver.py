@@ -93,7 +93,7 @@ def submission_id() -> str:
 def check_cluster_fits(config: Config, available: dict[str, float]) -> None:
     """A config that asks for more than the cluster has would wait for resources forever (an
     elastic group, ``[MIN, MAX]``, needs room for MIN: Ray Train starts it with what fits)."""
-    wanted = config.ray.worker_range[0]
+    wanted, most = config.ray.worker_range
     missing = [
         f"{name} {amount * wanted:g} (the cluster has {available.get(name, 0):g})"
         for name, amount in config.ray.resources_per_worker.items()
@@ -101,7 +101,7 @@ def check_cluster_fits(config: Config, available: dict[str, float]) -> None:
     ]
     if missing:
         raise RayClusterError(
-            f"ray.num_workers={config.ray.num_workers}{'' if wanted == config.ray.num_workers else f' (at least {wanted})'}"
+            f"ray.num_workers={config.ray.num_workers}{'' if wanted == most else f' (at least {wanted})'}"
             f" x ray.resources_per_worker={config.ray.resources_per_worker} needs "
             + ", ".join(missing)
             + "; lower ray.num_workers or the resources per worker, or add nodes (see `ray status`)"
@@ -183,13 +183,13 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
 
     connect()
     import ray
+
+    # Train V2's classes by their own modules: what ray.train.* resolves to under V2 (the
+    # default of the pinned Ray), and typed as V2 (ray.train's stubs name V1's).
     from ray.train.torch import TorchConfig
     from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.exceptions import TrainingFailedError
     from ray.train.v2.torch.torch_trainer import TorchTrainer
-
-    # Train V2's classes by their own modules: what ray.train.* resolves to under V2 (the
-    # default of the pinned Ray), and typed as V2 (ray.train's stubs name V1's).
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from purrsight.ray_engine.coordinator import RunCoordinator
@@ -197,6 +197,7 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
 
     check_cluster_fits(config, ray.cluster_resources())
     prepare_run_folder(config, plan)
+    low, high = config.ray.worker_range
     ray_root = config.run.run_dir.resolve() / "ray"  # Ray's storage: a folder per job, each report naming our file
     # No CPU: it only holds a few values. On the driver's node: placed on another, it died with that
     # node, and the workers Ray restarted could not reach it (a lost node ended the job).
@@ -217,7 +218,7 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
         },
         torch_config=TorchConfig(backend=backend, timeout_s=config.distributed.timeout_s),
         scaling_config=ScalingConfig(
-            num_workers=config.ray.num_workers if isinstance(config.ray.num_workers, int) else config.ray.worker_range,
+            num_workers=low if low == high else (low, high),
             use_gpu=placement.accelerator == "gpu",
             resources_per_worker=dict(config.ray.resources_per_worker),
             placement_strategy=config.ray.placement_strategy,
@@ -232,7 +233,6 @@ def run_on_ray(config: Config, resume: str | None, source: str) -> int:
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
         ),
     )
-    low, high = config.ray.worker_range
     workers = f"{low} Ray Train workers"
     if low < high:
         workers = f"{low} to {high} Ray Train workers (elastic: goes on while {low} remain)"

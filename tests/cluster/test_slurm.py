@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import subprocess
@@ -25,6 +24,7 @@ from tests.helpers import (
     record_samples_env,
     tiny_overrides,
 )
+from tests.launcher.conftest import kill_whole
 
 # The test nodes have 2 CPUs and no GPUs: these (and --nodes, 2 unless a test says) override the script's #SBATCH defaults.
 SMALL_ALLOCATION = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
@@ -248,10 +248,7 @@ def test_an_elastic_job_that_loses_a_node_goes_on_with_the_others_and_completes_
     assert len(launchers) == 1, [
         p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if "cluster_train" in str(p.info["cmdline"])
     ]
-    launcher = launchers[0]
-    for process in [launcher, *launcher.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
+    kill_whole(launchers[0].pid)
     gate.touch()
 
     state = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=400)

@@ -10,8 +10,6 @@ the job with its own code, the restart being spent.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import signal
 import socket
@@ -24,7 +22,7 @@ import pytest
 
 from purrsight.distributed.hang_culprit import PUBLISH_S
 from tests.helpers import REPO, launcher_env, tiny_overrides
-from tests.launcher.conftest import descendants, wait_for
+from tests.launcher.conftest import kill_whole, wait_for
 from tests.launcher.test_launcher import workers
 from tests.network_hosts import Host, network_hosts
 
@@ -93,10 +91,7 @@ def test_cut_link_is_noticed_named_and_survived_then_a_frozen_rank_is_named(
         # 0's end by half an hour once (the frozen worker never exits, and the agent waits for it).
         # The forked workers have sessions of their own, so a killpg of the launcher's misses them.
         for proc in procs:
-            tree = [proc.pid, *(child.pid for child in descendants(proc.pid))]
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_whole(proc.pid)
             proc.wait()
     verdict = resumed_part(logs[0])
     assert re.search(

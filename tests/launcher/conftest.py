@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -94,6 +96,14 @@ def descendants(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def kill_whole(pid: int) -> None:
+    """SIGKILL to ``pid`` and every process under it at once: a node lost whole. Not a killpg: the
+    launcher's forked workers have sessions of their own."""
+    for doomed in [pid, *(process.pid for process in descendants(pid))]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(doomed, signal.SIGKILL)
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.5) -> bool:  # type: ignore[no-untyped-def]

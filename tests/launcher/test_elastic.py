@@ -20,18 +20,15 @@ on 2; 11 steps an epoch on either world, the last one short.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from tests.helpers import held_marker, hold_env, python_env, record_samples_env, recorded_steps
-from tests.launcher.conftest import Cluster, descendants, wait_for
+from tests.launcher.conftest import Cluster, kill_whole, wait_for
 
 GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT, JOIN_AT = 12, 2, 30, 8, 5, 14
 
@@ -81,13 +78,10 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
     # A node lost whole: every process of it at once, the forked worker too (the fork server's
     # children are in a process group of their own, so a killpg alone let the worker see its
     # agent die and stop with a checkpoint: an orderly stop, not a loss).
-    doomed = [nodes[1].proc.pid, *(process.pid for process in descendants(nodes[1].proc.pid))]
     log = cluster.log_dir / "latest_node0.log"
     before_the_loss = len(log.read_text(errors="replace"))  # what follows is the loss's answer
     killed_ns = time.time_ns()
-    for pid in doomed:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    kill_whole(nodes[1].proc.pid)
     lost = time.monotonic()
     gate.touch()
 

@@ -22,6 +22,7 @@ from tests.helpers import REPO, free_port, python_env
 
 HEAD_ADDR, WORKER_ADDR = "127.0.0.2", "127.0.0.3"
 RAY = str(REPO / ".venv" / "bin" / "ray") if (REPO / ".venv" / "bin" / "ray").exists() else "ray"
+NODE_RESOURCES = ("--num-cpus", "1", "--num-gpus", "0")  # each node's, the head's and the worker node's
 STOP_WAIT_S = "60"  # how long `ray job stop` lets the driver checkpoint before SIGKILL (head's env)
 
 
@@ -75,7 +76,6 @@ class RayCluster:
         return ports
 
     def start(self) -> None:
-        common = ["--num-cpus", "1", "--num-gpus", "0"]  # as start_worker_node's
         self._start(
             "head",
             [
@@ -90,7 +90,7 @@ class RayCluster:
                 str(self.dashboard_port),
                 "--ray-client-server-port",
                 str(free_port()),
-                *common,
+                *NODE_RESOURCES,
                 *self.node_ports(),
             ],
             self.env(RAY_JOB_STOP_WAIT_TIME_S=STOP_WAIT_S),
@@ -102,18 +102,13 @@ class RayCluster:
     def start_worker_node(self) -> None:
         """The second node (again, after a test killed it: Ray counts the new one as a new node)."""
         worker = ["--address", f"{HEAD_ADDR}:{self.gcs_port}", "--node-ip-address", WORKER_ADDR]
-        self._start("node1", [*worker, "--num-cpus", "1", "--num-gpus", "0", *self.node_ports()], self.env())
+        self._start("node1", [*worker, *NODE_RESOURCES, *self.node_ports()], self.env())
         self.nodes[1:] = self.nodes[-1:]  # a killed node's entry is replaced
         self.wait_for_nodes(2, timeout=120)
 
     def kill_worker_node(self) -> None:
         """The second node lost whole: its `ray start`, raylet, agents and workers, SIGKILL at once."""
-        node = self.nodes[1]
-        processes = [node, *node.children(recursive=True)]
-        for process in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        psutil.wait_procs(processes, timeout=30)
+        kill_nodes(self.nodes[1:])
 
     def wait_for_nodes(self, count: int, timeout: float) -> None:
         """Until the head reports ``count`` nodes alive: asked by one child that imports Ray once
@@ -182,16 +177,21 @@ class RayCluster:
         )
 
     def stop(self) -> None:
-        processes = []
-        for node in self.nodes:
-            try:
-                processes += [node, *node.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                continue
-        for process in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        psutil.wait_procs(processes, timeout=30)
+        kill_nodes(self.nodes)
+
+
+def kill_nodes(nodes: list[psutil.Process]) -> None:
+    """SIGKILL to each ``ray start --block`` and every process under it, then their end."""
+    processes = []
+    for node in nodes:
+        try:
+            processes += [node, *node.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(processes, timeout=30)
 
 
 # The head's count of alive nodes, asked until it reaches argv[1] (its dashboard may not answer yet).
