@@ -19,12 +19,11 @@ import argparse
 import itertools
 import json
 import logging
-import multiprocessing
 import os
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from purrsight.data.text import PromptTooLongError, TemplateRefusedError, TextEn
 from purrsight.datasets.builder import build_decoders, preparation_settings, read_options, source_of
 from purrsight.datasets.duplicate_ids import IdHashes, duplicate_lines
 from purrsight.datasets.synthetic_set import ensure_synthetic_set
+from purrsight.datasets.worker_set import WorkerLostError, run_unordered
 from purrsight.errors import SIGNAL_BASE
 
 log = logging.getLogger("purrsight.prepare")
@@ -113,17 +113,6 @@ def _init_worker(config: Config) -> None:
 
 class _ShardRefusedError(Exception):
     """A bad sample under data.on_bad_sample=error: the shard is not published."""
-
-
-def _init_pool_worker(config: Config) -> None:
-    # A terminal's Ctrl-C reaches every process of the group: the parent ends the workers
-    # (pool.terminate) and says so in one line, instead of each printing a KeyboardInterrupt.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # pool.terminate's SIGTERM (or a scheduler's, to the whole group) ends a worker at once; the
-    # parent's handler, inherited through the fork, is the parent's alone. The parent removes
-    # what a worker ended so leaves (remove_temp_shards).
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _init_worker(config)
 
 
 class PrepareStopped(BaseException):
@@ -479,28 +468,27 @@ def _decode_shards(config: Config, out: Path, mine: list[ShardTask], processes: 
     short; done shards keep their receipts for the next prepare.
     """
     work = [(task, out) for task in mine]
-    pool = None
+    results: Iterator[ShardResult]
+    if processes == 1 or len(mine) <= 1:
+        _init_worker(config)
+        results = map(_run_shard, work)
+    else:
+        results = run_unordered(_run_shard, work, min(processes, len(mine)), _init_worker, (config,), _shard_of)
     try:
-        results: Iterator[ShardResult]
-        if processes == 1 or len(mine) <= 1:
-            _init_worker(config)
-            results = map(_run_shard, work)
-        else:
-            pool = multiprocessing.get_context("fork").Pool(processes, initializer=_init_pool_worker, initargs=(config,))
-            results = pool.imap_unordered(_run_shard, work)
         bad = _follow(results, len(mine), started)
     except BaseException:
-        if pool is not None:
-            pool.terminate()  # SIGTERM: a worker ends mid-write, its temp file left for the line below
-            pool.join()
+        if isinstance(results, Generator):
+            results.close()  # every worker ended now (SIGTERM: a worker's shard cut short mid-write)
         removed = remove_temp_shards(out, mine)
         if removed:
             log.info("removed %d half-written shard file(s) of the shards cut short", len(removed))
         raise
-    if pool is not None:
-        pool.close()
-        pool.join()
     return bad
+
+
+def _shard_of(work: tuple[ShardTask, Path]) -> str:
+    task = work[0]
+    return f"shard {task.number} ({task.split}, from {task.index})"
 
 
 def _follow(results: Iterator[ShardResult], shards: int, started: float) -> list[dict[str, str]]:
@@ -537,6 +525,9 @@ def prepare_command(args: argparse.Namespace) -> int:
         name = signal.Signals(signum).name
         log.warning("prepare interrupted by %s: the shards done are kept; the same command continues from them", name)
         return SIGNAL_BASE + signum
+    except WorkerLostError as lost:  # not the input's fault, and its traceback would say nothing more
+        log.error("prepare stopped: %s; the shards done are kept, the same command continues from them", lost)
+        return 1
     if manifest is not None:
         splits = manifest["splits"].items()
         counts = ", ".join(f"{split} {entry['samples']} samples ({entry['bad']} left out)" for split, entry in splits)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -327,7 +328,7 @@ def test_two_parts_prepared_by_two_processes_make_one_set(synthetic_dir: Path, t
 def test_a_prepare_killed_mid_way_is_refused_then_continued(synthetic_dir: Path, tmp_path: Path) -> None:
     """SIGKILL of a real prepare half way through writing its 4th shard (tests/fault_injection:
     kill_during_shard_write): no manifest, whole shards, the torn one's temp file; a rerun removes
-    that and finishes."""
+    that, loses a worker to SIGKILL and says so; a third finishes."""
     out = tmp_path / "p"
     args = [str(REPO / "train_phase2.py"), "prepare", "--config", str(REPO / "config" / "train_config.yaml"), "--out", str(out)]
     args += ["--num-proc", "1", "--shard-size", "4", f"data.synthetic_dir={synthetic_dir}"]
@@ -346,10 +347,18 @@ def test_a_prepare_killed_mid_way_is_refused_then_continued(synthetic_dir: Path,
     config = tiny_config(synthetic_dir, tmp_path, data__prepared=str(out))
     with pytest.raises(PreparedSetError, match="is not complete"):
         build_datasets(config, 1)
+    # Then one of two workers killed alone (the OOM killer): one line naming its shard, exit 1, the
+    # others ended and their cut shards removed. Under multiprocessing.Pool this waited forever.
+    two = [a if a != "1" or args[i - 1] != "--num-proc" else "2" for i, a in enumerate(args)]
+    env = {**python_env(), **fault_env("kill_during_shard_write:2")}
+    lost = subprocess.run([sys.executable, *two], env=env, capture_output=True, text=True, timeout=300)
+    assert lost.returncode == 1 and "Traceback" not in lost.stderr, lost.stderr[-2000:]
+    assert f"removed 1 half-written shard file(s) left by an interrupted prepare ({torn}, ...)" in lost.stderr
+    assert re.search(r"prepare stopped: the process working on shard \d+ \(train, from .*\) was killed by SIGKILL", lost.stderr)
+    assert not torn.exists() and stale_temp_files(out / "train") == []  # before the fix: left there for good
+    receipts = sorted(p.name for p in (out / "train").glob("*.json"))
     done = subprocess.run([sys.executable, *args], env=python_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"removed 1 half-written shard file(s) left by an interrupted prepare ({torn}, ...)" in done.stderr
-    assert not torn.exists() and stale_temp_files(out / "train") == []  # before the fix: left there for good
     assert f"{32 + 8 - len(receipts)} shards to do" in done.stderr
     assert len(build_datasets(config, 1).train) == 128  # type: ignore[arg-type]
 
