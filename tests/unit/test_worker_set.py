@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -43,8 +44,23 @@ def _pid(_: int) -> int:
     return os.getpid()
 
 
+_BEFORE: set[int] = set()  # this process's children when the test began: a session's fork servers, not ours
+
+
+@pytest.fixture(autouse=True)
+def _children_before() -> None:
+    _BEFORE.clear()
+    _BEFORE.update(c.pid for c in psutil.Process().children())
+
+
 def _children() -> list[psutil.Process]:
-    return [c for c in psutil.Process().children() if c.status() != psutil.STATUS_ZOMBIE]
+    """The live children the test made: its workers."""
+    found = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.pid not in _BEFORE and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+    return found
 
 
 @pytest.mark.parametrize(("tasks", "processes"), [(7, 3), (2, 5), (1, 1), (0, 2)])
