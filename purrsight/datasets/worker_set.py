@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 
 Task = TypeVar("Task")
 Result = TypeVar("Result")
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 END_GRACE_S = 10.0  # a worker SIGTERM has not ended by then (stuck in the kernel) gets SIGKILL
 
 
@@ -62,7 +62,7 @@ def run_unordered(
     workers: list[_Worker[Task]] = []
     try:
         for _ in range(processes):
-            workers.append(_start(context, function, initializer, initargs))
+            _start(context, function, initializer, initargs, workers)
         idle = list(workers)
         while True:
             while idle and (task := next(queue, None)) is not None:
@@ -83,8 +83,14 @@ def run_unordered(
 
 
 def _start(
-    context: Any, function: Callable[[Any], Any], initializer: Callable[..., None], initargs: tuple[Any, ...]
-) -> _Worker[Any]:
+    context: Any,
+    function: Callable[[Any], Any],
+    initializer: Callable[..., None],
+    initargs: tuple[Any, ...],
+    workers: list[_Worker[Any]],
+) -> None:
+    """Fork one worker into ``workers``: listed before a stop held across the fork is let in, so
+    the stop's exception (raised as the mask is restored) finds it and _end ends it."""
     ours, theirs = context.Pipe()
     process = context.Process(target=_serve, args=(theirs, function, initializer, initargs), daemon=True)
     # Blocked across the fork: a stop arriving now waits in the parent until the child is ours
@@ -92,26 +98,33 @@ def _start(
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         process.start()
+        theirs.close()
+        workers.append(_Worker(process, ours))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    theirs.close()
-    return _Worker(process, ours)
 
 
 def _answer(worker: _Worker[Task], describe: Callable[[Task], str]) -> Any:
     try:
         ok, value = worker.pipe.recv()
-    except (EOFError, ConnectionResetError):  # reset: it died with our task unread in its socket
+    except (EOFError, OSError):  # a reset (it died with our task unread), or an answer cut off mid-way
         worker.process.join()
         code = worker.process.exitcode or 0
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
         if code == -signal.SIGKILL:
-            how += " (often the kernel's OOM killer: fewer processes or smaller tasks use less memory)"
+            how += " (often the kernel's OOM killer: fewer processes use less memory)"
         assert worker.task is not None
         raise WorkerLostError(f"the process working on {describe(worker.task)} {how}") from None
     if not ok:
         raise value
     return value
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal: no name in the enum
+        return f"signal {number}"
 
 
 def _serve(pipe: Connection, function: Callable[[Any], Any], initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
