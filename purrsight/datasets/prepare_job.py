@@ -91,14 +91,14 @@ class ShardResult:
     written: bool
 
 
-# One decoder set per worker process, built once by the pool's initializer.
+# One decoder set per worker process, built once by its initializer (worker_set.run_unordered).
 _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(config: Config) -> None:
     import torch
 
-    torch.set_num_threads(1)  # one core per process: the pool is the parallelism
+    torch.set_num_threads(1)  # one core per process: the worker processes are the parallelism
     from purrsight.model.llm import load_tokenizer
 
     image, audio = build_decoders(config)
@@ -135,7 +135,7 @@ class _StopOnSignals:
         self.signum: int | None = None
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != self.main:  # a pool worker forked before its initializer ran: end as the default does
+        if os.getpid() != self.main:  # a fork that is not worker_set's (it blocks stops): end as the default does
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return

@@ -63,10 +63,10 @@ def run_unordered(
     try:
         for _ in range(processes):
             _start(context, function, initializer, initargs, workers)
-        idle = list(workers)
         while True:
-            while idle and (task := next(queue, None)) is not None:
-                worker = idle.pop()
+            for worker in (w for w in workers if w.task is None):
+                if (task := next(queue, None)) is None:
+                    break
                 worker.task = task
                 with contextlib.suppress(OSError):  # it ended while idle: its pipe reads EOF below, _answer says how
                     worker.pipe.send(task)
@@ -77,7 +77,6 @@ def run_unordered(
             for worker in (w for w in busy if w.pipe in ready):
                 yield _answer(worker, describe)
                 worker.task = None
-                idle.append(worker)
     finally:
         _end(workers)
 
