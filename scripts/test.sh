@@ -18,7 +18,6 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 readonly VENV_DIR="${VENV_DIR:-.venv}"
-readonly WORKERS="${PYTEST_WORKERS:-2}"
 readonly SYSTEM_PACKAGES=(shellcheck bats iproute2 slurm-wlm slurm-wlm-torque munge alsa-utils sound-theme-freedesktop
   openssh-server)
 
@@ -95,6 +94,10 @@ if [[ "${1:-}" == --quick ]]; then
   QUICK=1
   shift
 fi
+# pytest workers: 2 for the quick tier (unit tests, CPU-bound: one per core), 3 for the rest
+# (below, where the third one fills the cores while the others wait).
+WORKERS="${PYTEST_WORKERS:-$((QUICK ? 2 : 3))}"
+readonly WORKERS
 # Extra pytest arguments select a part of a tier: its time says nothing of the tier's budget.
 WHOLE_TIER=$(($# == 0))
 readonly WHOLE_TIER
@@ -115,10 +118,12 @@ if ((QUICK)); then
   bats tests/shell
 fi
 
-# Two workers: most of an end-to-end test's time is waiting (for a rendezvous, a watchdog, a
-# restart), so two tests at a time overlap those waits. The real clusters' tests (marked `serial`
-# by tests/conftest.py: they share one SLURM and one Ray cluster) run one at a time in a third
-# pytest, beside the two workers: alone they left a core idle half the time. Their output goes
+# Three workers on two cores: most of an end-to-end test's time is waiting (for a rendezvous, a
+# watchdog, a restart, a tracker's timeout), so several tests at a time overlap those waits. With
+# two, the cores still sat idle a tenth of a fresh-clone run (35.8 CPU-min of tests in 21.2 min,
+# 2026-11-28, tests/README.md "How long"). The real clusters' tests (marked `serial` by
+# tests/conftest.py: they share one SLURM and one Ray cluster) run one at a time in another
+# pytest, beside the workers: alone they left a core idle half the time. Their output goes
 # to a file, shown when they end. The workers steal queued tests from each other (`--dist
 # worksteal`): plain `load` hands each worker a queue of tests ahead, and near the end one worker
 # could still hold several long ones while the other sat idle. mypy runs beside them at nice 19
