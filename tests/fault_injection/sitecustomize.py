@@ -12,6 +12,10 @@ Faults (``PURRSIGHT_TEST_FAULT``):
 - ``kill_during_checkpoint_write:N``: SIGKILL the process during its N-th checkpoint write,
   the temp file half written and flushed, as when a node dies or the OOM killer strikes
   mid-save. First worker generation only (restarted workers must be able to finish).
+- ``kill_during_armed_checkpoint_write:FILE``: the same kill, in the first checkpoint write any
+  process of the job makes while FILE exists (the test creates it when the write it wants killed
+  is next: an elastic join's planned checkpoint, say). The process that takes it removes FILE
+  first, so the fault fires once across every node and worker generation.
 
 Every hook reads what differs between processes (rank, restart count, pid) when it acts, not
 when it patches: the launcher's workers are forks of one server that imported (and so patched)
@@ -99,19 +103,28 @@ class _SaveThenKill:
     ``save`` writes half of the checkpoint's bytes into its stream (the temp file), flushes them to
     the disk, and SIGKILLs the process: a torn temp file, as a node that dies mid-write leaves."""
 
-    def __init__(self, torch: Any, kill_at: int) -> None:
-        self._torch, self._kill_at, self._writes = torch, kill_at, 0
+    def __init__(self, torch: Any, kill_at: int = 0, armed: str = "") -> None:
+        self._torch, self._kill_at, self._armed, self._writes = torch, kill_at, armed, 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._torch, name)
 
-    def save(self, obj: Any, stream: Any, *args: Any, **kwargs: Any) -> None:
-        self._writes += 1
+    def _fires(self) -> bool:
+        if self._armed:
+            try:
+                os.unlink(self._armed)  # whoever removes it takes the fault: once across the job
+            except FileNotFoundError:
+                return False
+            return True
         # Read at the write, not when the module was patched: a worker forked from the launcher's
         # preloaded server (purrsight/launcher/forked_workers.py) was patched there, before torchrun
         # told it its restart count.
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
-        if restarted or self._writes != self._kill_at:
+        return not restarted and self._writes == self._kill_at
+
+    def save(self, obj: Any, stream: Any, *args: Any, **kwargs: Any) -> None:
+        self._writes += 1
+        if not self._fires():
             self._torch.save(obj, stream, *args, **kwargs)
             return
         whole = io.BytesIO()
@@ -124,7 +137,14 @@ class _SaveThenKill:
 
 def _kill_during_checkpoint_write(count: str) -> Callable[[ModuleType], None]:
     def patch(module: Any) -> None:
-        module.torch = _SaveThenKill(module.torch, int(count))  # type: ignore[attr-defined]
+        module.torch = _SaveThenKill(module.torch, kill_at=int(count))  # type: ignore[attr-defined]
+
+    return patch
+
+
+def _kill_during_armed_checkpoint_write(armed: str) -> Callable[[ModuleType], None]:
+    def patch(module: Any) -> None:
+        module.torch = _SaveThenKill(module.torch, armed=armed)  # type: ignore[attr-defined]
 
     return patch
 
@@ -287,6 +307,8 @@ if FAULT:
     kind, _, arguments = FAULT.partition(":")
     if kind == "kill_during_checkpoint_write":
         PATCHES.add("purrsight.runs.checkpoint_saver", _kill_during_checkpoint_write(arguments))
+    elif kind == "kill_during_armed_checkpoint_write":
+        PATCHES.add("purrsight.runs.checkpoint_saver", _kill_during_armed_checkpoint_write(arguments))
     elif kind == "slow_prepare_shard":
         PATCHES.add("purrsight.datasets.prepare_job", _slow_prepare_shard(arguments))
     elif kind == "kill_during_shard_write":

@@ -12,10 +12,18 @@ workers resume from the step-5 checkpoint on 2 ranks x 2 x 3 micro-batches: 12 s
 Held again at step 14, node 1's launcher is started anew (RESUME=auto: the run is in its folder
 already, and a start without it is refused): the two agents see it waiting, stop their
 workers (SIGTERM: a checkpoint at the end of step 14 or 15), and the three meet and resume from that
-checkpoint, nothing trained lost, on 3 ranks x 2 x 2 again. Every step of the run trained 12 samples
-(an epoch's last, shorter window aside), no epoch trained a sample twice, and each whole epoch
-trained every sample but the sampler's tail. 128 samples: 126 a pass on 3 ranks (2 left out), 128
-on 2; 11 steps an epoch on either world, the last one short.
+checkpoint, nothing trained lost, on 3 ranks x 2 x 2 again.
+
+Then a join whose planned checkpoint is killed (issue 51's faults during a change): held at step 22,
+node 2 is killed whole; nodes 0 and 1 resume from the step-20 checkpoint on 2 ranks. Held at 26,
+node 2's launcher is started anew with a kill planted in the next checkpoint write any process makes
+(tests/fault_injection: the join's, rank 0's, SIGKILLed half written). The torn file is never read:
+the three resume from the last whole checkpoint, step 25, and train to the end; the steps after it
+are trained again, nothing else is lost, and every launcher still exits 0.
+
+Every step of the run trained 12 samples (an epoch's last, shorter window aside), no epoch trained
+a sample twice, and each whole epoch trained every sample but the sampler's tail. 128 samples: 126
+a pass on 3 ranks (2 left out), 128 on 2; 11 steps an epoch on either world, the last one short.
 """
 
 from __future__ import annotations
@@ -27,10 +35,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import held_marker, hold_env, python_env, record_samples_env, recorded_steps
+from tests.helpers import fault_env, held_marker, hold_env, python_env, record_samples_env, recorded_steps
 from tests.launcher.conftest import Cluster, kill_whole, wait_for
 
-GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT, JOIN_AT = 12, 2, 30, 8, 5, 14
+GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT, JOIN_AT = 12, 2, 36, 8, 5, 14
+# The second loss (node 2 at 22: the two resume from 20) and the join whose checkpoint is killed
+# (node 2 back at 26: the three resume from 25, the last whole checkpoint).
+SECOND_LOSS_AT, REJOIN_AT = 22, 26
 
 
 def resumed_and_training(log: Path, offset: int) -> bool:
@@ -39,11 +50,10 @@ def resumed_and_training(log: Path, offset: int) -> bool:
     return bool(resumed) and re.search(rf"step \d+/{STEPS}", after) is not None
 
 
-def steps_trained(records: Path, killed_ns: int, joined_ns: int, joined_at: int) -> dict[int, list[dict[str, Any]]]:
+def steps_trained(records: Path, attempts: list[tuple[int, int, int, int]]) -> dict[int, list[dict[str, Any]]]:
     """step -> the micro-batches every rank trained for it, in the attempt whose steps the
-    checkpoints kept: the first 3-rank attempt's up to the resume from step SAVED_AT, the 2-rank
-    attempt's from there to the join's checkpoint, the second 3-rank attempt's after it."""
-    attempts = ((0, 3, 0, SAVED_AT), (killed_ns, 2, SAVED_AT, joined_at), (joined_ns, 3, joined_at, STEPS))
+    checkpoints kept. ``attempts``: (started after, in ns; its world; the step it resumed from; the
+    last step of it a later attempt resumed from, or STEPS)."""
     steps: dict[int, list[dict[str, Any]]] = {}
     for path in sorted(records.glob("*.jsonl")):
         started_ns = int(path.name.split("-", 1)[0])
@@ -59,10 +69,13 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
 ) -> None:
     gate, records = tmp_path / "released-after-the-kill", tmp_path / "samples"
     join_gate = tmp_path / "released-only-by-the-joins-stop"
+    second_gate, rejoin_gate = tmp_path / "released-after-the-second-kill", tmp_path / "released-after-the-killed-join"
+    armed = tmp_path / "kill-the-next-checkpoint-write"  # created when the join's checkpoint is next
     # RDZV_LAST_CALL_S 4 (2 by default): three launchers starting on two busy cores meet in one first
     # round; a second round to admit a late one would restart the first from scratch.
     env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": "4", **record_samples_env(records, python_env())}
-    env |= hold_env({KILLED_AT: gate, JOIN_AT: join_gate}, python_env())
+    env |= hold_env({KILLED_AT: gate, JOIN_AT: join_gate, SECOND_LOSS_AT: second_gate, REJOIN_AT: rejoin_gate}, python_env())
+    env |= fault_env(f"kill_during_armed_checkpoint_write:{armed}", python_env())
     overrides: dict[str, Any] = dict(
         data__batch_size=BATCH, trainer__global_batch_size=GLOBAL_BATCH, trainer__max_steps=STEPS,
         checkpoint__every_n_steps=SAVED_AT, checkpoint__keep_last=10, logging__every_n_steps=1,
@@ -101,20 +114,46 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
         -4000:
     ]
     join_s = time.monotonic() - started
-    assert all(nodes[n].wait(timeout=300) == 0 for n in (0, 2, 1)), log.read_text(errors="replace")[-4000:]
+
+    # A second loss, node 2, once the three hold at SECOND_LOSS_AT: the two resume from step 20.
+    assert wait_for(lambda: all(held_marker(second_gate, rank).exists() for rank in range(3)), timeout=180)
+    node2_first_log = cluster.node_log(2)  # its launcher's log; the node's next start writes another
+    before_the_second_loss = len(log.read_text(errors="replace"))
+    lost_again_ns = time.time_ns()
+    kill_whole(nodes[2].proc.pid)
+    second_gate.touch()  # steps 21-22, trained again, pass
+    assert wait_for(lambda: resumed_and_training(log, before_the_second_loss), timeout=180, interval=0.2), log.read_text(
+        errors="replace"
+    )[-4000:]
+
+    # Node 2 back, with a kill planted in the next checkpoint write (the join's, rank 0's) once the
+    # two hold at REJOIN_AT.
+    assert wait_for(lambda: all(held_marker(rejoin_gate, rank).exists() for rank in range(2)), timeout=180)
+    before_the_rejoin = len(log.read_text(errors="replace"))
+    armed.touch()
+    rejoined_ns = time.time_ns()
+    nodes[2] = cluster.start("2:3", 2, env={**env, "RESUME": "auto"}, **overrides)
+    assert wait_for(lambda: not armed.exists(), timeout=180, interval=0.2), log.read_text(errors="replace")[-4000:]
+    rejoin_gate.touch()  # the steps after the last whole checkpoint, trained again, pass
+    assert wait_for(lambda: resumed_and_training(log, before_the_rejoin), timeout=180, interval=0.2), log.read_text(
+        errors="replace"
+    )[-4000:]
+
+    assert all(nodes[n].wait(timeout=300) == 0 for n in (0, 1, 2)), log.read_text(errors="replace")[-4000:]
     whole = log.read_text(errors="replace")
-    text, joined = whole[before_the_loss:before_the_join], whole[before_the_join:]
+    text, joined = whole[before_the_loss:before_the_join], whole[before_the_join:before_the_second_loss]
+    second_loss, rejoin = whole[before_the_second_loss:before_the_rejoin], whole[before_the_rejoin:]
     print(f"a node lost at step {KILLED_AT}: the others trained again {again_s:.1f} s after the kill")
     print(f"the node back at step {JOIN_AT}: three training {join_s:.1f} s after its launcher's start")
 
     assert "(elastic: goes on while 2 of up to 3 nodes remain)" in whole
     assert "elastic round of 3 node(s) [0, 1, 2]: node_rank 0 local_rank 0 is global rank 0" in whole
     assert "elastic round of 2 node(s) [0, 2]: node_rank 0 local_rank 0 is global rank 0" in text
-    assert "elastic round of 2 node(s) [0, 2]: node_rank 2 local_rank 0 is global rank 1" in cluster.node_log(2)
+    assert "elastic round of 2 node(s) [0, 2]: node_rank 2 local_rank 0 is global rank 1" in node2_first_log
     assert "global batch 12 = 3 processes x 2 (data.batch_size) x 2 micro-batches per step" in whole
     assert "global batch 12 = 2 processes x 2 (data.batch_size) x 3 micro-batches per step" in text
     # The survivors' failed collective in one line each, no traceback wall
-    for survivor in (text, cluster.node_log(2)):
+    for survivor in (text, node2_first_log):
         assert re.search(r"error: a peer process is gone \(Connection (closed|reset) by peer", survivor), survivor[-4000:]
         assert "Traceback" not in survivor, survivor[-4000:]
     resumed = re.search(r"resuming from checkpoint .*step-(\d+)\.ckpt", text)
@@ -142,7 +181,34 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
     )
     assert last_on_two == joined_at, (last_on_two, joined_at)
 
-    steps = steps_trained(records, killed_ns, joined_ns, joined_at)
+    # The second loss: the two resume from step 20 (its hold at 22 came after that checkpoint).
+    assert "elastic round of 2 node(s) [0, 1]: node_rank 0 local_rank 0 is global rank 0" in second_loss
+    assert "global batch 12 = 2 processes x 2 (data.batch_size) x 3 micro-batches per step" in second_loss
+    resumed = re.search(r"resuming from checkpoint .*step-(\d+)\.ckpt", second_loss)
+    assert resumed and int(resumed.group(1)) == 20, second_loss[-3000:]
+    assert "Traceback" not in second_loss, second_loss[-4000:]
+
+    # The join whose checkpoint was killed half written: announced as any join; the torn file never
+    # published nor read; the three resume from the last whole checkpoint (25) and finish.
+    last_whole = REJOIN_AT // SAVED_AT * SAVED_AT
+    assert "torchrun: 1 node(s) waiting to join" in rejoin, rejoin[-4000:]
+    assert "elastic round of 3 node(s) [0, 1, 2]: node_rank 0 local_rank 0 is global rank 0" in rejoin, rejoin[-4000:]
+    assert "global batch 12 = 3 processes x 2 (data.batch_size) x 2 micro-batches per step" in rejoin
+    assert "Traceback" not in rejoin, rejoin[-4000:]
+    resumed = re.search(r"resuming from checkpoint .*step-(\d+)\.ckpt", rejoin)
+    assert resumed and int(resumed.group(1)) == last_whole, rejoin[-3000:]
+    kept = sorted(int(path.stem.split("-")[1]) for path in (cluster.run_dir / "checkpoints").glob("step-*.ckpt"))
+    assert all(step % SAVED_AT == 0 for step in kept if joined_at < step < STEPS), kept  # no join checkpoint after 25
+    assert not list((cluster.run_dir / "checkpoints").glob("*.tmp*")), "the torn temp file left"
+
+    attempts = [
+        (0, 3, 0, SAVED_AT),  # the first three, to the checkpoint the two resumed from
+        (killed_ns, 2, SAVED_AT, joined_at),  # the two, to the join's checkpoint
+        (joined_ns, 3, joined_at, 20),  # the three again, to the checkpoint of the second loss
+        (lost_again_ns, 2, 20, last_whole),  # the two again, to the last whole checkpoint
+        (rejoined_ns, 3, last_whole, STEPS),  # the three, to the end
+    ]
+    steps = steps_trained(records, attempts)
     assert sorted(steps) == list(range(1, STEPS + 1)), sorted(steps)
     epochs = {step: {batch["epoch"] for batch in batches} for step, batches in steps.items()}
     for step, batches in steps.items():
@@ -161,4 +227,4 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
             assert len(every_id - set(taken)) <= 2, (epoch, sorted(every_id - set(taken)))
 
     report = (cluster.run_dir / "report.md").read_text()
-    assert report.count("| 3 x 2 x 2 = 12 |") == 2 and "| 2 x 2 x 3 = 12 |" in report, report
+    assert report.count("| 3 x 2 x 2 = 12 |") == 3 and report.count("| 2 x 2 x 3 = 12 |") == 2, report
