@@ -94,10 +94,7 @@ if [[ "${1:-}" == --quick ]]; then
   QUICK=1
   shift
 fi
-# pytest workers: 2 for the quick tier (unit tests, CPU-bound: one per core), 3 for the rest
-# (below, where the third one fills the cores while the others wait).
-WORKERS="${PYTEST_WORKERS:-$((QUICK ? 2 : 3))}"
-readonly WORKERS
+readonly WORKERS="${PYTEST_WORKERS:-2}"
 # Extra pytest arguments select a part of a tier: its time says nothing of the tier's budget.
 WHOLE_TIER=$(($# == 0))
 readonly WHOLE_TIER
@@ -118,17 +115,18 @@ if ((QUICK)); then
   bats tests/shell
 fi
 
-# Three workers on two cores: most of an end-to-end test's time is waiting (for a rendezvous, a
-# watchdog, a restart, a tracker's timeout), so several tests at a time overlap those waits. With
-# two, the cores still sat idle a tenth of a fresh-clone run (35.8 CPU-min of tests in 21.2 min,
-# 2026-11-28, tests/README.md "How long"). The real clusters' tests (marked `serial` by
-# tests/conftest.py: they share one SLURM and one Ray cluster) run one at a time in another
-# pytest, beside the workers: alone they left a core idle half the time. Their output goes
-# to a file, shown when they end. The workers steal queued tests from each other (`--dist
+# Two workers: most of an end-to-end test's time is waiting (for a rendezvous, a watchdog, a
+# restart), so two tests at a time overlap those waits. Three were tried (2026-11-28): the tier
+# ended a minute sooner but starved the cluster tier, and with the cluster tiers split in two
+# beside them the tests burnt 51 CPU-min instead of 36 (processes spinning while they wait for a
+# core) and the run took 28.6 min (tests/README.md, "How long"). The real clusters' tests (marked
+# `serial` by tests/conftest.py) run one at a time in pytests of their own (below), beside the
+# workers: alone they left a core idle half the time. Their output goes to a file, shown when
+# they end. The workers steal queued tests from each other (`--dist
 # worksteal`): plain `load` hands each worker a queue of tests ahead, and near the end one worker
 # could still hold several long ones while the other sat idle. mypy runs beside them at nice 19
-# (below). Extra arguments go to both pytest runs; PYTEST_WORKERS=0 runs the
-# rest serially too. Both list their slowest tests (--durations): the suite's time, in CI's
+# (below). Extra arguments go to every pytest run; PYTEST_WORKERS=0 runs the
+# rest serially too. Each lists its slowest tests (--durations): the suite's time, in CI's
 # output, has names to it.
 rm -f "${DURATIONS_DIR}"/*.json # only its own files: DURATIONS_DIR may name a folder of yours
 if ((QUICK)); then
