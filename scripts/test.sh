@@ -18,6 +18,7 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 readonly VENV_DIR="${VENV_DIR:-.venv}"
+readonly WORKERS="${PYTEST_WORKERS:-2}"
 readonly SYSTEM_PACKAGES=(shellcheck bats iproute2 slurm-wlm slurm-wlm-torque munge alsa-utils sound-theme-freedesktop
   openssh-server)
 
@@ -94,7 +95,6 @@ if [[ "${1:-}" == --quick ]]; then
   QUICK=1
   shift
 fi
-readonly WORKERS="${PYTEST_WORKERS:-2}"
 # Extra pytest arguments select a part of a tier: its time says nothing of the tier's budget.
 WHOLE_TIER=$(($# == 0))
 readonly WHOLE_TIER
@@ -116,17 +116,14 @@ if ((QUICK)); then
 fi
 
 # Two workers: most of an end-to-end test's time is waiting (for a rendezvous, a watchdog, a
-# restart), so two tests at a time overlap those waits. Three were tried (2026-11-28): the tier
-# ended a minute sooner but starved the cluster tier, and with the cluster tiers split in two
-# beside them the tests burnt 51 CPU-min instead of 36 (processes spinning while they wait for a
-# core) and the run took 28.6 min (tests/README.md, "How long"). The real clusters' tests (marked
-# `serial` by tests/conftest.py) run one at a time in pytests of their own (below), beside the
-# workers: alone they left a core idle half the time. Their output goes to a file, shown when
-# they end. The workers steal queued tests from each other (`--dist
+# restart), so two tests at a time overlap those waits. The real clusters' tests (marked `serial`
+# by tests/conftest.py: they share one SLURM and one Ray cluster) run one at a time in a third
+# pytest, beside the two workers: alone they left a core idle half the time. Their output goes
+# to a file, shown when they end. The workers steal queued tests from each other (`--dist
 # worksteal`): plain `load` hands each worker a queue of tests ahead, and near the end one worker
 # could still hold several long ones while the other sat idle. mypy runs beside them at nice 19
-# (below). Extra arguments go to every pytest run; PYTEST_WORKERS=0 runs the
-# rest serially too. Each lists its slowest tests (--durations): the suite's time, in CI's
+# (below). Extra arguments go to both pytest runs; PYTEST_WORKERS=0 runs the
+# rest serially too. Both list their slowest tests (--durations): the suite's time, in CI's
 # output, has names to it.
 rm -f "${DURATIONS_DIR}"/*.json # only its own files: DURATIONS_DIR may name a folder of yours
 if ((QUICK)); then
@@ -156,22 +153,17 @@ run_pytest() {
 mypy_cache="${XDG_CACHE_HOME:-${HOME}/.cache}/purrsight/mypy-$(pwd -P | sha256sum | cut -c1-12)"
 bats_output="$(mktemp)"
 serial_output="$(mktemp)"
-ray_output="$(mktemp)"
 mypy_output="$(mktemp)"
-trap 'rm -f "${bats_output}"{,.status} "${serial_output}"{,.status} "${ray_output}"{,.status} "${mypy_output}"{,.status}' EXIT
+trap 'rm -f "${bats_output}"{,.status} "${serial_output}"{,.status} "${mypy_output}"{,.status}' EXIT
 # Each step's exit status goes to a file beside its output: each runs in a subshell. The cluster
-# tiers are the longest branches, and mostly wait (on SLURM, Ray, rendezvous): they start at once.
-# Two of them, one at a time each: the SLURM cluster's tests (tests/cluster: its daemons, and PBS
-# jobs' fixed master port) and the Ray cluster's (tests/ray). In one branch (until 2026-11-28) it
-# ended last, alone for the run's last 2.4 minutes (20.9 min against 18.5 for the rest at e62be90).
-# The bats tests run beside them, from the start too: leading that branch they held its start back
+# tier is the longest branch, and mostly waits (on SLURM, Ray, rendezvous): it starts at once.
+# The bats tests run beside it, from the start too: leading that branch they held its start back
 # by 80 s (15:50:25-15:51:45 of a 22.1-minute fresh-clone run at 4eb851a, the branch ending last).
-cluster_tier() { # TIER OUTPUT PYTEST-ARGS...
-  local tier="$1" output="$2" status=0
-  shift 2
-  PURRSIGHT_TIER="${tier}" PURRSIGHT_DURATIONS="${DURATIONS_DIR}/${tier}.json" \
-    run_pytest --durations=10 "$@" >"${output}" 2>&1 || status=$?
-  echo "${status}" >"${output}.status"
+cluster_tests() {
+  local status=0
+  PURRSIGHT_TIER=serial PURRSIGHT_DURATIONS="${DURATIONS_DIR}/serial.json" \
+    run_pytest -m serial --durations=10 "$@" >"${serial_output}" 2>&1 || status=$?
+  echo "${status}" >"${serial_output}.status"
 }
 shell_tests() {
   local status=0
@@ -187,11 +179,9 @@ mypy_niced() {
   nice -n 19 mypy --cache-dir "${mypy_cache}" purrsight train_phase2.py bench >"${mypy_output}" 2>&1 || status=$?
   echo "${status}" >"${mypy_output}.status"
 }
-log "beside the rest: the SLURM/PBS and the Ray cluster's tests (each one at a time), and bats; output shown at their end"
-cluster_tier serial "${serial_output}" -m "serial and not ray_cluster" "$@" &
-serial_pid=$!
-cluster_tier ray "${ray_output}" -m ray_cluster "$@" &
-ray_pid=$!
+log "beside the rest: pytest -m serial (SLURM, PBS, Ray) one at a time, and bats; output shown at their end"
+cluster_tests "$@" &
+background_pid=$!
 shell_tests &
 bats_pid=$!
 mypy_niced &
@@ -200,19 +190,15 @@ log "python tests: pytest -m 'not serial', ${WORKERS} workers; mypy beside them 
 status=0
 PURRSIGHT_TIER=not-serial PURRSIGHT_DURATIONS="${DURATIONS_DIR}/not-serial.json" \
   run_pytest -n "${WORKERS}" --dist worksteal -m "not serial" --durations=15 "$@" || status=$?
-wait "${serial_pid}" || true
-wait "${ray_pid}" || true
+wait "${background_pid}" || true
 wait "${bats_pid}" || true
 wait "${mypy_pid}" || true
 log "shell tests: bats"
 cat "${bats_output}"
 (($(cat "${bats_output}.status" 2>/dev/null || echo 1) == 0)) || status=1
-log "python tests: the SLURM cluster's (tests/cluster, -m 'serial and not ray_cluster')"
+log "python tests: pytest -m serial (SLURM, PBS, Ray)"
 cat "${serial_output}"
 (($(cat "${serial_output}.status" 2>/dev/null || echo 1) == 0)) || status=1
-log "python tests: the Ray cluster's (tests/ray, -m ray_cluster)"
-cat "${ray_output}"
-(($(cat "${ray_output}.status" 2>/dev/null || echo 1) == 0)) || status=1
 if (($(cat "${mypy_output}.status" 2>/dev/null || echo 1) == 0)); then
   log "mypy: $(tail -n 1 "${mypy_output}")"
 else
@@ -223,6 +209,6 @@ fi
 if ((WHOLE_TIER)); then
   # SECONDS: since this script started, installs included (a fresh clone's whole run, as CI's).
   log "time against the budget (tests/README.md)"
-  check_budget "${DURATIONS_DIR}/not-serial.json" "${DURATIONS_DIR}/serial.json" "${DURATIONS_DIR}/ray.json" --whole-s "${SECONDS}" || status=1
+  check_budget "${DURATIONS_DIR}/not-serial.json" "${DURATIONS_DIR}/serial.json" --whole-s "${SECONDS}" || status=1
 fi
 exit "${status}"

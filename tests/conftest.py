@@ -79,10 +79,8 @@ def host_gpu_count() -> int:
 QUICK_FOLDERS = ("unit",)
 # Folders whose tests run a real cluster (SLURM's daemons and a PBS job's fixed master port in
 # tests/cluster, the session's Ray cluster in tests/ray): marked `serial`, they run one at a time
-# (scripts/test.sh runs them beside the workers of the others, in two pytests of their own: the
-# Ray cluster's tests, also marked `ray_cluster`, share nothing with the SLURM cluster's).
+# (scripts/test.sh runs them in a pytest of their own, beside the two workers of the others).
 SERIAL_FOLDERS = ("cluster", "ray")
-RAY_CLUSTER_FOLDER = "ray"
 
 
 # Property tests (hypothesis) in CI draw the same examples on every run, from the test's own
@@ -102,8 +100,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if folder in SERIAL_FOLDERS:
             item.add_marker(pytest.mark.serial)
-        if folder == RAY_CLUSTER_FOLDER:
-            item.add_marker(pytest.mark.ray_cluster)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -190,10 +190,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def write_file_seconds(times: list[TierTime], out: Path, shortest_s: float = 5.0) -> None:
     """Each test file's seconds (its tests' summed) in ``times``, those of ``shortest_s`` and more,
-    as tests/run_order.py reads them; the xdist tier's only (the cluster tiers run one at a time)."""
+    as tests/run_order.py reads them; the xdist tier's only (the cluster tier runs one at a time)."""
     seconds: dict[str, float] = {}
     for tier in times:
-        if tier.tier in ("serial", "ray"):
+        if tier.tier == "serial":
             continue
         for nodeid, spent in tier.tests.items():
             path = nodeid.split("::", 1)[0]
