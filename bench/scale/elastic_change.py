@@ -101,9 +101,19 @@ class Job:
             raise SystemExit(f"bench: the launchers ended with {codes}; see {self.work}")
 
 
+def resumed_after(log: Path, offset: int, window: int) -> tuple[str, re.Match[str]]:
+    """The log once it holds, past ``offset``, a resume and ``window`` + 1 step lines after it; that resume."""
+    text = wait_until(
+        log, lambda text: (found := RESUMED.search(text, offset)) is not None and len(step_lines(text[found.end() :])) > window
+    )
+    resumed = RESUMED.search(text, offset)
+    assert resumed is not None
+    return text, resumed
+
+
 def measure(work: Path, steps: int, kill_at: int, join_at: int, window: int) -> list[Change]:
-    if True:
-        job = Job(work, steps)
+    job = Job(work, steps)
+    try:
         for node in (1, 2):  # the workers first: they wait for the master, and the three meet in one round
             job.start(node)
         time.sleep(2)
@@ -112,12 +122,7 @@ def measure(work: Path, steps: int, kill_at: int, join_at: int, window: int) -> 
         killed = time.time()
         kill_whole(job.launchers.pop(1).pid)
         offset = len(before)
-        after = wait_until(
-            job.log,
-            lambda text: (found := RESUMED.search(text, offset)) is not None and len(step_lines(text[found.end() :])) > window,
-        )
-        resumed = RESUMED.search(after, offset)
-        assert resumed is not None
+        after, resumed = resumed_after(job.log, offset, window)
         lost_lines = step_lines(after[resumed.end() :])
         loss = Change(
             "node 1 of 3 lost (SIGKILL, whole)",
@@ -130,12 +135,7 @@ def measure(work: Path, steps: int, kill_at: int, join_at: int, window: int) -> 
         text = wait_until(job.log, lambda text: any(step >= join_at for _, step in step_lines(text[offset:])))
         started = job.start(1, RESUME="auto")
         offset_join = len(text)
-        joined = wait_until(
-            job.log,
-            lambda text: (found := RESUMED.search(text, offset_join)) is not None and len(step_lines(text[found.end() :])) > window,
-        )
-        resumed = RESUMED.search(joined, offset_join)
-        assert resumed is not None
+        joined, resumed = resumed_after(job.log, offset_join, window)
         # The two train on until the join's stop lands (the step's end): their steps up to the
         # resume's line, and the three's after it.
         on_two, on_three = step_lines(joined[offset : resumed.start()]), step_lines(joined[resumed.end() :])
@@ -148,6 +148,10 @@ def measure(work: Path, steps: int, kill_at: int, join_at: int, window: int) -> 
         )
         job.wait()
         return [loss, join]
+    finally:  # a bench that fails half way leaves no launcher training
+        for launcher in job.launchers.values():
+            if launcher.poll() is None:
+                kill_whole(launcher.pid)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
