@@ -73,7 +73,12 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
     armed = tmp_path / "kill-the-next-checkpoint-write"  # created when the join's checkpoint is next
     # RDZV_LAST_CALL_S 4 (2 by default): three launchers starting on two busy cores meet in one first
     # round; a second round to admit a late one would restart the first from scratch.
-    env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": "4", **record_samples_env(records, python_env())}
+    # MAX_RESTARTS 2, exactly what the job needs: each loss fails node 0's workers once (two losses),
+    # and a join's restart is a membership change, which torchrun's agent does not count (its kill
+    # during the planned checkpoint included: the agent is already stopping the workers). A third
+    # failure nobody planned ends the job, and this test with it.
+    env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": "4", "MAX_RESTARTS": "2"}
+    env |= record_samples_env(records, python_env())
     env |= hold_env({KILLED_AT: gate, JOIN_AT: join_gate, SECOND_LOSS_AT: second_gate, REJOIN_AT: rejoin_gate}, python_env())
     env |= fault_env(f"kill_during_armed_checkpoint_write:{armed}", python_env())
     overrides: dict[str, Any] = dict(
@@ -183,6 +188,7 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
 
     # The second loss: the two resume from step 20 (its hold at 22 came after that checkpoint).
     assert "elastic round of 2 node(s) [0, 1]: node_rank 0 local_rank 0 is global rank 0" in second_loss
+    assert "elastic round of 2 node(s) [0, 1]: node_rank 1 local_rank 0 is global rank 1" in cluster.node_log(1)
     assert "global batch 12 = 2 processes x 2 (data.batch_size) x 3 micro-batches per step" in second_loss
     resumed = re.search(r"resuming from checkpoint .*step-(\d+)\.ckpt", second_loss)
     assert resumed and int(resumed.group(1)) == 20, second_loss[-3000:]
@@ -194,12 +200,16 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
     assert "torchrun: 1 node(s) waiting to join" in rejoin, rejoin[-4000:]
     assert "elastic round of 3 node(s) [0, 1, 2]: node_rank 0 local_rank 0 is global rank 0" in rejoin, rejoin[-4000:]
     assert "global batch 12 = 3 processes x 2 (data.batch_size) x 2 micro-batches per step" in rejoin
+    # node 2's second launcher (its log is the latest now) trained as rank 2 of the three
+    assert "elastic round of 3 node(s) [0, 1, 2]: node_rank 2 local_rank 0 is global rank 2" in cluster.node_log(2)
     assert "Traceback" not in rejoin, rejoin[-4000:]
     resumed = re.search(r"resuming from checkpoint .*step-(\d+)\.ckpt", rejoin)
     assert resumed and int(resumed.group(1)) == last_whole, rejoin[-3000:]
     kept = sorted(int(path.stem.split("-")[1]) for path in (cluster.run_dir / "checkpoints").glob("step-*.ckpt"))
     assert all(step % SAVED_AT == 0 for step in kept if joined_at < step < STEPS), kept  # no join checkpoint after 25
     assert not list((cluster.run_dir / "checkpoints").glob("*.tmp*")), "the torn temp file left"
+    # ... removed by rank 0 of the next round, which names it as what the killed write left
+    assert re.search(r"removing \S+\.tmp, left by an interrupted checkpoint write", rejoin), rejoin[-4000:]
 
     attempts = [
         (0, 3, 0, SAVED_AT),  # the first three, to the checkpoint the two resumed from

@@ -115,6 +115,17 @@ def trained_past(run_dir: Path, step: int) -> bool:
         return False
 
 
+def saved_since(run_dir: Path, when: float) -> bool:
+    """A checkpoint written after ``when`` (the rotation may delete a file between the listing and its stat)."""
+    for path in (run_dir / "checkpoints").glob("step-*.ckpt"):
+        try:
+            if path.stat().st_mtime > when:
+                return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
 def test_bad_config_ends_in_the_driver_with_exit_2_before_any_worker(ray_cluster: RayCluster, shared: Path) -> None:
     submitted = ray_cluster.submit(*ray_args(shared, "bad", data__batch_size=0))
     output = submitted.stdout + submitted.stderr
@@ -231,8 +242,8 @@ def test_a_killed_worker_restarts_the_group_a_lost_node_shrinks_it_with_the_glob
         killed = time.time()
         ray_cluster.kill_worker_node()
         # The one worker's own checkpoint (every 10 steps: step 60 at the earliest), then the stop.
-        saved_after = lambda: any(path.stat().st_mtime > killed for path in (run_dir / "checkpoints").glob("step-*.ckpt"))  # noqa: E731
-        assert wait_for(saved_after, timeout=300, interval=0.2), ray_cluster.job("logs", job).stdout[-4000:]
+        saved = wait_for(lambda: saved_since(run_dir, killed), timeout=300, interval=0.2)
+        assert saved, ray_cluster.job("logs", job).stdout[-4000:]
         stopped = ray_cluster.job("stop", job, timeout=120)
         assert stopped.returncode == 0, stopped.stderr
         info = job_info(ray_cluster, job)
