@@ -2,11 +2,13 @@
 
 The tiny default's model, its LLM saved as a local directory the way a user's Qwen2.5 folder
 comes (``save_pretrained``: safetensors split over several files, tied embeddings), so FSDP
-builds it on the meta device and each rank reads its own rows; the real config's loop settings
-(2 loader workers, 2 micro-batches per optimizer step). Five runs share the work: DDP for reference, FSDP to step 10, a DDP
-checkpoint resumed under FSDP, an FSDP checkpoint resumed under DDP, and one resumed under FSDP
-on four ranks. Two more, with probes in the trainer (fsdp_probe.py, ddp_probe.py), count FSDP's
-reduce-scatters per accumulation window and measure what each rank gathers at once.
+builds it on the meta device and each rank reads its own rows; 2 micro-batches per optimizer
+step, and no loader workers: they sit below the strategy (the data position with workers is
+tests/integration/test_prepared_training.py's). Five runs share the work: DDP for reference,
+FSDP to step 10, a DDP checkpoint resumed under FSDP, an FSDP checkpoint resumed under DDP, and
+one resumed under FSDP on four ranks. Two more, with probes in the trainer (fsdp_probe.py,
+ddp_probe.py), count FSDP's reduce-scatters per accumulation window and measure what each rank
+gathers at once.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from purrsight.training.export import export
 from tests.helpers import (
     DEFAULT_CONFIG,
     REPO,
@@ -30,14 +33,13 @@ from tests.helpers import (
     python_env,
     read_metrics,
     record_samples_env,
-    run_python,
     tiny_overrides,
     torchrun_job,
     trainable_state,
 )
 
 RUN = "phase2-tiny"
-LOOP = {"data__num_workers": 2, "trainer__accumulate_grad_batches": 2, "data__batch_size": 8, "logging__every_n_steps": 1}
+LOOP = {"data__num_workers": 0, "trainer__accumulate_grad_batches": 2, "data__batch_size": 8, "logging__every_n_steps": 1}
 TOLERANCE = 1e-5  # fp32 on CPU: the same reductions in another grouping
 
 
@@ -138,13 +140,12 @@ def test_fsdp_trains_as_ddp_holds_half_the_frozen_weights_and_resumes_across_str
     every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
     check_every_sample_once(records, every_id, whole_epochs=4, accumulation=2)
 
-    # export reads an FSDP checkpoint as a DDP one
-    exported = {}
-    for name, source in (("fsdp", checkpoint(fsdp, 10)), ("ddp", checkpoint(ddp, 10))):
-        out = tmp_path / f"export-{name}"  # beside the run folders: an export never writes into a folder with files
-        done = run_python([str(REPO / "train_phase2.py"), "export", "--checkpoint", str(source), "--out", str(out)])
-        assert done.returncode == 0, done.stderr[-2000:]
-        exported[name] = out
+    # export reads an FSDP checkpoint as a DDP one (in this process: the command's own path is
+    # tests/integration/test_train_single.py's)
+    exported = {
+        name: export(source, tmp_path / f"export-{name}")  # beside the run folders: an export never writes into a folder with files
+        for name, source in (("fsdp", checkpoint(fsdp, 10)), ("ddp", checkpoint(ddp, 10)))
+    }
     ours = sorted(p.relative_to(exported["fsdp"]) for p in exported["fsdp"].rglob("*.safetensors"))
     assert ours and ours == sorted(p.relative_to(exported["ddp"]) for p in exported["ddp"].rglob("*.safetensors"))
     from safetensors.torch import load_file
