@@ -238,3 +238,42 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
 
     report = (cluster.run_dir / "report.md").read_text()
     assert report.count("| 3 x 2 x 2 = 12 |") == 3 and report.count("| 2 x 2 x 3 = 12 |") == 2, report
+
+
+def test_node_0_lost_ends_the_elastic_job_on_every_node_in_one_line_with_its_checkpoints_whole(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Node 0 holds the rendezvous store (c10d's, in its torchrun agent): an elastic job cannot go on
+    without it (docs/LAUNCHER.md, "Node 0"). Three nodes (2:3), held at step 7 (a checkpoint at 5),
+    node 0 killed whole: the two others' workers fail their next collective, their agents cannot
+    meet again without the store, and each launcher ends non-zero in a few seconds (not at a
+    rendezvous timeout), in one line, no traceback. The step-5 checkpoint is whole and no temp
+    file is left: a restart with `RESUME=auto` (tested above and in tests/launcher/test_launcher.py)
+    takes it from there."""
+    gate = tmp_path / "released-after-node-0s-loss"
+    # RDZV_TIMEOUT 120: an agent that waited on the lost store until then would fail the bound below.
+    env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": "4", **hold_env({7: gate}, python_env())}
+    overrides: dict[str, Any] = dict(
+        data__batch_size=BATCH, trainer__global_batch_size=GLOBAL_BATCH, trainer__max_steps=12,
+        checkpoint__every_n_steps=SAVED_AT, trainer__val_every_n_steps=1000,
+    )  # fmt: skip
+    nodes = {rank: cluster.start("2:3", rank, env=env, **overrides) for rank in (1, 2)}
+    time.sleep(2)
+    nodes[0] = cluster.start("2:3", 0, env=env, **overrides)
+    assert wait_for(lambda: all(held_marker(gate, rank).exists() for rank in range(3)), timeout=300), [
+        node.text()[-2000:] for node in nodes.values()
+    ]
+    kill_whole(nodes[0].proc.pid)
+    lost = time.monotonic()
+    gate.touch()
+    codes = {rank: nodes[rank].wait(timeout=110) for rank in (1, 2)}
+    ended_s = time.monotonic() - lost
+    print(f"node 0 lost: the two others ended {ended_s:.1f} s after the kill")
+    assert all(code not in (0, None) for code in codes.values()), codes
+    for rank in (1, 2):
+        log = cluster.node_log(rank)
+        assert re.search(r"torchrun: the rendezvous (store )?at \S+ (failed|is gone)", log), log[-4000:]
+        assert "Traceback" not in log, log[-4000:]
+    assert ended_s < 60, ended_s  # the store's loss is seen at once, not waited out (RDZV_TIMEOUT 120)
+    folder = cluster.run_dir / "checkpoints"
+    assert (folder / f"step-{SAVED_AT:08d}.ckpt").is_file() and not list(folder.glob("*.tmp*"))
