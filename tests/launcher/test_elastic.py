@@ -64,6 +64,28 @@ def steps_trained(records: Path, attempts: list[tuple[int, int, int, int]]) -> d
     return steps
 
 
+def check_global_batch_and_every_sample_once(steps: dict[int, list[dict[str, Any]]], last: int, synthetic_dir: Path) -> None:
+    """Steps 1..``last`` all trained, each GLOBAL_BATCH samples (an epoch's last, shorter window
+    aside); no epoch trained a sample twice, and each whole one trained every sample but the
+    sampler's tail (at most 2 of 128)."""
+    assert sorted(steps) == list(range(1, last + 1)), sorted(steps)
+    epochs = {step: {batch["epoch"] for batch in batches} for step, batches in steps.items()}
+    for step, batches in steps.items():
+        samples = sum(len(batch["ids"]) for batch in batches)
+        last_of_epoch = step == last or max(epochs[step + 1]) > max(epochs[step])
+        assert samples == GLOBAL_BATCH or (last_of_epoch and samples < GLOBAL_BATCH), (step, samples)
+    every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
+    by_epoch: dict[int, list[str]] = {}
+    for batches in steps.values():
+        for batch in batches:
+            by_epoch.setdefault(batch["epoch"], []).extend(batch["ids"])
+    for epoch, taken in sorted(by_epoch.items()):
+        twice = sorted(sample for sample, count in Counter(taken).items() if count > 1)
+        assert not twice, f"trained twice in epoch {epoch}: {twice}"
+        if epoch < max(by_epoch):
+            assert len(every_id - set(taken)) <= 2, (epoch, sorted(every_id - set(taken)))
+
+
 def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then_it_rejoins_with_the_global_batch_kept(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -218,23 +240,7 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
         (lost_again_ns, 2, 20, last_whole),  # the two again, to the last whole checkpoint
         (rejoined_ns, 3, last_whole, STEPS),  # the three, to the end
     ]
-    steps = steps_trained(records, attempts)
-    assert sorted(steps) == list(range(1, STEPS + 1)), sorted(steps)
-    epochs = {step: {batch["epoch"] for batch in batches} for step, batches in steps.items()}
-    for step, batches in steps.items():
-        samples = sum(len(batch["ids"]) for batch in batches)
-        last_of_epoch = step == STEPS or max(epochs[step + 1]) > max(epochs[step])
-        assert samples == GLOBAL_BATCH or (last_of_epoch and samples < GLOBAL_BATCH), (step, samples)
-    every_id = {json.loads(line)["id"] for line in (cluster.synthetic_dir / "train.jsonl").read_text().splitlines()}
-    by_epoch: dict[int, list[str]] = {}
-    for batches in steps.values():
-        for batch in batches:
-            by_epoch.setdefault(batch["epoch"], []).extend(batch["ids"])
-    for epoch, taken in sorted(by_epoch.items()):
-        twice = sorted(sample for sample, count in Counter(taken).items() if count > 1)
-        assert not twice, f"trained twice in epoch {epoch}: {twice}"
-        if epoch < max(by_epoch):  # a whole epoch: every sample but the sampler's tail (at most 2 of 128)
-            assert len(every_id - set(taken)) <= 2, (epoch, sorted(every_id - set(taken)))
+    check_global_batch_and_every_sample_once(steps_trained(records, attempts), STEPS, cluster.synthetic_dir)
 
     report = (cluster.run_dir / "report.md").read_text()
     assert report.count("| 3 x 2 x 2 = 12 |") == 3 and report.count("| 2 x 2 x 3 = 12 |") == 2, report
@@ -277,3 +283,52 @@ def test_node_0_lost_ends_the_elastic_job_on_every_node_in_one_line_with_its_che
     assert ended_s < 60, ended_s  # the store's loss is seen at once, not waited out (RDZV_TIMEOUT 120)
     folder = cluster.run_dir / "checkpoints"
     assert (folder / f"step-{SAVED_AT:08d}.ckpt").is_file() and not list(folder.glob("*.tmp*"))
+
+
+def test_a_second_node_lost_during_the_re_rendezvous_leaves_one_that_goes_on_alone_with_the_global_batch_kept(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Issue 51's fault during a change: a 1:3 job of three nodes, held at step 7 (a checkpoint at 5).
+    Node 1 is killed whole; the moment node 0's agent reports its worker's failure (its agent then
+    starts the next rendezvous), node 2 is killed whole too. Node 0 goes on alone: it resumes from
+    step 5 at 1 x 2 x 6 micro-batches (the global batch of 12 kept), trains to the end, exits 0,
+    and every step trains 12 samples (an epoch's last window aside), no epoch a sample twice."""
+    gate, records = tmp_path / "released-after-the-first-kill", tmp_path / "samples"
+    # RDZV_LAST_CALL_S 10: with MIN 1, node 0's first round closes that long after it joins, and the
+    # two others, which wait for its store before they start their agents, join well within it.
+    env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": "10", "MAX_RESTARTS": "3"}
+    env |= record_samples_env(records, python_env()) | hold_env({7: gate}, python_env())
+    steps = 12
+    overrides: dict[str, Any] = dict(
+        data__batch_size=BATCH, trainer__global_batch_size=GLOBAL_BATCH, trainer__max_steps=steps,
+        checkpoint__every_n_steps=SAVED_AT, trainer__val_every_n_steps=1000, logging__every_n_steps=1,
+    )  # fmt: skip
+    nodes = {rank: cluster.start("1:3", rank, env=env, **overrides) for rank in (1, 2)}
+    time.sleep(2)
+    nodes[0] = cluster.start("1:3", 0, env=env, **overrides)
+    assert wait_for(lambda: all(held_marker(gate, rank).exists() for rank in range(3)), timeout=300), [
+        node.text()[-2000:] for node in nodes.values()
+    ]
+    log = cluster.log_dir / "latest_node0.log"
+    before = len(log.read_text(errors="replace"))
+    killed_ns = time.time_ns()
+    kill_whole(nodes[1].proc.pid)
+    gate.touch()
+    failed = lambda: "failed (exitcode" in log.read_text(errors="replace")[before:]  # noqa: E731
+    assert wait_for(failed, timeout=120, interval=0.05), log.read_text(errors="replace")[-4000:]
+    kill_whole(nodes[2].proc.pid)
+    second_ns = time.time_ns()
+    assert nodes[0].wait(timeout=300) == 0, log.read_text(errors="replace")[-4000:]
+
+    whole = log.read_text(errors="replace")
+    after = whole[before:]
+    print(f"node 2 killed {(second_ns - killed_ns) / 1e9:.1f} s after node 1, during node 0's re-rendezvous")
+    first = whole[:before]
+    assert "elastic round of 3 node(s) [0, 1, 2]" in first and "waiting to join" not in first, first[-4000:]
+    assert len(re.findall(r"\[torchrun\] rendezvous \d+ done", after)) == 1, after[-4000:]  # one round, node 0 alone
+    assert "global batch 12 = 1 processes x 2 (data.batch_size) x 6 micro-batches per step" in after, after[-4000:]
+    resumed = re.findall(r"resuming from checkpoint .*step-(\d+)\.ckpt", after)
+    assert resumed and int(resumed[-1]) == SAVED_AT, after[-4000:]
+    assert "Traceback" not in after, after[-4000:]
+    trained = steps_trained(records, [(0, 3, 0, SAVED_AT), (killed_ns, 1, SAVED_AT, steps)])
+    check_global_batch_and_every_sample_once(trained, steps, cluster.synthetic_dir)
