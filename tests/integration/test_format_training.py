@@ -14,6 +14,9 @@ file's part), so each resumes across its own shard edges.
 json). 2 ranks x 3 samples: 7 micro-batches an epoch, 5 samples left out; the step-4 checkpoint
 (24 samples of epoch 0 trained) resumes on 3 ranks x 2 to step 14: epoch 0's last 3 steps (5 left
 out), then epoch 1 whole (7 micro-batches, 5 left out). Numbers that do not divide, on purpose.
+
+No loader workers: what reaches them is a prepared set or records, whatever the format was (a
+resume with workers is tests/integration/test_prepared_training.py's).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def test_each_format_trains_on_two_ranks_and_resumes_on_three_with_every_sample_
     def overrides(batch: int, steps: int) -> list[str]:
         return tiny_overrides(
             synthetic_dir, tmp_path / "run", data__batch_size=batch, trainer__max_steps=steps, trainer__val_every_n_steps=1000,
-            checkpoint__every_n_steps=4, checkpoint__keep_last=10, data__num_workers=1, run__deterministic="true", **extra,
+            checkpoint__every_n_steps=4, checkpoint__keep_last=10, data__num_workers=0, run__deterministic="true", **extra,
         )  # fmt: skip
 
     _, two = run_probe(2, tmp_path / "run", overrides(3, 4))
