@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from purrsight.ray_node.ports import JobPorts
 from tests.cluster.conftest import SlurmCluster
@@ -176,8 +177,8 @@ def test_two_ray_jobs_on_the_same_nodes_a_qdel_and_a_preemption_each_stop_one_wi
     # B: 128 samples, 2 workers x 4 x 2 a step: 8 steps an epoch, 4 epochs. Held at step 10 until A's
     # teardown is done (then it must train on: its steps 15 and 20 logged after the teardown, as
     # it logs every 5), at step 21 until the preemption stops it: the preemption finds it training
-    # however fast or slow this machine is, and a few steps before the end (its stop lands a step
-    # or two after the release).
+    # however fast or slow this machine is, and a few steps before the end (with 2 micro-batches a
+    # step its stop lands at 22: the vote started at 22's first micro-batch is read at its second).
     steps = 32
     a_down, never = tmp_path / "a-torn-down", tmp_path / "released-only-by-a-stop"
     gates = hold_env({10: a_down, 21: never}, slurm.env)
@@ -255,7 +256,7 @@ def test_two_ray_jobs_on_the_same_nodes_a_qdel_and_a_preemption_each_stop_one_wi
     stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint", outs[second])
     resumed = re.search(r"resume=auto: continuing from .*step-(\d+)\.ckpt", outs[second])
     assert len(stopped) == 1 and resumed and resumed.group(1) == f"{int(stopped[0]):08d}", outs[second][-4000:]
-    assert 21 <= int(stopped[0]) <= 22, stopped  # held at 21, 2 micro-batches a step: the vote of 22's first is read at its second
+    assert int(stopped[0]) == 22, stopped  # held at 21, 2 micro-batches a step: the vote of 22's first is read at its second
     assert slurm.job_field(second, "Restarts") == "1" and "training finished" in outs[second]
     assert (tmp_path / "b" / "runs" / "phase2-tiny" / "checkpoints" / f"step-{steps:08d}.ckpt").exists()
     every_id = {json.loads(line)["id"] for line in (synthetic_dir / "train.jsonl").read_text().splitlines()}
@@ -315,9 +316,10 @@ def test_a_node_whose_ray_fails_to_start_is_excluded_then_usr1_requeues_the_job(
         time.sleep(0.5)
     run2_nodes = slurm.run("scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")).split()
     slurm.run("scancel", "--signal=USR1", "--batch", job)
-    # Requeued by the script: pending again, its third start held back by SLURM (cred_expire), then cancelled.
+    # Requeued by the script (its second requeue), then cancelled: its third start is held back by
+    # SLURM (cred_expire), and should it have begun, the cancel stops it as any scancel does.
     deadline = time.monotonic() + 300
-    while not (slurm.job_field(job, "Restarts") == "2" and slurm.job_field(job, "JobState") == "PENDING"):
+    while slurm.job_field(job, "Restarts") != "2":
         assert time.monotonic() < deadline and slurm.job_field(job, "JobState") not in ENDED, slurm.job_field(job, "JobState")
         seen.update(ray_processes_seen(job))
         time.sleep(0.5)
@@ -334,8 +336,13 @@ def test_a_node_whose_ray_fails_to_start_is_excluded_then_usr1_requeues_the_job(
     assert "received SIGUSR1: stopping the training (every worker saves a checkpoint)" in out
     assert "run ended with code 143 after SIGUSR1: requeueing; the next run resumes" in out
     stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint: (\S+)", out)
-    assert stopped and 20 <= int(stopped.group(1)) <= 21, out[-3000:]  # held at 20, 2 micro-batches a step: 21 at the latest
-    assert (checkpoints / f"step-{int(stopped.group(1)):08d}.ckpt").exists()
+    # Held at 20, 2 micro-batches a step: 21 at the latest; 20 when step 20's validation pass, which
+    # reads the vote at each batch, comes first (docs/RELIABILITY.md).
+    assert stopped and 20 <= int(stopped.group(1)) <= 21, out[-3000:]
+    saved = Path(stopped.group(2))
+    assert saved == checkpoints / f"step-{int(stopped.group(1)):08d}.ckpt", saved
+    position = torch.load(saved, weights_only=True)["purrsight"]["position"]  # whole: it loads, its position the stop's
+    assert position["epoch"] == int(stopped.group(1)) // 8, position  # 8 steps an epoch
     for node in run2_nodes:
         log = (tmp_path / "logs" / f"ray-{job}" / f"{node}.log").read_text()
         assert re.search(r"at 127\.0\.1\.\d: 2 CPUs \(affinity mask\)", log), log[-2000:]

@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import fault_env, held_marker, hold_env, python_env, record_samples_env, recorded_steps
+from tests.helpers import fault_env, held_marker, hold_env, log_time, python_env, record_samples_env, recorded_steps
 from tests.launcher.conftest import Cluster, kill_whole, wait_for
 
 GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT, JOIN_AT = 12, 2, 36, 8, 5, 14
@@ -252,10 +252,9 @@ def test_node_0_lost_ends_the_elastic_job_on_every_node_in_one_line_with_its_che
     """Node 0 holds the rendezvous store (c10d's, in its torchrun agent): an elastic job cannot go on
     without it (docs/LAUNCHER.md, "Node 0"). Three nodes (2:3), held at step 7 (a checkpoint at 5),
     node 0 killed whole: the two others' workers fail their next collective, their agents cannot
-    meet again without the store, and each launcher ends non-zero in a few seconds (not at a
-    rendezvous timeout), in one line, no traceback. The step-5 checkpoint is whole and no temp
-    file is left: a restart with `RESUME=auto` (tested above and in tests/launcher/test_launcher.py)
-    takes it from there."""
+    meet again without the store, and each launcher ends with its workers' code (1) in a few
+    seconds (not at a rendezvous timeout), the rendezvous's failure in one line, no traceback. The
+    job is then started again with `RESUME=auto` (tested above and in tests/launcher/test_launcher.py)."""
     gate = tmp_path / "released-after-node-0s-loss"
     # RDZV_TIMEOUT 120: an agent that waited on the lost store until then would fail the bound below.
     env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": "4", **hold_env({7: gate}, python_env())}
@@ -275,22 +274,20 @@ def test_node_0_lost_ends_the_elastic_job_on_every_node_in_one_line_with_its_che
     codes = {rank: nodes[rank].wait(timeout=110) for rank in (1, 2)}
     ended_s = time.monotonic() - lost
     print(f"node 0 lost: the two others ended {ended_s:.1f} s after the kill")
-    assert all(code not in (0, None) for code in codes.values()), codes
+    assert codes == {1: 1, 2: 1}, codes  # the workers' code (a peer gone), not a rendezvous timeout's
     for rank in (1, 2):
         log = cluster.node_log(rank)
-        assert re.search(r"torchrun: the rendezvous (store )?at \S+ (failed|is gone)", log), log[-4000:]
+        assert len(re.findall(r"torchrun: the rendezvous at \S+ failed \(RendezvousConnectionError", log)) == 1, log[-4000:]
         assert "Traceback" not in log, log[-4000:]
     assert ended_s < 60, ended_s  # the store's loss is seen at once, not waited out (RDZV_TIMEOUT 120)
-    folder = cluster.run_dir / "checkpoints"
-    assert (folder / f"step-{SAVED_AT:08d}.ckpt").is_file() and not list(folder.glob("*.tmp*"))
 
 
 def test_a_second_node_lost_during_the_re_rendezvous_leaves_one_that_goes_on_alone_with_the_global_batch_kept(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     """Issue 51's fault during a change: a 1:3 job of three nodes, held at step 7 (a checkpoint at 5).
-    Node 1 is killed whole; the moment node 0's agent reports its worker's failure (its agent then
-    starts the next rendezvous), node 2 is killed whole too. Node 0 goes on alone: it resumes from
+    Node 1 is killed whole; once node 2's agent has reported its worker's failure and restarted into
+    the next rendezvous (a second after its line), node 2 is killed whole too. Node 0 goes on alone: it resumes from
     step 5 at 1 x 2 x 6 micro-batches (the global batch of 12 kept), trains to the end, exits 0,
     and every step trains 12 samples (an epoch's last window aside), no epoch a sample twice."""
     gate, records = tmp_path / "released-after-the-first-kill", tmp_path / "samples"
@@ -309,13 +306,20 @@ def test_a_second_node_lost_during_the_re_rendezvous_leaves_one_that_goes_on_alo
     assert wait_for(lambda: all(held_marker(gate, rank).exists() for rank in range(3)), timeout=300), [
         node.text()[-2000:] for node in nodes.values()
     ]
-    log = cluster.log_dir / "latest_node0.log"
-    before = len(log.read_text(errors="replace"))
+    log, log2 = cluster.log_dir / "latest_node0.log", cluster.log_dir / "latest_node2.log"
+    before, before2 = len(log.read_text(errors="replace")), len(log2.read_text(errors="replace"))
     killed_ns = time.time_ns()
     kill_whole(nodes[1].proc.pid)
     gate.touch()
-    failed = lambda: "failed (exitcode" in log.read_text(errors="replace")[before:]  # noqa: E731
-    assert wait_for(failed, timeout=120, interval=0.05), log.read_text(errors="replace")[-4000:]
+    # Node 2 once its own agent has logged its worker's failure, and a second more: by then it has
+    # restarted into the next rendezvous (a join is a few store calls on loopback), whose round
+    # waits for more nodes (the 10 s last call) with node 0 in it too.
+
+    def both_failed() -> bool:
+        return all("failed (exitcode" in path.read_text(errors="replace")[at:] for path, at in ((log, before), (log2, before2)))
+
+    assert wait_for(both_failed, timeout=120, interval=0.05), log2.read_text(errors="replace")[-4000:]
+    time.sleep(1)
     kill_whole(nodes[2].proc.pid)
     second_ns = time.time_ns()
     assert nodes[0].wait(timeout=300) == 0, log.read_text(errors="replace")[-4000:]
@@ -327,8 +331,9 @@ def test_a_second_node_lost_during_the_re_rendezvous_leaves_one_that_goes_on_alo
     assert "elastic round of 3 node(s) [0, 1, 2]" in first and "waiting to join" not in first, first[-4000:]
     assert len(re.findall(r"\[torchrun\] rendezvous \d+ done", after)) == 1, after[-4000:]  # one round, node 0 alone
     assert "global batch 12 = 1 processes x 2 (data.batch_size) x 6 micro-batches per step" in after, after[-4000:]
-    resumed = re.findall(r"resuming from checkpoint .*step-(\d+)\.ckpt", after)
-    assert resumed and int(resumed[-1]) == SAVED_AT, after[-4000:]
+    resumed = re.findall(r"(\d{4}-\d\d-\d\d [\d:.]{12}) .*resuming from checkpoint .*step-(\d+)\.ckpt", after)
+    assert resumed and int(resumed[-1][1]) == SAVED_AT, after[-4000:]
+    print(f"node 0 alone resumed {log_time(resumed[-1][0]) - killed_ns / 1e9:.1f} s after the first kill (a 10 s last call)")
     assert "Traceback" not in after, after[-4000:]
     trained = steps_trained(records, [(0, 3, 0, SAVED_AT), (killed_ns, 1, SAVED_AT, steps)])
     check_global_batch_and_every_sample_once(trained, steps, cluster.synthetic_dir)
