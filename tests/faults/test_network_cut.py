@@ -98,3 +98,74 @@ def test_cut_link_is_noticed_named_and_survived_then_a_frozen_rank_is_named(
         rf"hang: rank 1 \(node 1, {re.escape(socket.gethostname())}\) last finished training step \d+, .*stopped answering", verdict
     ), verdict[-3000:]
     assert "rank 0 waits" in verdict
+
+
+@pytest.mark.root  # network namespaces
+def test_an_elastic_job_goes_on_without_the_node_cut_off_the_network_with_the_global_batch_kept(
+    synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 51, item 6: three hosts on a bridge, an elastic 2:3 job (one rank each, a global batch
+    of 12 = 3 x 2 x 2), host 2's cable pulled past step 8. No connection is reset: the two others'
+    collectives wait until their watchdog (15 s) ends them, their agents meet again without host 2
+    (its keep-alives no longer reach the store), and they resume from the last checkpoint at 2 x 2
+    x 3, the global batch kept, and finish: every step trains 12 samples (an epoch's last window
+    aside), no epoch a sample twice. Host 2 itself is not waited for: its watchdog names both others
+    unreachable, but its launcher was still running two minutes after the cut (2026-11-29, a known
+    gap: docs/LAUNCHER.md, "Not yet"); the test ends it."""
+    from tests.helpers import record_samples_env
+    from tests.launcher.test_elastic import check_global_batch_and_every_sample_once, steps_trained
+
+    records, steps = tmp_path / "samples", 30
+    env = launcher_env(
+        tmp_path / "logs", OMP_NUM_THREADS="1", MAX_RESTARTS="2", RDZV_TIMEOUT="120", NPROC_PER_NODE="1", BACKEND="gloo",
+        RDZV_LAST_CALL_S="4",
+    )  # fmt: skip
+    env |= record_samples_env(records, env)
+    overrides = tiny_overrides(
+        synthetic_dir, tmp_path / "runs", data__batch_size=2, trainer__global_batch_size=12, trainer__max_steps=steps,
+        checkpoint__every_n_steps=5, trainer__val_every_n_steps=1000, logging__every_n_steps=1,
+        distributed__progress_timeout_s=WATCHDOG_S, distributed__timeout_s=60,
+    )  # fmt: skip
+    with network_hosts(3, subnet="10.231.8") as hosts:
+        master = hosts[0]
+
+        def start(rank: int) -> subprocess.Popen[bytes]:
+            launcher = ["./cluster_train.sh", "config/train_config.yaml", "2:3", str(rank), master.address, "29913"]
+            out = (tmp_path / f"node{rank}.out").open("w")
+            return subprocess.Popen(hosts[rank].command(*launcher, "--", *overrides), cwd=REPO, env=env, stdout=out, stderr=out)
+
+        procs = {rank: start(rank) for rank in (1, 2)}
+        time.sleep(2)
+        procs[0] = start(0)
+        log = tmp_path / "logs" / "latest_node0.log"
+        try:
+            assert wait_for(lambda: log.exists() and "step 8/" in log.read_text(), timeout=240), (
+                tmp_path / "node0.out"
+            ).read_text()[-3000:]
+            before = len(log.read_text())
+            hosts[2].set_link(up=False)
+            cut_ns, cut = time.time_ns(), time.monotonic()
+            again = wait_for(
+                lambda: (
+                    re.search(rf"step \d+/{steps}", log.read_text()[before:].partition("resuming from checkpoint")[2]) is not None
+                ),
+                timeout=180,
+            )
+            again_s = time.monotonic() - cut
+            assert again, log.read_text()[-4000:]
+            codes = {rank: procs[rank].wait(timeout=240) for rank in (0, 1)}
+        finally:
+            for proc in procs.values():
+                kill_whole(proc.pid)
+                proc.wait()
+    after = log.read_text()[before:]
+    print(f"host 2 cut off: the two others trained again {again_s:.1f} s after the cut")
+    assert codes == {0: 0, 1: 0}, codes
+    assert "global batch 12 = 2 processes x 2 (data.batch_size) x 3 micro-batches per step" in after, after[-4000:]
+    assert "elastic round of 2 node(s) [0, 1]" in after, after[-4000:]
+    assert "unreachable: node 2 (10.231.8.3)" in after, after[-4000:]  # the watchdog names the node cut off
+    resumed = re.search(r"resuming from checkpoint .*step-(\d+)\.ckpt", after)
+    assert resumed, after[-4000:]
+    assert again_s < WATCHDOG_S + 45, again_s  # the watchdog, then a rendezvous: not a timeout of minutes
+    trained = steps_trained(records, [(0, 3, 0, int(resumed.group(1))), (cut_ns, 2, int(resumed.group(1)), steps)])
+    check_global_batch_and_every_sample_once(trained, steps, synthetic_dir)
