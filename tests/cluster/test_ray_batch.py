@@ -291,7 +291,7 @@ def test_a_node_whose_ray_fails_to_start_is_excluded_then_usr1_requeues_the_job(
     """Run 1: the second node's Ray fails to start; the wait ends at once, names it (exit 3), and
     the job requeues without it. Run 2, on the two other nodes, trains until USR1 (what
     --signal=B:USR1@240 sends before the time limit) stops it with a checkpoint, and the script
-    requeues the job; once it is pending again it is cancelled. The job asks for 2 CPUs a task:
+    requeues the job (its second requeue), which is then cancelled. The job asks for 2 CPUs a task:
     under the cluster's CPU binding each node's Ray gets both (an srun step that does not ask for
     its CPUs gets one). Run 2 is held at step 20, its checkpoint written, until the stop releases
     it (tests/helpers.hold_env): USR1 finds it training however fast this machine is.

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from purrsight.distributed.hang_culprit import PUBLISH_S
-from tests.helpers import REPO, launcher_env, tiny_overrides
+from tests.helpers import REPO, launcher_env, record_samples_env, tiny_overrides
 from tests.launcher.conftest import kill_whole, wait_for
+from tests.launcher.test_elastic import check_global_batch_and_every_sample_once, resumed_and_training, steps_trained
 from tests.launcher.test_launcher import workers
 from tests.network_hosts import Host, network_hosts
 
@@ -112,9 +113,6 @@ def test_an_elastic_job_goes_on_without_the_node_cut_off_the_network_with_the_gl
     aside), no epoch a sample twice. Host 2 itself is not waited for: its watchdog names both others
     unreachable, but its launcher was still running two minutes after the cut (2026-11-29, a known
     gap: docs/LAUNCHER.md, "Not yet"); the test ends it."""
-    from tests.helpers import record_samples_env
-    from tests.launcher.test_elastic import check_global_batch_and_every_sample_once, steps_trained
-
     records, steps = tmp_path / "samples", 30
     env = launcher_env(
         tmp_path / "logs", OMP_NUM_THREADS="1", MAX_RESTARTS="2", RDZV_TIMEOUT="120", NPROC_PER_NODE="1", BACKEND="gloo",
@@ -145,12 +143,7 @@ def test_an_elastic_job_goes_on_without_the_node_cut_off_the_network_with_the_gl
             before = len(log.read_text())
             hosts[2].set_link(up=False)
             cut_ns, cut = time.time_ns(), time.monotonic()
-            again = wait_for(
-                lambda: (
-                    re.search(rf"step \d+/{steps}", log.read_text()[before:].partition("resuming from checkpoint")[2]) is not None
-                ),
-                timeout=180,
-            )
+            again = wait_for(lambda: resumed_and_training(log, before, steps), timeout=180)
             again_s = time.monotonic() - cut
             assert again, log.read_text()[-4000:]
             codes = {rank: procs[rank].wait(timeout=240) for rank in (0, 1)}

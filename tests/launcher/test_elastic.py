@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers import fault_env, held_marker, hold_env, log_time, python_env, record_samples_env, recorded_steps
-from tests.launcher.conftest import Cluster, kill_whole, wait_for
+from tests.launcher.conftest import Cluster, Launcher, kill_whole, wait_for
 
 GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT, JOIN_AT = 12, 2, 36, 8, 5, 14
 # The second loss (node 2 at 22: the two resume from 20) and the join whose checkpoint is killed
@@ -44,10 +44,21 @@ GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT, JOIN_AT = 12, 2, 36, 8, 5, 14
 SECOND_LOSS_AT, REJOIN_AT = 22, 26
 
 
-def resumed_and_training(log: Path, offset: int) -> bool:
-    """Whether the node log, from ``offset`` on, has a resume and a training step after it."""
+def resumed_and_training(log: Path, offset: int, steps: int = STEPS) -> bool:
+    """Whether the node log, from ``offset`` on, has a resume and a training step (of ``steps``) after it."""
     _, resumed, after = log.read_text(errors="replace")[offset:].partition("resuming from checkpoint")
-    return bool(resumed) and re.search(rf"step \d+/{STEPS}", after) is not None
+    return bool(resumed) and re.search(rf"step \d+/{steps}", after) is not None
+
+
+def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Path, **overrides: Any) -> dict[int, Launcher]:
+    """Three launchers of a ``nodes`` (MIN:MAX) job, held at ``gate``'s step. The workers first:
+    they wait for the master, so the three join its first round together."""
+    launchers = {rank: cluster.start(nodes, rank, env=env, **overrides) for rank in (1, 2)}
+    time.sleep(2)
+    launchers[0] = cluster.start(nodes, 0, env=env, **overrides)
+    held = wait_for(lambda: all(held_marker(gate, rank).exists() for rank in range(3)), timeout=300)
+    assert held, [launcher.text()[-2000:] for launcher in launchers.values()]
+    return launchers
 
 
 def steps_trained(records: Path, attempts: list[tuple[int, int, int, int]]) -> dict[int, list[dict[str, Any]]]:
@@ -108,12 +119,7 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
         checkpoint__every_n_steps=SAVED_AT, checkpoint__keep_last=10, logging__every_n_steps=1,
         trainer__val_every_n_steps=1000,
     )  # fmt: skip
-    # The workers first: they wait for the master, so the three join its first round together.
-    nodes = {rank: cluster.start("2:3", rank, env=env, **overrides) for rank in (1, 2)}
-    time.sleep(2)
-    nodes[0] = cluster.start("2:3", 0, env=env, **overrides)
-    held = wait_for(lambda: all(held_marker(gate, rank).exists() for rank in range(3)), timeout=300)
-    assert held, [node.text()[-2000:] for node in nodes.values()]
+    nodes = start_three_held(cluster, "2:3", env, gate, **overrides)
 
     # A node lost whole: every process of it at once, the forked worker too (the fork server's
     # children are in a process group of their own, so a killpg alone let the worker see its
@@ -262,12 +268,7 @@ def test_node_0_lost_ends_the_elastic_job_on_every_node_in_one_line_with_its_che
         data__batch_size=BATCH, trainer__global_batch_size=GLOBAL_BATCH, trainer__max_steps=12,
         checkpoint__every_n_steps=SAVED_AT, trainer__val_every_n_steps=1000,
     )  # fmt: skip
-    nodes = {rank: cluster.start("2:3", rank, env=env, **overrides) for rank in (1, 2)}
-    time.sleep(2)
-    nodes[0] = cluster.start("2:3", 0, env=env, **overrides)
-    assert wait_for(lambda: all(held_marker(gate, rank).exists() for rank in range(3)), timeout=300), [
-        node.text()[-2000:] for node in nodes.values()
-    ]
+    nodes = start_three_held(cluster, "2:3", env, gate, **overrides)
     kill_whole(nodes[0].proc.pid)
     lost = time.monotonic()
     gate.touch()
@@ -300,12 +301,7 @@ def test_a_second_node_lost_during_the_re_rendezvous_leaves_one_that_goes_on_alo
         data__batch_size=BATCH, trainer__global_batch_size=GLOBAL_BATCH, trainer__max_steps=steps,
         checkpoint__every_n_steps=SAVED_AT, trainer__val_every_n_steps=1000, logging__every_n_steps=1,
     )  # fmt: skip
-    nodes = {rank: cluster.start("1:3", rank, env=env, **overrides) for rank in (1, 2)}
-    time.sleep(2)
-    nodes[0] = cluster.start("1:3", 0, env=env, **overrides)
-    assert wait_for(lambda: all(held_marker(gate, rank).exists() for rank in range(3)), timeout=300), [
-        node.text()[-2000:] for node in nodes.values()
-    ]
+    nodes = start_three_held(cluster, "1:3", env, gate, **overrides)
     log, log2 = cluster.log_dir / "latest_node0.log", cluster.log_dir / "latest_node2.log"
     before, before2 = len(log.read_text(errors="replace")), len(log2.read_text(errors="replace"))
     killed_ns = time.time_ns()
