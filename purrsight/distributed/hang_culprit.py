@@ -169,9 +169,13 @@ class StepBoard:
         store = None
         while True:
             try:
-                store = store or self._client()
-                self.mine.beat = time.time()
-                store.set(f"{self.prefix}{self.rank}", json.dumps(asdict(self.mine)))
+                # A new connection only where the port takes one: the client's own retries log a C++
+                # stack each, for its whole timeout, at every heartbeat of a node cut off the network.
+                if store is None and self._answers():
+                    store = self._client()
+                if store is not None:
+                    self.mine.beat = time.time()
+                    store.set(f"{self.prefix}{self.rank}", json.dumps(asdict(self.mine)))
             except Exception as error:  # a store that stopped answering: try again next time, never crash training
                 log.debug("progress not published: %s", error)
                 store = None
@@ -182,13 +186,17 @@ class StepBoard:
             if self._stop.is_set():
                 return
 
+    def _try_connecting(self) -> None:
+        """Raises OSError where the store's port does not take a connection now (one attempt,
+        FIRING_READ_S at most): the TCPStore client retries a refused or unreachable address with
+        backoff for its whole timeout, and logs each try's C++ stack."""
+        with socket.create_connection(self.address, timeout=FIRING_READ_S):
+            pass
+
     def _answers(self) -> bool:
-        """Whether the store's port takes a connection now (one attempt, FIRING_READ_S at most): the
-        TCPStore client retries a refused connection with backoff for its whole timeout, and logs
-        each try's C++ stack."""
         try:
-            with socket.create_connection(self.address, timeout=FIRING_READ_S):
-                return True
+            self._try_connecting()
+            return True
         except OSError:
             return False
 
@@ -214,6 +222,7 @@ class StepBoard:
 
     def read_all(self) -> dict[int, RankStep | None]:
         """Every rank's last record; raises when the store does not answer."""
+        self._try_connecting()
         store = self._client()
         keys = [f"{self.prefix}{rank}" for rank in range(self.world_size)]
         present = [key for key in keys if store.check([key])]
@@ -237,5 +246,6 @@ class StepBoard:
             where = f"the job's store at {host}:{port}, hosted by the training process torchrun made rank 0 on node 0,"
             if "refused" in str(error).lower():
                 return f"{where} is gone: that process exited (its own log says why)"
-            return f"{where} does not answer ({type(error).__name__}): that process is frozen, or node 0 is gone"
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else type(error).__name__
+            return f"{where} does not answer ({reason}): that process is frozen, node 0 is gone, or this node's network is cut"
         return culprit_line(before, after, self.world_size, OBSERVE_S)

@@ -5,8 +5,9 @@
   stop once per job (purrsight/launcher/torchrun.py says why). Where it has moved,
   ``install_terminate_handler`` says so in one line and torchrun keeps its own handler: the job
   still stops, a second signal may cut the workers' close short.
-- ``RENDEZVOUS_METRIC``: the name torchelastic's ``@prof`` gives the timing of
-  ``SimpleElasticAgent._rendezvous``. Where it has changed, the rendezvous lines are simply absent.
+- ``RENDEZVOUS_METRIC``, ``RENDEZVOUS_FAILURE_METRIC``: the names torchelastic's ``@prof`` gives
+  the timing of ``SimpleElasticAgent._rendezvous`` and its failure. Where they have changed, the
+  rendezvous lines are simply absent (or a failed round reads as done).
 - ``run_script_path``: the function ``torch.distributed.run.config_from_args`` names as the
   workers' entry point under ``--run-path``, looked up in its module at each call. Replacing it
   runs each worker through ``purrsight.launcher.forked_workers.run_worker`` (its own session and
@@ -21,27 +22,47 @@
   hands on a count above 0: the agent is about to restart its workers for a joining node, which
   torchelastic logs at INFO only. Where the method has moved, one line says so, a lost store ends
   the agent as before, and a join is not announced. On a lost store it also stops the
-  handler's heartbeats (``_stop_heartbeats``), which otherwise log a warning every second for
-  as long as the workers take to end.
+  handler's heartbeats (``_stop_heartbeats``), and polls that handler no more: each would fail
+  and log a warning (the store's client, a C++ stack) every second for as long as the workers
+  take to end.
 - ``LocalElasticAgent._monitor_workers``: the agent's check of its workers. ``watch_worker_failures``
   hands on each failed result, so a job whose agent then cannot meet again (the store gone with
   node 0) still ends with its workers' documented code. Where it has moved, one line says so and
   such a job ends with torchrun's 1.
+- ``c10d_rendezvous_backend._create_tcp_store``: the agent's connection to the rendezvous store,
+  looked up by name in ``create_backend``. Its ``read_timeout`` is both how long the connection
+  waits for the first node (a worker node started first waits for it) and how long every store
+  operation may take: a node cut off the network held its agent 120 s per keep-alive and per poll
+  in a test (900 s each at the launcher's default). ``limit_store_operations`` keeps the wait for
+  the connection and then sets the operations' timeout to the rdzv-conf's ``store_op_timeout``.
+  That alone is not enough: a ``get`` that times out sends the store a cancel and then waits for
+  its answer without a timeout (TCPStore's doWait), which on a cut network lasts until TCP gives
+  up on its retransmissions, some 15 min. So the store's sockets also get TCP_USER_TIMEOUT (Linux,
+  RFC 5482): a connection whose sent bytes go unacknowledged that long is closed, and the call
+  fails at once. Where the function has moved, one line says so and each operation waits
+  ``read_timeout``.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
+import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from types import FrameType, ModuleType
 from typing import Any
 
 RENDEZVOUS_METRIC = "._rendezvous.duration.ms"
+RENDEZVOUS_FAILURE_METRIC = "._rendezvous.failure"  # @prof's, emitted before the duration of a round that raised
 HANDLER_NAME = "_terminate_process_handler"
 WORKER_ENTRY_NAME = "run_script_path"
 WAITING_POLL_NAME = "num_nodes_waiting"
 HEARTBEAT_STOP_NAME = "_stop_heartbeats"
 MONITOR_NAME = "_monitor_workers"
+STORE_FACTORY_NAME = "_create_tcp_store"
+STORE_OP_TIMEOUT_KEY = "store_op_timeout"  # ours, in --rdzv-conf: torchelastic ignores keys it does not read
 
 Handler = Callable[[int, FrameType | None], None]
 
@@ -70,11 +91,16 @@ def watch_waiting_nodes(on_lost: Callable[[Exception], None], on_waiting: Callab
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+    lost: weakref.WeakSet[Any] = weakref.WeakSet()  # handlers whose store is gone: not polled again
+
     def watched(poll: Callable[[Any], int]) -> Callable[[Any], int]:
         def num_nodes_waiting(handler: Any) -> int:
+            if handler in lost:
+                return 0  # each poll would fail, and the store's client log a C++ stack, every second
             try:
                 waiting = int(poll(handler))
             except RendezvousConnectionError as err:
+                lost.add(handler)
                 stop_heartbeats = getattr(handler, HEARTBEAT_STOP_NAME, None)
                 if callable(stop_heartbeats):
                     stop_heartbeats()  # each would fail and warn, every keep-alive interval
@@ -106,6 +132,66 @@ def watch_worker_failures(on_failed: Callable[[Any], None]) -> bool:
 
     otherwise = "a job whose rendezvous fails after its workers did ends with torchrun's 1"
     return _wrap_method(LocalElasticAgent, MONITOR_NAME, watched, otherwise)
+
+
+def limit_store_operations() -> bool:
+    """Make each operation on the rendezvous store time out after the rdzv-conf's
+    ``store_op_timeout`` seconds (where given), once connected; False (and one line) where
+    torchelastic's c10d backend no longer creates its store through that function."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+
+    create = getattr(backend, STORE_FACTORY_NAME, None)
+    if getattr(create, "watched", False):
+        return True
+    found = callable(create) and STORE_FACTORY_NAME in _source_of(backend.create_backend)
+
+    def create_limited(params: Any) -> Any:
+        sockets_before = _socket_fds()
+        store = create(params)  # type: ignore[misc]  # found: callable
+        seconds = params.get_as_int(STORE_OP_TIMEOUT_KEY)
+        if seconds:
+            store.set_timeout(timedelta(seconds=seconds))
+            for fd in _socket_fds() - sockets_before:  # the store's own: TCPStore does not expose them
+                close_when_unacknowledged(fd, seconds)
+        return store
+
+    create_limited.watched = True  # type: ignore[attr-defined]
+    otherwise = "each store operation may take read_timeout (RDZV_TIMEOUT) on a node cut off from it"
+    return _replace(backend, STORE_FACTORY_NAME, create_limited, found, otherwise)
+
+
+def _socket_fds() -> set[int]:
+    """This process's open sockets (Linux's /proc; none elsewhere)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return set()
+    fds = set()
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except OSError:  # closed since the listing (the listing's own fd among them)
+            continue
+    return fds
+
+
+def close_when_unacknowledged(fd: int, seconds: int) -> bool:
+    """Have the kernel close TCP socket ``fd`` once bytes it sent go unacknowledged for ``seconds``
+    (TCP_USER_TIMEOUT); False for a socket that is not TCP, or where the option does not exist."""
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if option is None:
+        return False
+    sock = socket.socket(fileno=fd)
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        sock.setsockopt(socket.IPPROTO_TCP, option, seconds * 1000)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()  # the fd stays the store's
 
 
 def _wrap_method(owner: type, name: str, wrap: Callable[[Any], Any], otherwise: str) -> bool:

@@ -7,9 +7,12 @@
   the workers' close (SLURM signals every process of a step) cut the close short and left
   torchrun hung at exit. Later signals are noted and ignored (internals/torch_elastic.py).
 - The first node's agent holds the rendezvous store. When that node's job ends first (its
-  watchdog fired, it failed, it was lost), the other agents say so in one line and go on
+  watchdog fired, it failed, it was lost), or this node is cut off from it, the other agents
+  say so in one line and go on
   collecting their own workers' codes, instead of dying with a traceback while those workers
-  finish (internals/torch_elastic.py). A rendezvous that cannot be completed (a restart after
+  finish (internals/torch_elastic.py). Each store operation gives up after the rdzv-conf's
+  ``store_op_timeout`` (the launcher's RDZV_STORE_TIMEOUT), not its ``read_timeout``, which
+  stays the time a node waits for the first one to come. A rendezvous that cannot be completed (a restart after
   that, a node that never came) is one line, not a traceback, and the code of the workers' last
   failure where they had one (else torchrun's 1).
 - A node waiting to join an elastic job gets a line on every present node: the agent stops its
@@ -50,9 +53,11 @@ from torch.distributed.run import parse_args, run
 
 from purrsight.errors import SIGNAL_BASE, ExitCode
 from purrsight.internals.torch_elastic import (
+    RENDEZVOUS_FAILURE_METRIC,
     RENDEZVOUS_METRIC,
     install_terminate_handler,
     install_worker_entry,
+    limit_store_operations,
     watch_waiting_nodes,
     watch_worker_failures,
 )
@@ -61,18 +66,24 @@ TORCHRUN_FAILED = 1  # torchrun's own code for a failed worker group, kept for c
 
 
 class RendezvousLog(metrics.MetricHandler):
-    """Prints torchelastic's duration metric of each rendezvous round; drops every other metric."""
+    """Prints torchelastic's duration metric of each rendezvous round, done or failed (its failure
+    metric comes just before the duration); drops every other metric."""
 
     def __init__(self) -> None:
         self.rounds = 0
+        self.failed = False
 
     def emit(self, metric_data: metrics.MetricData) -> None:
+        if metric_data.name.endswith(RENDEZVOUS_FAILURE_METRIC):
+            self.failed = True
         if not metric_data.name.endswith(RENDEZVOUS_METRIC):
             return
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(metric_data.timestamp))
         seconds = metric_data.value / 1000
-        print(f"{stamp} [torchrun] rendezvous {self.rounds} done in {seconds:.2f} s", file=sys.stderr, flush=True)
+        outcome = f"failed after {seconds:.2f} s" if self.failed else f"done in {seconds:.2f} s"
+        print(f"{stamp} [torchrun] rendezvous {self.rounds} {outcome}", file=sys.stderr, flush=True)
         self.rounds += 1
+        self.failed = False
 
 
 class StopOnce:
@@ -104,7 +115,8 @@ class LastFailure:
 
 
 class LostStoreLine:
-    """Says once, for the whole job, that the rendezvous store went away with the node holding it."""
+    """Says once, for the whole job, that the rendezvous store stopped answering: the node holding
+    it has ended, or this node can no longer reach it (its network is cut)."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -116,7 +128,8 @@ class LostStoreLine:
         self.said = True
         print(
             f"torchrun: the rendezvous store at {self.endpoint} is gone: the job of the node holding it has ended "
-            "(its log says why); this node's workers go on until they end, and their code is this job's",
+            "(its log says why), or this node's network is cut (the watchdog names who it cannot reach); "
+            "this node's workers go on until they end, and their code is this job's",
             file=sys.stderr,
             flush=True,
         )
@@ -184,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     install_terminate_handler(StopOnce())
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(WithoutTraceback())
     args = parse_args(argv if argv is not None else sys.argv[1:])
+    limit_store_operations()
     watch_waiting_nodes(LostStoreLine(args.rdzv_endpoint), say_nodes_joining)
     last_failure = LastFailure()
     watch_worker_failures(last_failure)

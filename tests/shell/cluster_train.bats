@@ -56,6 +56,8 @@ assert_usage_error() {
   assert_usage_error "num_nodes '2:' must be a positive integer, or MIN:MAX for an elastic job"
   RDZV_LAST_CALL_S=soon run ./cluster_train.sh config/train_config.yaml 2:3 1
   assert_usage_error "RDZV_LAST_CALL_S 'soon' must be a number of seconds"
+  RDZV_STORE_TIMEOUT=0 run ./cluster_train.sh config/train_config.yaml 2:3 1
+  assert_usage_error "RDZV_STORE_TIMEOUT '0' must be a positive number of seconds"
   # --dry-run: torchrun gets MIN:MAX and the fast rendezvous; a fixed count keeps torchrun's timings
   BACKEND=gloo run ./cluster_train.sh --dry-run config/train_config.yaml 2:3 2 127.0.0.1 29511
   [ "${status}" -eq 0 ]
@@ -66,6 +68,8 @@ assert_usage_error() {
   [ "${status}" -eq 0 ]
   grep -q -- "--nnodes 2 " <<<"${output}"
   [[ "${output}" != *last_call_timeout* && "${output}" != *PURRSIGHT_ELASTIC_NODES* ]]
+  # every job: a request to the store waits RDZV_STORE_TIMEOUT, the connection RDZV_TIMEOUT
+  grep -q 'read_timeout=900\\\?,store_op_timeout=60' <<<"${output}"
 }
 
 @test "more than five positional arguments are refused (overrides go after --)" {

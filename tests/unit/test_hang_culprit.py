@@ -102,6 +102,33 @@ def test_a_watchdogs_firing_is_read_by_its_peers_in_its_generation_only() -> Non
     assert time.monotonic() - started < 1.0
 
 
+def test_a_rank_publishes_once_a_store_that_did_not_answer_comes() -> None:
+    """A rank whose store is out of reach (its node cut off the network, the store's host gone)
+    tries again at each heartbeat, without failing; once the store answers, its record arrives.
+    (That it tries without the TCPStore client's C++ stack at each try is checked where the
+    network is really cut: tests/faults/test_network_cut.py.)"""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from purrsight.distributed.hang_culprit import PUBLISH_S, StepBoard
+    from tests.helpers import free_port
+
+    port = free_port()
+    board = StepBoard("127.0.0.1", port, 1, 2, 0, 0)
+    board.moved(7, "backward")
+    board.start()
+    try:
+        time.sleep(PUBLISH_S)  # a heartbeat with nothing on the port
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+        deadline = time.monotonic() + 3 * PUBLISH_S
+        while not store.check([f"{board.prefix}1"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert '"step": 7' in store.get(f"{board.prefix}1").decode()
+    finally:
+        board.stop()
+
+
 def test_a_failure_after_a_peers_firing_is_raised_as_the_hang() -> None:
     """train() turns a collective's failure into PeerHungError when the watchdog read a firing."""
     import pytest

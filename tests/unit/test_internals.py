@@ -112,10 +112,10 @@ def test_the_agent_polls_for_waiting_nodes_by_the_name_we_wrap(monkeypatch: pyte
             self.heartbeats = False
 
     assert torch_elastic.HEARTBEAT_STOP_NAME in vars(handler_class)
-    handler = Handler()
-    assert [wrapped(handler) for _ in range(3)] == [0, 0, 2]
-    assert not handler.heartbeats  # stopped once the store was found gone
-    assert [str(err) for err in lost] == ["store gone"] and waiting == [2]
+    handler, other = Handler(), Handler()
+    assert [wrapped(handler), wrapped(handler), wrapped(other), wrapped(other)] == [0, 0, 0, 2]
+    assert not handler.heartbeats and other.heartbeats  # stopped once the store was found gone
+    assert [str(err) for err in lost] == ["store gone"] and waiting == [2]  # the lost handler is not polled again
     with pytest.raises(RuntimeError, match="a bug"):
         wrapped(object())
 
@@ -128,6 +128,73 @@ def test_a_moved_waiting_poll_is_one_line_and_the_old_behaviour(
     monkeypatch.delattr(dynamic_rendezvous.DynamicRendezvousHandler, torch_elastic.WAITING_POLL_NAME)
     assert not torch_elastic.watch_waiting_nodes(lambda err: None, lambda count: None)
     assert "a lost store ends the agent" in capsys.readouterr().err
+
+
+def test_the_rendezvous_store_waits_read_timeout_to_connect_then_store_op_timeout_per_operation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent's own store, through the function c10d's backend calls: a read of a key nobody
+    writes (what a store cut off from this node looks like to the reader) gives up after
+    ``store_op_timeout`` (1 s), not ``read_timeout`` (60 s); without the key, read_timeout holds."""
+    import time
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, c10d_rendezvous_backend
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from tests.helpers import free_port
+
+    assert f"{torch_elastic.STORE_FACTORY_NAME}(params)" in inspect.getsource(c10d_rendezvous_backend.create_backend)
+    monkeypatch.setattr(c10d_rendezvous_backend, torch_elastic.STORE_FACTORY_NAME, c10d_rendezvous_backend._create_tcp_store)
+    assert torch_elastic.limit_store_operations()
+    assert torch_elastic.limit_store_operations()  # a second main() in one process wraps once
+
+    def backend(**conf: object) -> object:
+        params = RendezvousParameters("c10d", f"127.0.0.1:{free_port()}", "run", 1, 1, is_host=True, read_timeout=60, **conf)
+        return c10d_rendezvous_backend.create_backend(params)
+
+    rendezvous, store = backend(store_op_timeout=1)
+    assert store.timeout == timedelta(seconds=1)
+    # its connection to the store is closed by the kernel once a request goes unacknowledged 1 s
+    assert 1000 in user_timeouts_of_connections_to(store.port)
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError):
+        rendezvous._call_store("get", "never-written")
+    assert time.monotonic() - start < 10
+    _, unlimited = backend()
+    assert unlimited.timeout == timedelta(seconds=60)
+    assert set(user_timeouts_of_connections_to(unlimited.port)) == {0}  # the kernel's default: none
+
+
+def user_timeouts_of_connections_to(port: int) -> list[int]:
+    """TCP_USER_TIMEOUT (ms) of each of this process's sockets connected to ``port`` on loopback."""
+    import os
+    import socket
+
+    timeouts = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except OSError:
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getpeername()[1] == port:
+                timeouts.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return timeouts
+
+
+def test_a_moved_store_factory_is_one_line_and_read_timeout_per_operation(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    monkeypatch.delattr(c10d_rendezvous_backend, torch_elastic.STORE_FACTORY_NAME)
+    assert not torch_elastic.limit_store_operations()
+    assert "each store operation may take read_timeout" in capsys.readouterr().err
 
 
 def test_the_local_agent_checks_its_workers_by_the_name_we_wrap(monkeypatch: pytest.MonkeyPatch) -> None:

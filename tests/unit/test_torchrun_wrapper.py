@@ -24,28 +24,35 @@ from tests.helpers import free_port
 
 
 class SimpleElasticAgent:  # the name torchelastic's metric carries: <class>._rendezvous.duration.ms
+    def __init__(self) -> None:
+        self.store_gone = False
+
     @metrics.prof
     def _rendezvous(self) -> None:
-        pass
+        if self.store_gone:
+            raise ConnectionError("the store is gone")
 
     @metrics.prof
     def _start_workers(self) -> None:
         pass
 
 
-def test_one_line_per_rendezvous_round_and_nothing_else(capsys: pytest.CaptureFixture[str]) -> None:
+def test_one_line_per_rendezvous_round_done_or_failed_and_nothing_else(capsys: pytest.CaptureFixture[str]) -> None:
     metrics.configure(RendezvousLog(), group="torchelastic")
     try:
         agent = SimpleElasticAgent()
         agent._rendezvous()
         agent._start_workers()
         agent._rendezvous()
+        agent.store_gone = True
+        with pytest.raises(ConnectionError):
+            agent._rendezvous()
     finally:
         metrics.configure(metrics.NullMetricHandler(), group="torchelastic")
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 2, lines
-    for round_, line in enumerate(lines):
-        assert re.fullmatch(rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d \[torchrun\] rendezvous {round_} done in \d+\.\d\d s", line)
+    assert len(lines) == 3, lines
+    for round_, (line, outcome) in enumerate(zip(lines, ["done in", "done in", "failed after"], strict=True)):
+        assert re.fullmatch(rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d \[torchrun\] rendezvous {round_} {outcome} \d+\.\d\d s", line)
 
 
 def test_the_job_exit_code_is_the_workers_documented_reason() -> None:
