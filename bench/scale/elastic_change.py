@@ -29,15 +29,13 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 
 from bench.common import REPO, TINY_CONFIG, bench_env, ensure_synthetic_set, free_port, machine
+from tests.helpers import rank0_steps  # (Unix time, step) of each step line; a step trained again appears twice
 from tests.launcher.conftest import kill_whole
 
 GLOBAL_BATCH, BATCH = 12, 2
-# A training step line of node 0's log: its time and step (" ... [rank 0] INFO purrsight.progress: step 15/60 ...").
-STEP_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \[rank 0\] INFO purrsight\.progress: step (\d+)/\d+ ")
 RESUMED = re.compile(r"resuming from checkpoint .*step-(\d+)\.ckpt")
 
 
@@ -48,11 +46,6 @@ class Change:
     steps_again: int  # steps trained before the change that the job trained again after it
     before_samples_s: float
     after_samples_s: float
-
-
-def step_lines(text: str) -> list[tuple[float, int]]:
-    """(Unix time, step) of each step line, in the log's order (a step trained again appears twice)."""
-    return [(datetime.strptime(when, "%Y-%m-%d %H:%M:%S.%f").timestamp(), int(step)) for when, step in STEP_LINE.findall(text)]
 
 
 def samples_per_s(lines: list[tuple[float, int]], window: int) -> float:
@@ -104,7 +97,7 @@ class Job:
 def resumed_after(log: Path, offset: int, window: int) -> tuple[str, re.Match[str]]:
     """The log once it holds, past ``offset``, a resume and ``window`` + 1 step lines after it; that resume."""
     text = wait_until(
-        log, lambda text: (found := RESUMED.search(text, offset)) is not None and len(step_lines(text[found.end() :])) > window
+        log, lambda text: (found := RESUMED.search(text, offset)) is not None and len(rank0_steps(text[found.end() :])) > window
     )
     resumed = RESUMED.search(text, offset)
     assert resumed is not None
@@ -118,32 +111,32 @@ def measure(work: Path, steps: int, kill_at: int, join_at: int, window: int) -> 
             job.start(node)
         time.sleep(2)
         job.start(0)
-        before = wait_until(job.log, lambda text: any(step >= kill_at for _, step in step_lines(text)))
+        before = wait_until(job.log, lambda text: any(step >= kill_at for _, step in rank0_steps(text)))
         killed = time.time()
         kill_whole(job.launchers.pop(1).pid)
         offset = len(before)
         after, resumed = resumed_after(job.log, offset, window)
-        lost_lines = step_lines(after[resumed.end() :])
+        lost_lines = rank0_steps(after[resumed.end() :])
         loss = Change(
             "node 1 of 3 lost (SIGKILL, whole)",
             lost_lines[0][0] - killed,
-            max(step for _, step in step_lines(after[: resumed.start()])) - int(resumed.group(1)),
-            samples_per_s(step_lines(before), window),
+            max(step for _, step in rank0_steps(after[: resumed.start()])) - int(resumed.group(1)),
+            samples_per_s(rank0_steps(before), window),
             samples_per_s(lost_lines[: window + 1], window),
         )
 
-        text = wait_until(job.log, lambda text: any(step >= join_at for _, step in step_lines(text[offset:])))
+        text = wait_until(job.log, lambda text: any(step >= join_at for _, step in rank0_steps(text[offset:])))
         started = job.start(1, RESUME="auto")
         offset_join = len(text)
         joined, resumed = resumed_after(job.log, offset_join, window)
         # The two train on until the join's stop lands (the step's end): their steps up to the
         # resume's line, and the three's after it.
-        on_two, on_three = step_lines(joined[offset : resumed.start()]), step_lines(joined[resumed.end() :])
+        on_two, on_three = rank0_steps(joined[offset : resumed.start()]), rank0_steps(joined[resumed.end() :])
         join = Change(
             "node 1 back (RESUME=auto)",
             on_three[0][0] - started,
             max(step for _, step in on_two) - int(resumed.group(1)),
-            samples_per_s(step_lines(joined[offset:offset_join]), window),  # before the new launcher took CPU
+            samples_per_s(rank0_steps(joined[offset:offset_join]), window),  # before the new launcher took CPU
             samples_per_s(on_three[: window + 1], window),
         )
         job.wait()
@@ -163,6 +156,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--work", type=Path, help="the job's folder (logs, run), kept; a temporary one by default")
     args = parser.parse_args(argv)
+    # Each samples/s needs `window` steps of one world: before the kill, between the resume and the
+    # join, and after the join's resume.
+    if args.window < 1:
+        parser.error(f"--window {args.window}: must be at least 1")
+    if args.kill_at <= args.window:
+        parser.error(f"--kill-at {args.kill_at}: must exceed --window {args.window} (the steps measured before the kill)")
+    if args.join_at <= args.kill_at + args.window:
+        parser.error(f"--join-at {args.join_at}: must exceed --kill-at + --window = {args.kill_at + args.window}")
+    if args.steps <= args.join_at + 2 * args.window:
+        parser.error(f"--steps {args.steps}: must exceed --join-at + 2 x --window = {args.join_at + 2 * args.window}")
     ensure_synthetic_set()
     with tempfile.TemporaryDirectory(prefix="elastic-change-") as folder:
         work = args.work or Path(folder)

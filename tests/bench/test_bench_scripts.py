@@ -164,3 +164,24 @@ def test_the_fsdp_memory_bench_reads_the_trainers_build_line() -> None:
         "this rank holds 942.39 MiB of them; peak RSS so far 1641 MiB"
     )
     assert fsdp_memory.BUILT.findall(line) == [("sharded", "942.39", "1641")]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--window", "0"], "--window 0: must be at least 1"),
+        (["--kill-at", "10", "--window", "20"], "--kill-at 10: must exceed --window 20"),
+        (["--kill-at", "45", "--join-at", "60"], "--join-at 60: must exceed --kill-at + --window = 65"),
+        (["--steps", "100"], "--steps 100: must exceed --join-at + 2 x --window = 190"),
+    ],
+)
+def test_the_elastic_change_bench_refuses_steps_that_leave_no_window_to_measure(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused in one line before any launcher starts (the bench itself is a 3-node job: by hand only)."""
+    from bench.scale.elastic_change import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(argv)
+    assert ended.value.code == 2
+    assert named in capsys.readouterr().err
