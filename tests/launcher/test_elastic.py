@@ -138,6 +138,14 @@ def test_a_node_killed_mid_run_leaves_two_that_resume_at_the_exact_position_then
 
     # The node back, once the two hold at step JOIN_AT: only the stop its arrival brings releases them.
     assert wait_for(lambda: all(held_marker(join_gate, rank).exists() for rank in range(2)), timeout=180)
+    # First as a node that fails its health checks (the disk it needs is not there): it ends with 3
+    # before its torchrun starts, and the two, held, never see it waiting.
+    before_the_unhealthy = len(log.read_text(errors="replace"))
+    unhealthy = cluster.start("2:3", 1, env={**env, "RESUME": "auto", "HEALTH_MIN_FREE_GB": "1000000000"}, **overrides)
+    assert unhealthy.wait(timeout=120) == 3, unhealthy.text()[-3000:]
+    assert re.search(r"health: FAIL +disk ", unhealthy.text()), unhealthy.text()[-3000:]
+    time.sleep(2)  # two of the agents' checks for waiting nodes (MONITOR_INTERVAL 1 s)
+    assert "waiting to join" not in log.read_text(errors="replace")[before_the_unhealthy:]
     before_the_join = len(log.read_text(errors="replace"))
     joined_ns = time.time_ns()
     nodes[1] = cluster.start("2:3", 1, env={**env, "RESUME": "auto"}, **overrides)  # joins the run in its folder
