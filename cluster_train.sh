@@ -57,8 +57,8 @@ Environment variables (default in brackets; a variable you export yourself is ne
   LOG_KEEP_RUNS   runs kept per node; older logs are deleted [10]
   MAX_RESTARTS    worker restarts (on every node) before the job fails [3]
   RDZV_TIMEOUT    seconds to wait for all nodes (and, on workers, for the master) [900]
-  RDZV_STORE_TIMEOUT  seconds one request to the rendezvous store on node 0 may take [60]: a node
-                  cut off from it gives up after this, not after RDZV_TIMEOUT
+  RDZV_STORE_TIMEOUT  seconds one request to the rendezvous store on node 0 may take [60; a fixed
+                  count: RDZV_TIMEOUT]: a node cut off from it gives up after this (Linux)
   RDZV_LAST_CALL_S  elastic jobs: seconds the rendezvous waits for more nodes once MIN have
                   joined [2]; a dead node is dropped after 3 missed heartbeats of 1 s. Nodes that
                   start further apart: raise it (a late node costs every worker a restart)
@@ -187,7 +187,7 @@ validate_env() {
   case "${HEALTH_CHECKS:=1}" in 0 | 1) ;; *) die_usage "HEALTH_CHECKS '${HEALTH_CHECKS}' must be 1 or 0" ;; esac
   is_uint "${MAX_RESTARTS:=3}" || die_usage "MAX_RESTARTS '${MAX_RESTARTS}' must be a non-negative integer"
   [[ "${RDZV_TIMEOUT:=900}" =~ ^[1-9][0-9]*$ ]] || die_usage "RDZV_TIMEOUT '${RDZV_TIMEOUT}' must be a positive number of seconds"
-  [[ "${RDZV_STORE_TIMEOUT:=60}" =~ ^[1-9][0-9]*$ ]] ||
+  [[ -z "${RDZV_STORE_TIMEOUT:-}" || "${RDZV_STORE_TIMEOUT}" =~ ^[1-9][0-9]*$ ]] ||
     die_usage "RDZV_STORE_TIMEOUT '${RDZV_STORE_TIMEOUT}' must be a positive number of seconds"
   [[ "${MONITOR_INTERVAL:=1}" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ && ! "${MONITOR_INTERVAL}" =~ ^[0.]+$ ]] ||
     die_usage "MONITOR_INTERVAL '${MONITOR_INTERVAL}' must be a positive number of seconds"
@@ -322,6 +322,9 @@ build_torchrun_args() {
   # read_timeout: how long the store's connection waits for node 0 to come; store_op_timeout (ours,
   # purrsight/internals/torch_elastic.py): how long each request then waits for an answer.
   rdzv_conf="is_host=${is_host},join_timeout=${RDZV_TIMEOUT},read_timeout=${RDZV_TIMEOUT}"
+  # Elastic jobs give up on a silent store within a minute: the others go on without this node.
+  # A fixed count keeps torchrun's read_timeout, which lets a network outage of minutes heal.
+  if ((ELASTIC)); then : "${RDZV_STORE_TIMEOUT:=60}"; else : "${RDZV_STORE_TIMEOUT:=${RDZV_TIMEOUT}}"; fi
   rdzv_conf+=",store_op_timeout=${RDZV_STORE_TIMEOUT}"
   # Elastic (MIN:MAX): once MIN nodes are in, a new round waits RDZV_LAST_CALL_S for more (c10d's
   # 30 s by default), and a node that stopped its 1 s heartbeats is dropped after 3 (default 5 s x 3):

@@ -25,10 +25,15 @@
   handler's heartbeats (``_stop_heartbeats``), and polls that handler no more: each would fail
   and log a warning (the store's client, a C++ stack) every second for as long as the workers
   take to end.
+- ``DynamicRendezvousHandler._state_holder.state``: this agent's copy of the shared rendezvous
+  state (its round, participants, ``complete`` and ``closed``), read after each poll by
+  ``round_participants``: an elastic job's agents see a node that stopped its keep-alives
+  dropped from the running round (purrsight/launcher/lost_nodes.py acts on it). Where it has moved,
+  nothing is read, and such a node is noticed only when the workers' collectives time out.
 - ``LocalElasticAgent._monitor_workers``: the agent's check of its workers. ``watch_worker_failures``
-  hands on each failed result, so a job whose agent then cannot meet again (the store gone with
-  node 0) still ends with its workers' documented code. Where it has moved, one line says so and
-  such a job ends with torchrun's 1.
+  hands on each checked group (its workers' pids) and each failed result, so a job whose agent
+  then cannot meet again (the store gone with node 0) still ends with its workers' documented
+  code. Where it has moved, one line says so and such a job ends with torchrun's 1.
 - ``c10d_rendezvous_backend._create_tcp_store``: the agent's connection to the rendezvous store,
   looked up by name in ``create_backend``. Its ``read_timeout`` is both how long the connection
   waits for the first node (a worker node started first waits for it) and how long every store
@@ -37,9 +42,10 @@
   the connection and then sets the operations' timeout to the rdzv-conf's ``store_op_timeout``.
   That alone is not enough: a ``get`` that times out sends the store a cancel and then waits for
   its answer without a timeout (TCPStore's doWait), which on a cut network lasts until TCP gives
-  up on its retransmissions, some 15 min. So the store's sockets also get TCP_USER_TIMEOUT (Linux,
-  RFC 5482): a connection whose sent bytes go unacknowledged that long is closed, and the call
-  fails at once. Where the function has moved, one line says so and each operation waits
+  up on its retransmissions, some 15 min. So the agent's connection to the store also gets
+  TCP_USER_TIMEOUT (Linux, RFC 5482): once its sent bytes go unacknowledged that long, the kernel
+  closes it, and the call fails at once. A store found gone stays gone for that agent (the client
+  does not reconnect). Where the function has moved, one line says so and each operation waits
   ``read_timeout``.
 """
 
@@ -61,6 +67,7 @@ WORKER_ENTRY_NAME = "run_script_path"
 WAITING_POLL_NAME = "num_nodes_waiting"
 HEARTBEAT_STOP_NAME = "_stop_heartbeats"
 MONITOR_NAME = "_monitor_workers"
+STATE_HOLDER_NAME = "_state_holder"  # DynamicRendezvousHandler's copy of the shared rendezvous state
 STORE_FACTORY_NAME = "_create_tcp_store"
 STORE_OP_TIMEOUT_KEY = "store_op_timeout"  # ours, in --rdzv-conf: torchelastic ignores keys it does not read
 
@@ -84,9 +91,14 @@ def install_worker_entry(entry: Callable[..., None]) -> bool:
     return _replace(run, WORKER_ENTRY_NAME, entry, found, "starting the workers as subprocesses", " for --run-path")
 
 
-def watch_waiting_nodes(on_lost: Callable[[Exception], None], on_waiting: Callable[[int], None]) -> bool:
-    """Make the agent's poll for waiting nodes call ``on_waiting`` with a count above 0, and
-    ``on_lost`` (answering 0) where the rendezvous store cannot be reached; False (and one line)
+def watch_waiting_nodes(
+    on_lost: Callable[[Exception], None],
+    on_waiting: Callable[[int], None],
+    on_round: Callable[[int, dict[str, str]], None] | None = None,
+) -> bool:
+    """Make the agent's poll for waiting nodes call ``on_waiting`` with a count above 0, ``on_lost``
+    (answering 0) where the rendezvous store cannot be reached, and ``on_round`` with the running
+    round's number and participants after each poll (``round_participants``); False (and one line)
     where torchelastic no longer has that poll."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
@@ -108,6 +120,8 @@ def watch_waiting_nodes(on_lost: Callable[[Exception], None], on_waiting: Callab
                 return 0
             if waiting > 0:
                 on_waiting(waiting)
+            if on_round is not None and (running := round_participants(handler)) is not None:
+                on_round(*running)
             return waiting
 
         return num_nodes_waiting
@@ -116,13 +130,29 @@ def watch_waiting_nodes(on_lost: Callable[[Exception], None], on_waiting: Callab
     return _wrap_method(handler_class, WAITING_POLL_NAME, watched, "a lost store ends the agent")
 
 
-def watch_worker_failures(on_failed: Callable[[Any], None]) -> bool:
-    """Make the agent's check of its workers hand each failed ``RunResult`` to ``on_failed``;
-    False (and one line) where torchelastic's local agent no longer has that check."""
+def round_participants(handler: Any) -> tuple[int, dict[str, str]] | None:
+    """The running round's number and its participants (node id: address) as this agent's last
+    read of the shared state holds them; None while no round is complete, once the rendezvous is
+    closed (the job ending), or where the state is not where torch 2.13 keeps it. A participant
+    that sent no keep-alive for ``keep_alive_interval`` x ``keep_alive_max_attempt`` is dropped
+    from it by the next agent's read (``_sanitize``)."""
+    state = getattr(getattr(handler, STATE_HOLDER_NAME, None), "state", None)
+    participants = getattr(state, "participants", None)
+    if not isinstance(participants, dict) or not getattr(state, "complete", False) or getattr(state, "closed", True):
+        return None
+    return int(getattr(state, "round", -1)), {repr(node): str(getattr(node, "addr", node)) for node in participants}
+
+
+def watch_worker_failures(on_failed: Callable[[Any], None], on_checked: Callable[[Any], None] | None = None) -> bool:
+    """Make the agent's check of its workers hand each failed ``RunResult`` to ``on_failed``, and
+    each checked ``WorkerGroup`` to ``on_checked``; False (and one line) where torchelastic's local
+    agent no longer has that check."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     def watched(check: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         def monitor_workers(agent: Any, worker_group: Any) -> Any:
+            if on_checked is not None:
+                on_checked(worker_group)
             result = check(agent, worker_group)
             if result.is_failed():
                 on_failed(result)
@@ -151,8 +181,8 @@ def limit_store_operations() -> bool:
         seconds = params.get_as_int(STORE_OP_TIMEOUT_KEY)
         if seconds:
             store.set_timeout(timedelta(seconds=seconds))
-            for fd in _socket_fds() - sockets_before:  # the store's own: TCPStore does not expose them
-                close_when_unacknowledged(fd, seconds)
+            for fd in _socket_fds() - sockets_before:  # new since: TCPStore does not expose its own
+                close_when_unacknowledged(fd, seconds, peer_port=store.port)
         return store
 
     create_limited.watched = True  # type: ignore[attr-defined]
@@ -176,19 +206,26 @@ def _socket_fds() -> set[int]:
     return fds
 
 
-def close_when_unacknowledged(fd: int, seconds: int) -> bool:
-    """Have the kernel close TCP socket ``fd`` once bytes it sent go unacknowledged for ``seconds``
-    (TCP_USER_TIMEOUT); False for a socket that is not TCP, or where the option does not exist."""
+def close_when_unacknowledged(fd: int, seconds: int, peer_port: int) -> bool:
+    """Have the kernel close ``fd``, a TCP connection to ``peer_port`` (the store's client, not the
+    server node 0's agent also holds), once bytes it sent go unacknowledged for ``seconds``
+    (TCP_USER_TIMEOUT, Linux); False for any other socket, one closed since it was listed (or its
+    number reused), or where the option does not exist."""
     option = getattr(socket, "TCP_USER_TIMEOUT", None)
     if option is None:
         return False
-    sock = socket.socket(fileno=fd)
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # closed since the listing, or no longer a socket
+        return False
     try:
         if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
             return False
+        if sock.getpeername()[1] != peer_port:
+            return False
         sock.setsockopt(socket.IPPROTO_TCP, option, seconds * 1000)
         return True
-    except OSError:
+    except OSError:  # not connected: a listening socket
         return False
     finally:
         sock.detach()  # the fd stays the store's

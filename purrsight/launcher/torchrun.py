@@ -16,7 +16,9 @@
   that, a node that never came) is one line, not a traceback, and the code of the workers' last
   failure where they had one (else torchrun's 1).
 - A node waiting to join an elastic job gets a line on every present node: the agent stops its
-  workers (SIGTERM: a checkpoint at the step's end) and starts them again with it.
+  workers (SIGTERM: a checkpoint at the step's end) and starts them again with it. A node of an
+  elastic job that goes silent (no keep-alives) gets a line too, and the workers are killed, to
+  meet again without it at once (lost_nodes.py).
 - Each rendezvous gets a line with torchelastic's own timing (docs/SCALING.md reads them):
 
     2026-11-23 05:21:40 [torchrun] rendezvous 0 done in 1.84 s
@@ -49,7 +51,7 @@ from torch.distributed.elastic import metrics
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
-from torch.distributed.run import parse_args, run
+from torch.distributed.run import parse_args, parse_min_max_nnodes, run
 
 from purrsight.errors import SIGNAL_BASE, ExitCode
 from purrsight.internals.torch_elastic import (
@@ -61,6 +63,7 @@ from purrsight.internals.torch_elastic import (
     watch_waiting_nodes,
     watch_worker_failures,
 )
+from purrsight.launcher.lost_nodes import LostNodeStop
 
 TORCHRUN_FAILED = 1  # torchrun's own code for a failed worker group, kept for callers that read it
 
@@ -198,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(WithoutTraceback())
     args = parse_args(argv if argv is not None else sys.argv[1:])
     limit_store_operations()
-    watch_waiting_nodes(LostStoreLine(args.rdzv_endpoint), say_nodes_joining)
+    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    lost_nodes = LostNodeStop() if min_nodes < max_nodes else None  # elastic: go on without a silent node
+    watch_waiting_nodes(LostStoreLine(args.rdzv_endpoint), say_nodes_joining, lost_nodes)
     last_failure = LastFailure()
-    watch_worker_failures(last_failure)
+    watch_worker_failures(last_failure, lost_nodes.checked if lost_nodes else None)
     if args.run_path and args.start_method == "forkserver":
         if install_worker_entry(forked_workers.run_worker):
             forked_workers.start_server()  # started already when run as a program; here when main() is called

@@ -169,6 +169,10 @@ def test_the_jobs_environment_reaches_every_node(synthetic_dir: Path, tmp_path: 
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "LD_LIBRARY_PATH": "/opt/nccl/lib",
         "MAX_RESTARTS": "5",
+        "RDZV_STORE_TIMEOUT": "600",  # the launcher's rendezvous settings, each by name
+        "RDZV_LAST_CALL_S": "10",
+        "MONITOR_INTERVAL": "5",
+        "WORKER_START": "subprocess",
         "HF_TOKEN": "hf_secret_for_the_nodes_only",
         "PURRSIGHT_SECRET_KEY": "one secret with spaces",
         "WANDB_API_KEY": "wandb_secret_for_rank_0",

@@ -104,9 +104,10 @@ def test_a_watchdogs_firing_is_read_by_its_peers_in_its_generation_only() -> Non
 
 def test_a_rank_publishes_once_a_store_that_did_not_answer_comes() -> None:
     """A rank whose store is out of reach (its node cut off the network, the store's host gone)
-    tries again at each heartbeat, without failing; once the store answers, its record arrives.
-    (That it tries without the TCPStore client's C++ stack at each try is checked where the
-    network is really cut: tests/faults/test_network_cut.py.)"""
+    tries again at each heartbeat, without failing and without a TCPStore client while the port
+    takes no connection (the client retries for its whole timeout, a C++ stack at each try: seen
+    where the network is really cut, tests/faults/test_network_cut.py); once the store answers,
+    its record arrives."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -116,10 +117,14 @@ def test_a_rank_publishes_once_a_store_that_did_not_answer_comes() -> None:
 
     port = free_port()
     board = StepBoard("127.0.0.1", port, 1, 2, 0, 0)
+    clients: list[float] = []
+    make_client = board._client
+    board._client = lambda *args: clients.append(time.monotonic()) or make_client(*args)  # type: ignore[method-assign]
     board.moved(7, "backward")
     board.start()
     try:
         time.sleep(PUBLISH_S)  # a heartbeat with nothing on the port
+        assert clients == []
         store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
         deadline = time.monotonic() + 3 * PUBLISH_S
         while not store.check([f"{board.prefix}1"]) and time.monotonic() < deadline:

@@ -197,6 +197,32 @@ def test_a_moved_store_factory_is_one_line_and_read_timeout_per_operation(
     assert "each store operation may take read_timeout" in capsys.readouterr().err
 
 
+def test_the_running_rounds_participants_are_read_where_torch_keeps_them() -> None:
+    """A real one-node rendezvous on a real store: after it, round_participants reads its round and
+    this node, as the agent's poll leaves the state; once closed, nothing (the job is ending)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    from tests.helpers import free_port
+
+    params = RendezvousParameters(
+        "c10d", f"127.0.0.1:{free_port()}", "run", 1, 1, is_host=True, local_addr="127.0.0.1", keep_alive_interval=1
+    )  # 1 s: its shutdown joins the keep-alive timer
+
+    backend, store = create_backend(params)
+    handler = create_handler(store, backend, params)
+    assert torch_elastic.round_participants(handler) is None  # no round complete yet
+    handler.next_rendezvous()
+    handler.num_nodes_waiting()  # the agent's poll: a fresh read of the state
+    running = torch_elastic.round_participants(handler)
+    assert running is not None
+    round_, participants = running
+    assert round_ == 0 and list(participants.values()) == ["127.0.0.1"], running
+    handler.shutdown()
+    assert torch_elastic.round_participants(handler) is None
+
+
 def test_the_local_agent_checks_its_workers_by_the_name_we_wrap(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each failed check's result is handed on; a healthy one is not; the result itself is returned unchanged."""
     from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerState
