@@ -28,15 +28,21 @@ a pass on 3 ranks (2 left out), 128 on 2; 11 steps an epoch on either world, the
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import psutil
+import torch
+
 from tests.helpers import fault_env, held_marker, hold_env, log_time, python_env, record_samples_env, recorded_steps
-from tests.launcher.conftest import Cluster, Launcher, kill_whole, wait_for
+from tests.launcher.conftest import Cluster, Launcher, descendants, kill_whole, wait_for
 
 GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT, JOIN_AT = 12, 2, 36, 8, 5, 14
 # The second loss (node 2 at 22: the two resume from 20) and the join whose checkpoint is killed
@@ -289,6 +295,51 @@ def test_node_0_lost_ends_the_elastic_job_on_every_node_in_one_line_with_its_che
         assert len(re.findall(r"torchrun: the rendezvous at \S+ failed \(RendezvousConnectionError", log)) == 1, log[-4000:]
         assert "Traceback" not in log, log[-4000:]
     assert ended_s < 60, ended_s  # the store's loss is seen at once, not waited out (RDZV_TIMEOUT 120)
+
+
+def test_a_stop_signal_to_every_process_during_the_re_rendezvous_ends_the_job_with_its_checkpoints_whole(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Issue 51's fault during a change, as SLURM stops a job step (SIGTERM to every process of
+    every node), while the agents wait in the re-rendezvous after a loss. Three nodes (2:3), held at
+    step 7 (a checkpoint at 5); node 1 killed whole; once both others' agents have reported their
+    workers' failure and entered the next round (its last call: 10 s), every process of nodes 0 and
+    2 gets SIGTERM at once. Each launcher ends with 143 (stopped by SIGTERM) in one line, no
+    traceback, and leaves no process; no worker was running to save, so the run keeps its step-5
+    checkpoint whole and no temporary file: `RESUME=auto` resumes from it (tested above)."""
+    gate = tmp_path / "released-after-the-loss"
+    env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": "10", **hold_env({7: gate}, python_env())}
+    overrides: dict[str, Any] = dict(
+        data__batch_size=BATCH, trainer__global_batch_size=GLOBAL_BATCH, trainer__max_steps=12,
+        checkpoint__every_n_steps=SAVED_AT, trainer__val_every_n_steps=1000,
+    )  # fmt: skip
+    nodes = start_three_held(cluster, "2:3", env, gate, **overrides)
+    kill_whole(nodes[1].proc.pid)
+    gate.touch()
+    failed = re.compile(r"failed \(exitcode: 1\) local_rank: 0")  # torchelastic's line, before its restart
+    assert wait_for(lambda: all(failed.search(cluster.node_log(n)) for n in (0, 2)), timeout=60), cluster.node_log(0)[-3000:]
+    time.sleep(1)  # into the next round, which waits its last call for more nodes
+    assert not any("rendezvous 1 done" in cluster.node_log(n) for n in (0, 2)), cluster.node_log(0)[-3000:]
+    signalled = {n: [nodes[n].proc.pid, *(process.pid for process in descendants(nodes[n].proc.pid))] for n in (0, 2)}
+    for pids in signalled.values():
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    codes = {n: nodes[n].wait(timeout=60) for n in (0, 2)}
+    assert codes == {0: 143, 2: 143}, (codes, cluster.node_log(0)[-3000:])
+    for n in (0, 2):
+        log = cluster.node_log(n)
+        assert log.count("torchrun: stopped by SIGTERM") == 1, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+    every_pid = [pid for pids in signalled.values() for pid in pids]
+    assert wait_for(lambda: not any(psutil.pid_exists(pid) for pid in every_pid), timeout=30), [
+        psutil.Process(pid).cmdline() for pid in every_pid if psutil.pid_exists(pid)
+    ]
+    checkpoints = cluster.run_dir / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["last.ckpt", f"step-{SAVED_AT:08d}.ckpt"], list(
+        checkpoints.iterdir()
+    )
+    assert torch.load(checkpoints / f"step-{SAVED_AT:08d}.ckpt", map_location="cpu", weights_only=False)["global_step"] == SAVED_AT
 
 
 def test_a_second_node_lost_during_the_re_rendezvous_leaves_one_that_goes_on_alone_with_the_global_batch_kept(
