@@ -67,6 +67,21 @@ def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Pa
     return launchers
 
 
+def three_held_at_7_then_one_lost(cluster: Cluster, tmp_path: Path, lost: int, last_call_s: int) -> dict[int, Launcher]:
+    """A 2:3 job of three (one rank each, 12 steps, a checkpoint at 5) held at step 7; node ``lost``
+    killed whole, then the others released into their next collective."""
+    gate = tmp_path / "released-after-the-loss"
+    env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": str(last_call_s), **hold_env({7: gate}, python_env())}
+    overrides: dict[str, Any] = dict(
+        data__batch_size=BATCH, trainer__global_batch_size=GLOBAL_BATCH, trainer__max_steps=12,
+        checkpoint__every_n_steps=SAVED_AT, trainer__val_every_n_steps=1000,
+    )  # fmt: skip
+    nodes = start_three_held(cluster, "2:3", env, gate, **overrides)
+    kill_whole(nodes[lost].proc.pid)
+    gate.touch()
+    return nodes
+
+
 def steps_trained(records: Path, attempts: list[tuple[int, int, int, int]]) -> dict[int, list[dict[str, Any]]]:
     """step -> the micro-batches every rank trained for it, in the attempt whose steps the
     checkpoints kept. ``attempts``: (started after, in ns; its world; the step it resumed from; the
@@ -275,17 +290,9 @@ def test_node_0_lost_ends_the_elastic_job_on_every_node_in_one_line_with_its_che
     meet again without the store, and each launcher ends with its workers' code (1) in a few
     seconds (not at a rendezvous timeout), the rendezvous's failure in one line, no traceback. The
     job is then started again with `RESUME=auto` (tested above and in tests/launcher/test_launcher.py)."""
-    gate = tmp_path / "released-after-node-0s-loss"
-    # RDZV_TIMEOUT 120: an agent that waited on the lost store until then would fail the bound below.
-    env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": "4", **hold_env({7: gate}, python_env())}
-    overrides: dict[str, Any] = dict(
-        data__batch_size=BATCH, trainer__global_batch_size=GLOBAL_BATCH, trainer__max_steps=12,
-        checkpoint__every_n_steps=SAVED_AT, trainer__val_every_n_steps=1000,
-    )  # fmt: skip
-    nodes = start_three_held(cluster, "2:3", env, gate, **overrides)
-    kill_whole(nodes[0].proc.pid)
+    # RDZV_TIMEOUT 120 (the cluster's): an agent that waited on the lost store until then would fail the bound below.
+    nodes = three_held_at_7_then_one_lost(cluster, tmp_path, 0, last_call_s=4)
     lost = time.monotonic()
-    gate.touch()
     codes = {rank: nodes[rank].wait(timeout=110) for rank in (1, 2)}
     ended_s = time.monotonic() - lost
     print(f"node 0 lost: the two others ended {ended_s:.1f} s after the kill")
@@ -307,15 +314,7 @@ def test_a_stop_signal_to_every_process_during_the_re_rendezvous_ends_the_job_wi
     2 gets SIGTERM at once. Each launcher ends with 143 (stopped by SIGTERM) in one line, no
     traceback, and leaves no process; no worker was running to save, so the run keeps its step-5
     checkpoint whole and no temporary file: `RESUME=auto` resumes from it (tested above)."""
-    gate = tmp_path / "released-after-the-loss"
-    env = {"NPROC_PER_NODE": "1", "BACKEND": "gloo", "RDZV_LAST_CALL_S": "10", **hold_env({7: gate}, python_env())}
-    overrides: dict[str, Any] = dict(
-        data__batch_size=BATCH, trainer__global_batch_size=GLOBAL_BATCH, trainer__max_steps=12,
-        checkpoint__every_n_steps=SAVED_AT, trainer__val_every_n_steps=1000,
-    )  # fmt: skip
-    nodes = start_three_held(cluster, "2:3", env, gate, **overrides)
-    kill_whole(nodes[1].proc.pid)
-    gate.touch()
+    nodes = three_held_at_7_then_one_lost(cluster, tmp_path, 1, last_call_s=10)
     failed = re.compile(r"failed \(exitcode: 1\) local_rank: 0")  # torchelastic's line, before its restart
     assert wait_for(lambda: all(failed.search(cluster.node_log(n)) for n in (0, 2)), timeout=60), cluster.node_log(0)[-3000:]
     time.sleep(1)  # into the next round, which waits its last call for more nodes
