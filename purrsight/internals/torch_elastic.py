@@ -56,6 +56,7 @@ import socket
 import sys
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType, ModuleType
 from typing import Any
@@ -94,11 +95,11 @@ def install_worker_entry(entry: Callable[..., None]) -> bool:
 def watch_waiting_nodes(
     on_lost: Callable[[Exception], None],
     on_waiting: Callable[[int], None],
-    on_round: Callable[[int, dict[str, str]], None] | None = None,
+    on_round: Callable[[RoundView], None] | None = None,
 ) -> bool:
     """Make the agent's poll for waiting nodes call ``on_waiting`` with a count above 0, ``on_lost``
     (answering 0) where the rendezvous store cannot be reached, and ``on_round`` with the running
-    round's number and participants after each poll (``round_participants``); False (and one line)
+    round after each poll that found no node waiting (``round_participants``); False (and one line)
     where torchelastic no longer has that poll."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
@@ -120,8 +121,10 @@ def watch_waiting_nodes(
                 return 0
             if waiting > 0:
                 on_waiting(waiting)
-            if on_round is not None and (running := round_participants(handler)) is not None:
-                on_round(*running)
+            # A node waiting: the agent restarts its workers for it (a planned stop, with a
+            # checkpoint), and nodes leave the round on their way to the next: no loss to act on.
+            if on_round is not None and waiting == 0 and (running := round_participants(handler)) is not None:
+                on_round(running)
             return waiting
 
         return num_nodes_waiting
@@ -130,17 +133,32 @@ def watch_waiting_nodes(
     return _wrap_method(handler_class, WAITING_POLL_NAME, watched, "a lost store ends the agent")
 
 
-def round_participants(handler: Any) -> tuple[int, dict[str, str]] | None:
-    """The running round's number and its participants (node id: address) as this agent's last
-    read of the shared state holds them; None while no round is complete, once the rendezvous is
-    closed (the job ending), or where the state is not where torch 2.13 keeps it. A participant
-    that sent no keep-alive for ``keep_alive_interval`` x ``keep_alive_max_attempt`` is dropped
-    from it by the next agent's read (``_sanitize``)."""
+@dataclass(frozen=True)
+class RoundView:
+    """The running round as this agent's last read of the shared rendezvous state holds it."""
+
+    round: int
+    participants: dict[str, str]  # node id -> its address
+    present: frozenset[str]  # the nodes still keeping alive: participants, or waiting for the next round
+
+
+def round_participants(handler: Any) -> RoundView | None:
+    """The running round, or None while no round is complete, once the rendezvous is closed (the
+    job ending), or where the state is not where torch 2.13 keeps it. A node that sent no keep-alive
+    for ``keep_alive_interval`` x ``keep_alive_max_attempt`` is dropped from every list by the next
+    agent's read (``_sanitize``); a node restarting its workers leaves the participants for the wait
+    list (or the redundancy list) on its way to the next round, so it stays present (but for the
+    moment between its two writes)."""
     state = getattr(getattr(handler, STATE_HOLDER_NAME, None), "state", None)
     participants = getattr(state, "participants", None)
     if not isinstance(participants, dict) or not getattr(state, "complete", False) or getattr(state, "closed", True):
         return None
-    return int(getattr(state, "round", -1)), {repr(node): str(getattr(node, "addr", node)) for node in participants}
+    present = {*participants, *getattr(state, "wait_list", ()), *getattr(state, "redundancy_list", ())}
+    return RoundView(
+        round=int(getattr(state, "round", -1)),
+        participants={repr(node): str(getattr(node, "addr", node)) for node in participants},
+        present=frozenset(repr(node) for node in present),
+    )
 
 
 def watch_worker_failures(on_failed: Callable[[Any], None], on_checked: Callable[[Any], None] | None = None) -> bool:

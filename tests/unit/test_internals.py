@@ -120,6 +120,27 @@ def test_the_agent_polls_for_waiting_nodes_by_the_name_we_wrap(monkeypatch: pyte
         wrapped(object())
 
 
+def test_the_running_round_is_handed_on_only_after_a_poll_with_no_node_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a node waiting the agent restarts its workers for it (a planned stop): nodes then leave
+    the round on their way to the next, which is no loss to act on."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    handler_class = dynamic_rendezvous.DynamicRendezvousHandler
+    answers = [0, 1, 0]
+    monkeypatch.setattr(handler_class, torch_elastic.WAITING_POLL_NAME, lambda handler: answers.pop(0))
+    rounds: list[torch_elastic.RoundView] = []
+    assert torch_elastic.watch_waiting_nodes(lambda err: None, lambda count: None, rounds.append)
+    state = SimpleNamespace(
+        participants={"a_1_0": 0}, wait_list={"b_2_0"}, redundancy_list=set(), complete=True, closed=False, round=3
+    )
+    handler = SimpleNamespace(**{torch_elastic.STATE_HOLDER_NAME: SimpleNamespace(state=state)})
+    polled = [getattr(handler_class, torch_elastic.WAITING_POLL_NAME)(handler) for _ in range(3)]
+    assert polled == [0, 1, 0]
+    assert [(view.round, view.present) for view in rounds] == [(3, frozenset({"'a_1_0'", "'b_2_0'"}))] * 2, rounds
+
+
 def test_a_moved_waiting_poll_is_one_line_and_the_old_behaviour(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -217,8 +238,8 @@ def test_the_running_rounds_participants_are_read_where_torch_keeps_them() -> No
     handler.num_nodes_waiting()  # the agent's poll: a fresh read of the state
     running = torch_elastic.round_participants(handler)
     assert running is not None
-    round_, participants = running
-    assert round_ == 0 and list(participants.values()) == ["127.0.0.1"], running
+    assert running.round == 0 and list(running.participants.values()) == ["127.0.0.1"], running
+    assert running.present == frozenset(running.participants), running
     handler.shutdown()
     assert torch_elastic.round_participants(handler) is None
 

@@ -1,10 +1,12 @@
 """purrsight/launcher/lost_nodes.py: an elastic job's agent kills its workers once a node of the
-running round has left it for want of keep-alives, once per round, and never for a round that
-only began. The workers here are real processes, each leading a session of its own as forked
-workers do (with a child standing in for a loader process)."""
+running round has been missing from it (neither a participant nor waiting for the next round) at
+two reads in a row, once per round; never for a node restarting its workers on its way to the next
+round, nor for a round that only began. The workers here are real processes, each leading a
+session of its own as forked workers do (with a child standing in for a loader process)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -12,9 +14,19 @@ from types import SimpleNamespace
 
 import pytest
 
+from purrsight.internals.torch_elastic import RoundView
 from purrsight.launcher.lost_nodes import LostNodeStop
 
 THREE = {"10.0.0.1_11_0": "10.0.0.1", "10.0.0.2_12_0": "10.0.0.2", "10.0.0.3_13_0": "10.0.0.3"}
+NODE_2 = "10.0.0.3_13_0"
+
+
+def view(round_: int, participants: dict[str, str], waiting: tuple[str, ...] = ()) -> RoundView:
+    return RoundView(round_, participants, frozenset([*participants, *waiting]))
+
+
+def without_node_2() -> dict[str, str]:
+    return {node: address for node, address in THREE.items() if node != NODE_2}
 
 
 def worker_with_a_loader() -> subprocess.Popen[bytes]:
@@ -24,8 +36,6 @@ def worker_with_a_loader() -> subprocess.Popen[bytes]:
 
 
 def group_alive(pgid: int) -> bool:
-    import os
-
     try:
         os.killpg(pgid, 0)
         return True
@@ -33,22 +43,27 @@ def group_alive(pgid: int) -> bool:
         return False
 
 
-def test_a_node_gone_from_the_running_round_kills_the_workers_and_their_loaders_once(capsys: pytest.CaptureFixture[str]) -> None:
+def watching(workers: list[subprocess.Popen[bytes]]) -> LostNodeStop:
+    stop = LostNodeStop()
+    stop.checked(SimpleNamespace(workers=[SimpleNamespace(id=proc.pid) for proc in workers] + [SimpleNamespace(id=None)]))
+    return stop
+
+
+def test_a_node_missing_at_two_reads_kills_the_workers_and_their_loaders_once(capsys: pytest.CaptureFixture[str]) -> None:
     workers = [worker_with_a_loader(), worker_with_a_loader()]
     try:
-        stop = LostNodeStop()
-        stop.checked(SimpleNamespace(workers=[SimpleNamespace(id=proc.pid) for proc in workers] + [SimpleNamespace(id=None)]))
-        stop(4, THREE)
-        stop(4, THREE)  # every node still there: nothing
+        stop = watching(workers)
+        stop(view(4, THREE))
+        stop(view(4, THREE))  # every node still there: nothing
+        stop(view(4, without_node_2()))  # missing once: perhaps between two writes of a restart
         assert all(proc.poll() is None for proc in workers)
-        without_node_2 = {node: address for node, address in THREE.items() if address != "10.0.0.3"}
-        stop(4, without_node_2)
+        stop(view(4, without_node_2()))  # missing again: lost
         assert [proc.wait(timeout=10) for proc in workers] == [-9, -9]
         deadline = time.monotonic() + 10
         while any(group_alive(proc.pid) for proc in workers) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(group_alive(proc.pid) for proc in workers)  # the loaders went with them
-        stop(4, without_node_2)  # the same round read again: said and done once
+        stop(view(4, without_node_2()))  # the same round read again: said and done once
         err = capsys.readouterr().err
         assert err.count("torchrun: node(s) 10.0.0.3 stopped sending keep-alives and left rendezvous round 4: lost") == 1, err
     finally:
@@ -57,16 +72,21 @@ def test_a_node_gone_from_the_running_round_kills_the_workers_and_their_loaders_
             proc.wait()
 
 
-def test_a_new_round_with_fewer_nodes_is_not_a_loss(capsys: pytest.CaptureFixture[str]) -> None:
-    """The round after a loss starts with the nodes left: compared with its own first read, not the last round's."""
+def test_a_node_restarting_into_the_next_round_and_a_new_round_are_not_losses(capsys: pytest.CaptureFixture[str]) -> None:
+    """A node that left the participants for the wait list (its workers restarting), at any number
+    of reads; a node missing once and back; the round after a loss, smaller from its start."""
     worker = worker_with_a_loader()
     try:
-        stop = LostNodeStop()
-        stop.checked(SimpleNamespace(workers=[SimpleNamespace(id=worker.pid)]))
-        stop(4, THREE)
+        stop = watching([worker])
+        stop(view(4, THREE))
+        for _ in range(3):
+            stop(view(4, without_node_2(), waiting=(NODE_2,)))
+        stop(view(4, without_node_2()))
+        stop(view(4, THREE))
+        stop(view(4, without_node_2()))  # missing once since it came back
         two = dict(list(THREE.items())[:2])
-        stop(5, two)
-        stop(5, two)
+        stop(view(5, two))
+        stop(view(5, two))
         assert worker.poll() is None and capsys.readouterr().err == ""
     finally:
         worker.kill()
