@@ -26,7 +26,8 @@
   and log a warning (the store's client, a C++ stack) every second for as long as the workers
   take to end.
 - ``DynamicRendezvousHandler._state_holder.state``: this agent's copy of the shared rendezvous
-  state (its round, participants, ``complete`` and ``closed``), read after each poll by
+  state (its round, participants, wait and redundancy lists, ``complete`` and ``closed``), and
+  ``_store`` with the exit barrier's counter under each round's prefix, read after each poll by
   ``round_participants``: an elastic job's agents see a node that stopped its keep-alives
   dropped from the running round (purrsight/launcher/lost_nodes.py acts on it). Where it has moved,
   nothing is read, and such a node is noticed only when the workers' collectives time out.
@@ -69,6 +70,9 @@ WAITING_POLL_NAME = "num_nodes_waiting"
 HEARTBEAT_STOP_NAME = "_stop_heartbeats"
 MONITOR_NAME = "_monitor_workers"
 STATE_HOLDER_NAME = "_state_holder"  # DynamicRendezvousHandler's copy of the shared rendezvous state
+STORE_NAME = "_store"  # DynamicRendezvousHandler's store; each round's keys under torch.rendezvous.<run_id>.<round>/
+# the counter SimpleElasticAgent._exit_barrier adds to (store_util.barrier, key_prefix + "/num_members")
+EXIT_BARRIER_MEMBERS_KEY = "torchelastic/agent/terminal_state/num_members"
 STORE_FACTORY_NAME = "_create_tcp_store"
 STORE_OP_TIMEOUT_KEY = "store_op_timeout"  # ours, in --rdzv-conf: torchelastic ignores keys it does not read
 
@@ -99,7 +103,7 @@ def watch_waiting_nodes(
 ) -> bool:
     """Make the agent's poll for waiting nodes call ``on_waiting`` with a count above 0, ``on_lost``
     (answering 0) where the rendezvous store cannot be reached, and ``on_round`` with the running
-    round after each poll that found no node waiting (``round_participants``); False (and one line)
+    round after each poll (``round_participants``); False (and one line)
     where torchelastic no longer has that poll."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
@@ -121,9 +125,7 @@ def watch_waiting_nodes(
                 return 0
             if waiting > 0:
                 on_waiting(waiting)
-            # A node waiting: the agent restarts its workers for it (a planned stop, with a
-            # checkpoint), and nodes leave the round on their way to the next: no loss to act on.
-            if on_round is not None and waiting == 0 and (running := round_participants(handler)) is not None:
+            if on_round is not None and (running := round_participants(handler)) is not None:
                 on_round(running)
             return waiting
 
@@ -140,6 +142,7 @@ class RoundView:
     round: int
     participants: dict[str, str]  # node id -> its address
     present: frozenset[str]  # the nodes still keeping alive: participants, or waiting for the next round
+    ending: Callable[[], bool]  # whether a node has entered the round's exit barrier (a store read)
 
 
 def round_participants(handler: Any) -> RoundView | None:
@@ -153,12 +156,30 @@ def round_participants(handler: Any) -> RoundView | None:
     participants = getattr(state, "participants", None)
     if not isinstance(participants, dict) or not getattr(state, "complete", False) or getattr(state, "closed", True):
         return None
-    present = {*participants, *getattr(state, "wait_list", ()), *getattr(state, "redundancy_list", ())}
+    # Copies first, each one C call: the keep-alive thread's sync may drop a node from them meanwhile.
+    members = list(participants)
+    present = {*members, *list(getattr(state, "wait_list", ())), *list(getattr(state, "redundancy_list", ()))}
+    round_ = int(getattr(state, "round", -1))
     return RoundView(
-        round=int(getattr(state, "round", -1)),
-        participants={repr(node): str(getattr(node, "addr", node)) for node in participants},
+        round=round_,
+        participants={repr(node): str(getattr(node, "addr", node)) for node in members},
         present=frozenset(repr(node) for node in present),
+        ending=lambda: exit_barrier_entered(handler, round_),
     )
+
+
+def exit_barrier_entered(handler: Any, round_: int) -> bool:
+    """Whether a node of round ``round_`` has entered the agents' exit barrier (its workers all
+    finished): its keep-alives then stop, the barrier's wait holding the store's one client, and
+    the others' reads drop it though it is only waiting for them. False where unreadable."""
+    store = getattr(handler, STORE_NAME, None)
+    run_id = getattr(getattr(handler, "settings", None), "run_id", None)
+    if store is None or run_id is None:
+        return False
+    try:
+        return bool(store.check([f"torch.rendezvous.{run_id}.{round_}/{EXIT_BARRIER_MEMBERS_KEY}"]))
+    except Exception:  # the store gone: the poll's own error path says so
+        return False
 
 
 def watch_worker_failures(on_failed: Callable[[Any], None], on_checked: Callable[[Any], None] | None = None) -> bool:

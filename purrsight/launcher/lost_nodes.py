@@ -6,7 +6,7 @@ watchdog fires (``distributed.progress_timeout_s``): 30 min by default. Their ag
 seconds: a node that sent no keep-alive for ``keep_alive_interval`` x ``keep_alive_max_attempt``
 (1 s x 3 in an elastic job, cluster_train.sh) is dropped from the round's participants at their
 next read of the rendezvous state (torchelastic's ``_sanitize``), though torchelastic itself acts
-on it only at the next rendezvous. Here, the agent's second poll after the drop kills its workers
+on it only at the next rendezvous. Here, the agent's poll a second after the drop kills its workers
 (SIGKILL: stuck in a collective with the lost node, they could neither finish their step nor save),
 so the agent restarts them into a round without that node at once, and they resume from the last
 checkpoint with the global batch kept, as after a node lost with its connections reset.
@@ -19,21 +19,26 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from purrsight.internals.torch_elastic import RoundView
+
+CONFIRM_S = 1.0  # missing this long: more than a node restarting takes between its two writes
 
 
 class LostNodeStop:
     """``on_round`` and ``on_checked`` for purrsight.internals.torch_elastic's watchers.
 
-    A node counts as lost once it is missing from the round (neither a participant nor waiting
-    for the next) at two reads in a row, a poll (1 s) apart: a node restarting its workers is
-    missing only between its two writes to the state, a lost one stays missing."""
+    A node counts as lost once it has been missing from the round (neither a participant nor
+    waiting for the next) for ``CONFIRM_S`` by this agent's clock: a node restarting its workers
+    is missing only between two of its writes, a lost one stays missing. Not while a node is in
+    the round's exit barrier: its keep-alives stop there (the barrier's wait holds the store's
+    client) while the others finish their last step's work, rank 0's report among it."""
 
     def __init__(self) -> None:
         self.first_seen: dict[int, dict[str, str]] = {}  # round -> its participants at this agent's first read
-        self.missing_before: dict[int, set[str]] = {}  # round -> the nodes missing at the last read
+        self.missing_since: dict[int, dict[str, float]] = {}  # round -> node -> when first read missing
         self.stopped_rounds: set[int] = set()
         self.worker_pids: list[int] = []
 
@@ -42,12 +47,16 @@ class LostNodeStop:
         self.worker_pids = [worker.id for worker in worker_group.workers if isinstance(worker.id, int)]
 
     def __call__(self, view: RoundView) -> None:
-        round_ = view.round
+        round_, now = view.round, time.monotonic()
         first = self.first_seen.setdefault(round_, view.participants)
-        missing = {node for node in first if node not in view.present}
-        lost = missing & self.missing_before.get(round_, set())
-        self.missing_before[round_] = missing
-        if not lost or round_ in self.stopped_rounds:
+        since = self.missing_since.setdefault(round_, {})
+        for node in first:
+            if node in view.present:
+                since.pop(node, None)
+            else:
+                since.setdefault(node, now)
+        lost = {node for node, when in since.items() if now - when >= CONFIRM_S}
+        if not lost or round_ in self.stopped_rounds or view.ending():
             return
         self.stopped_rounds.add(round_)
         gone = sorted({first[node] for node in lost})

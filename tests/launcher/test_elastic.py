@@ -315,7 +315,7 @@ def test_a_stop_signal_to_every_process_during_the_re_rendezvous_ends_the_job_wi
     traceback, and leaves no process; no worker was running to save, so the run keeps its step-5
     checkpoint whole and no temporary file: `RESUME=auto` resumes from it (tested above)."""
     nodes = three_held_at_7_then_one_lost(cluster, tmp_path, 1, last_call_s=10)
-    failed = re.compile(r"failed \(exitcode: 1\) local_rank: 0")  # torchelastic's line, before its restart
+    failed = re.compile(r"failed \(exitcode: -?\d+\) local_rank: 0")  # torchelastic's line, before its restart
     assert wait_for(lambda: all(failed.search(cluster.node_log(n)) for n in (0, 2)), timeout=60), cluster.node_log(0)[-3000:]
     time.sleep(1)  # into the next round, which waits its last call for more nodes
     assert not any("rendezvous 1 done" in cluster.node_log(n) for n in (0, 2)), cluster.node_log(0)[-3000:]
@@ -329,6 +329,7 @@ def test_a_stop_signal_to_every_process_during_the_re_rendezvous_ends_the_job_wi
     for n in (0, 2):
         log = cluster.node_log(n)
         assert log.count("torchrun: stopped by SIGTERM") == 1, log[-3000:]
+        assert re.search(r"\[torchrun\] rendezvous 1 failed after", log), log[-3000:]  # stopped in the re-rendezvous
         assert "Traceback" not in log, log[-3000:]
     every_pid = [pid for pids in signalled.values() for pid in pids]
     assert wait_for(lambda: not any(psutil.pid_exists(pid) for pid in every_pid), timeout=30), [
@@ -338,7 +339,8 @@ def test_a_stop_signal_to_every_process_during_the_re_rendezvous_ends_the_job_wi
     assert sorted(path.name for path in checkpoints.iterdir()) == ["last.ckpt", f"step-{SAVED_AT:08d}.ckpt"], list(
         checkpoints.iterdir()
     )
-    assert torch.load(checkpoints / f"step-{SAVED_AT:08d}.ckpt", map_location="cpu", weights_only=False)["global_step"] == SAVED_AT
+    for name in ("last.ckpt", f"step-{SAVED_AT:08d}.ckpt"):
+        assert torch.load(checkpoints / name, map_location="cpu", weights_only=False)["global_step"] == SAVED_AT, name
 
 
 def test_a_second_node_lost_during_the_re_rendezvous_leaves_one_that_goes_on_alone_with_the_global_batch_kept(

@@ -120,15 +120,14 @@ def test_the_agent_polls_for_waiting_nodes_by_the_name_we_wrap(monkeypatch: pyte
         wrapped(object())
 
 
-def test_the_running_round_is_handed_on_only_after_a_poll_with_no_node_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a node waiting the agent restarts its workers for it (a planned stop): nodes then leave
-    the round on their way to the next, which is no loss to act on."""
+def test_the_running_round_is_handed_on_after_each_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node waiting to join included: the nodes restarting for it stay present (the wait list)."""
     from types import SimpleNamespace
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     handler_class = dynamic_rendezvous.DynamicRendezvousHandler
-    answers = [0, 1, 0]
+    answers = [0, 1]
     monkeypatch.setattr(handler_class, torch_elastic.WAITING_POLL_NAME, lambda handler: answers.pop(0))
     rounds: list[torch_elastic.RoundView] = []
     assert torch_elastic.watch_waiting_nodes(lambda err: None, lambda count: None, rounds.append)
@@ -136,9 +135,10 @@ def test_the_running_round_is_handed_on_only_after_a_poll_with_no_node_waiting(m
         participants={"a_1_0": 0}, wait_list={"b_2_0"}, redundancy_list=set(), complete=True, closed=False, round=3
     )
     handler = SimpleNamespace(**{torch_elastic.STATE_HOLDER_NAME: SimpleNamespace(state=state)})
-    polled = [getattr(handler_class, torch_elastic.WAITING_POLL_NAME)(handler) for _ in range(3)]
-    assert polled == [0, 1, 0]
+    polled = [getattr(handler_class, torch_elastic.WAITING_POLL_NAME)(handler) for _ in range(2)]
+    assert polled == [0, 1]
     assert [(view.round, view.present) for view in rounds] == [(3, frozenset({"'a_1_0'", "'b_2_0'"}))] * 2, rounds
+    assert not rounds[0].ending()  # no store to read: not ending
 
 
 def test_a_moved_waiting_poll_is_one_line_and_the_old_behaviour(
@@ -221,9 +221,11 @@ def test_a_moved_store_factory_is_one_line_and_read_timeout_per_operation(
 def test_the_running_rounds_participants_are_read_where_torch_keeps_them() -> None:
     """A real one-node rendezvous on a real store: after it, round_participants reads its round and
     this node, as the agent's poll leaves the state; once closed, nothing (the job is ending)."""
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID as TERMINAL_STATE_SYNC_ID
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.utils import store as store_util
 
     from tests.helpers import free_port
 
@@ -234,12 +236,17 @@ def test_the_running_rounds_participants_are_read_where_torch_keeps_them() -> No
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
     assert torch_elastic.round_participants(handler) is None  # no round complete yet
-    handler.next_rendezvous()
+    info = handler.next_rendezvous()
     handler.num_nodes_waiting()  # the agent's poll: a fresh read of the state
     running = torch_elastic.round_participants(handler)
     assert running is not None
     assert running.round == 0 and list(running.participants.values()) == ["127.0.0.1"], running
     assert running.present == frozenset(running.participants), running
+    # The agents' exit barrier, entered by this node alone of two: its counter is where we read it.
+    assert not running.ending()
+    with pytest.raises(Exception, match=r"[Tt]imed? ?out|Timeout"):
+        store_util.barrier(info.store, world_size=2, key_prefix=TERMINAL_STATE_SYNC_ID, barrier_timeout=1)
+    assert running.ending()
     handler.shutdown()
     assert torch_elastic.round_participants(handler) is None
 

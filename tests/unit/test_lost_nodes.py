@@ -1,8 +1,9 @@
 """purrsight/launcher/lost_nodes.py: an elastic job's agent kills its workers once a node of the
-running round has been missing from it (neither a participant nor waiting for the next round) at
-two reads in a row, once per round; never for a node restarting its workers on its way to the next
-round, nor for a round that only began. The workers here are real processes, each leading a
-session of its own as forked workers do (with a child standing in for a loader process)."""
+running round has been missing from it (neither a participant nor waiting for the next round) for
+CONFIRM_S, once per round; never for a node restarting its workers on its way to the next round,
+a node missing for a moment, a round that only began, or a node in the exit barrier. The workers
+here are real processes, each leading a session of its own as forked workers do (with a child
+standing in for a loader process). CONFIRM_S is shortened to 0.2 s here."""
 
 from __future__ import annotations
 
@@ -15,14 +16,23 @@ from types import SimpleNamespace
 import pytest
 
 from purrsight.internals.torch_elastic import RoundView
+from purrsight.launcher import lost_nodes
 from purrsight.launcher.lost_nodes import LostNodeStop
 
 THREE = {"10.0.0.1_11_0": "10.0.0.1", "10.0.0.2_12_0": "10.0.0.2", "10.0.0.3_13_0": "10.0.0.3"}
 NODE_2 = "10.0.0.3_13_0"
 
 
-def view(round_: int, participants: dict[str, str], waiting: tuple[str, ...] = ()) -> RoundView:
-    return RoundView(round_, participants, frozenset([*participants, *waiting]))
+CONFIRM_S = 0.2
+
+
+@pytest.fixture(autouse=True)
+def short_confirmation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lost_nodes, "CONFIRM_S", CONFIRM_S)
+
+
+def view(round_: int, participants: dict[str, str], waiting: tuple[str, ...] = (), ending: bool = False) -> RoundView:
+    return RoundView(round_, participants, frozenset([*participants, *waiting]), lambda: ending)
 
 
 def without_node_2() -> dict[str, str]:
@@ -49,15 +59,19 @@ def watching(workers: list[subprocess.Popen[bytes]]) -> LostNodeStop:
     return stop
 
 
-def test_a_node_missing_at_two_reads_kills_the_workers_and_their_loaders_once(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_node_missing_long_enough_kills_the_workers_and_their_loaders_once(capsys: pytest.CaptureFixture[str]) -> None:
     workers = [worker_with_a_loader(), worker_with_a_loader()]
     try:
         stop = watching(workers)
         stop(view(4, THREE))
         stop(view(4, THREE))  # every node still there: nothing
-        stop(view(4, without_node_2()))  # missing once: perhaps between two writes of a restart
+        stop(view(4, without_node_2()))  # missing: perhaps between two writes of a restart
+        stop(view(4, without_node_2()))
         assert all(proc.poll() is None for proc in workers)
-        stop(view(4, without_node_2()))  # missing again: lost
+        time.sleep(CONFIRM_S)
+        stop(view(4, without_node_2(), ending=True))  # missing long enough, but in the exit barrier
+        assert all(proc.poll() is None for proc in workers)
+        stop(view(4, without_node_2()))  # missing long enough: lost
         assert [proc.wait(timeout=10) for proc in workers] == [-9, -9]
         deadline = time.monotonic() + 10
         while any(group_alive(proc.pid) for proc in workers) and time.monotonic() < deadline:
@@ -81,11 +95,14 @@ def test_a_node_restarting_into_the_next_round_and_a_new_round_are_not_losses(ca
         stop(view(4, THREE))
         for _ in range(3):
             stop(view(4, without_node_2(), waiting=(NODE_2,)))
-        stop(view(4, without_node_2()))
+            time.sleep(CONFIRM_S)
+        stop(view(4, without_node_2()))  # missing for a moment, between two writes
         stop(view(4, THREE))
-        stop(view(4, without_node_2()))  # missing once since it came back
+        time.sleep(CONFIRM_S)
+        stop(view(4, without_node_2()))  # missing again since it came back: not yet long
         two = dict(list(THREE.items())[:2])
         stop(view(5, two))
+        time.sleep(CONFIRM_S)
         stop(view(5, two))
         assert worker.poll() is None and capsys.readouterr().err == ""
     finally:
