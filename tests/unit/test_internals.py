@@ -189,13 +189,12 @@ def test_the_rendezvous_store_waits_read_timeout_to_connect_then_store_op_timeou
 
 def user_timeouts_of_connections_to(port: int) -> list[int]:
     """TCP_USER_TIMEOUT (ms) of each of this process's sockets connected to ``port`` on loopback."""
-    import os
     import socket
 
     timeouts = []
-    for name in os.listdir("/proc/self/fd"):
+    for fd in torch_elastic._socket_fds():  # the same listing the wrapper diffs
         try:
-            sock = socket.socket(fileno=int(name))
+            sock = socket.socket(fileno=fd)
         except OSError:
             continue
         try:
