@@ -47,6 +47,7 @@ from bench.common import (
 )
 from purrsight.config import Config, load_config
 from purrsight.estimate.memory import estimate
+from purrsight.model.llm import leave_lora_casts_to_autocast
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.observability.flops import gpu_peak_tflops, model_flops_per_token
 from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
@@ -89,8 +90,10 @@ def build(preset: str | None, overrides: list[str], device: torch.device) -> tup
             path, llm = PRESETS[preset]
             options = random_init_overrides(tokenizer, llm)
         config = load_config(path, [*options, *overrides], check_paths=False)
-        frozen = frozen_dtype("bf16-mixed" if device.type == "cuda" else "32-true")
-        return config, build_model(config, frozen).model.to(device)
+        precision = "bf16-mixed" if device.type == "cuda" else "32-true"  # make_step's autocast
+        model = build_model(config, frozen_dtype(precision)).model
+        leave_lora_casts_to_autocast(model, precision)  # as the trainer builds it (training/module.py)
+        return config, model.to(device)
 
 
 def estimate_bytes(preset: str, overrides: list[str], seq_len: int) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
 
@@ -133,6 +134,27 @@ def load_llm(
                 if ".lora_A." in name:
                     param.copy_(lora_a_init(name, param.shape, seed))
     return model, source
+
+
+def leave_lora_casts_to_autocast(model: nn.Module, precision: str) -> int:
+    """Under a mixed precision (Lightning's ``*-mixed``: autocast), stop peft casting each LoRA
+    layer's input to its adapters' dtype; the number of layers switched (0 under any other).
+
+    With the base in bf16 an adapter's input is bf16: peft copied it to float32 (the adapters'
+    dtype) and autocast copied it straight back to bf16 for lora_A's matmul, two copies an adapter
+    in the forward, two in checkpointing's recomputation and two of its gradient in backward
+    (1,008 kernels a step at the 0.5B preset's architecture: bench/results/gpu.md, 2026-11-29).
+    The matmuls see the same bf16 input either way; LoRA's dropout now runs on it in bf16 (on a
+    GPU the fused kernel scales in float32; the CPU's rounds 1/(1-p) to bf16, 0.2% at p=0.05).
+    Without autocast (32-true, bf16-true) the cast is what makes input and weights agree: kept.
+    The switch is peft's own (``cast_input_dtype_enabled``, what ``peft.helpers.
+    disable_input_dtype_casting`` sets; peft >= 0.15, requirements.txt asks 0.21)."""
+    if not precision.endswith("-mixed"):
+        return 0
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False  # type: ignore[assignment]  # peft declares it in LoraLayer, untyped
+    return len(layers)
 
 
 def lora_a_init(name: str, shape: torch.Size, seed: int) -> torch.Tensor:

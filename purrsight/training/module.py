@@ -15,6 +15,7 @@ from purrsight.config import Config, dump_config
 from purrsight.data.media import SampleError
 from purrsight.distributed.process_group import computed_on_rank_zero
 from purrsight.errors import UserError
+from purrsight.model.llm import leave_lora_casts_to_autocast
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.runs.checkpoint_saver import validation_cut_by_stop
 from purrsight.runs.data_order import ORDER_KEY
@@ -60,6 +61,8 @@ class Phase2Module(pl.LightningModule):
                 # Every rank hashes its share of the frozen rows for the fingerprint (fingerprint.py).
                 everyone = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
                 built, how = build_model(self.config, dtype, fingerprint_group=everyone), "whole"
+            # Before compiling: the layers' code reads the switch (model/llm.py says why).
+            leave_lora_casts_to_autocast(built.model, precision)
             if self.config.trainer.compile:
                 layers = compile_decoder_layers(built.model)
                 log.info("trainer.compile: %d LLM decoder layers compiled (the first steps include compilation)", layers)

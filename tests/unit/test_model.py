@@ -240,6 +240,9 @@ def test_the_trainer_under_bf16_builds_the_model_with_bf16_frozen_weights(synthe
     module.configure_model()
     assert module.model is not None
     assert next(p for p in module.model.parameters() if not p.requires_grad).dtype == torch.bfloat16
+    # and leaves the LoRA layers' input casts to autocast (model/llm.py: leave_lora_casts_to_autocast)
+    lora_layers = [m for m in module.model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert lora_layers and not any(layer.cast_input_dtype_enabled for layer in lora_layers)
 
 
 def test_compiled_decoder_layers_train_like_eager_ones_and_keep_checkpoint_names(synthetic_dir: Path, tmp_path: Path) -> None:

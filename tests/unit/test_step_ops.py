@@ -16,7 +16,10 @@ from bench.gpu.step_profile import count_ops
 # `.venv/bin/python -m bench.gpu.step_profile count`): 22,321 with the CPU's per-parameter AdamW
 # (8 ops and a host read a parameter; on a GPU the fused step is one). A library upgrade that
 # moves the count: rerun the command, and raise the ceiling only for the libraries' own ops.
-CEILING = 22_321
+# 2026-11-29, the same command: 21,313 (from 22,321), peft's copy of each LoRA input to float32
+# left to autocast under the mixed precisions (model/llm.py, leave_lora_casts_to_autocast): 1,008
+# `_to_copy` fewer, six an adapter (forward, recomputation, backward).
+CEILING = 21_313
 
 
 def test_one_optimizer_step_issues_no_more_ops_than_the_ceiling(tmp_path: Path) -> None:
