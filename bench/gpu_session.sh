@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU work of a session lent a GPU machine, as one script (bench/gpu/README.md): profile the
 # 0.5B preset's step, measure throughput, MFU and peak memory against the estimate (0.5B eager and
-# compiled at 1,024 and 4,096 tokens, 7B eager at 1,024), then run tests/gpu. Each part has its
+# compiled at 1,024 and 4,096 tokens, the auto micro-batch, 7B eager at 1,024), then run tests/gpu. Each part has its
 # own time limit and all of them one deadline, so a part that hangs leaves time for the rest.
 # Results go to ${OUT} (the device tool's folder, which brings back at most 8 files): one file a
 # part, summary.txt, and gpu-rows.json (8 files; nothing more comes back), the issue-48 table
@@ -21,7 +21,8 @@ readonly deadline=$((SECONDS + BUDGET_S))
 
 log() { printf '%s %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "${OUT}/summary.txt"; }
 
-# part NAME SECONDS COMMAND...: runs COMMAND with its output in ${OUT}/NAME.txt, for at most
+# part NAME SECONDS COMMAND...: runs COMMAND with its output added to ${OUT}/NAME.txt (NAME+MORE:
+# to NAME.txt too: at most 8 files come back), for at most
 # SECONDS or until the session's deadline, whichever comes first.
 part() {
   local name="$1" seconds="$2" status=0 left=$((deadline - SECONDS))
@@ -32,9 +33,9 @@ part() {
     return
   fi
   log "start ${name} (${seconds} s): $*"
-  timeout --signal=INT --kill-after=10 "${seconds}" "$@" >"${OUT}/${name}.txt" 2>&1 || status=$?
+  timeout --signal=INT --kill-after=10 "${seconds}" "$@" >>"${OUT}/${name%%+*}.txt" 2>&1 || status=$?
   log "end ${name}: exit ${status}"
-  tail -n 25 "${OUT}/${name}.txt" >>"${OUT}/summary.txt"
+  tail -n 25 "${OUT}/${name%%+*}.txt" >>"${OUT}/summary.txt"
 }
 
 # The GPU machine's image holds PyTorch (CUDA), transformers, peft and Lightning in its python3
@@ -47,9 +48,11 @@ log "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 rows="${OUT}/gpu-rows.json"
 part profile-0.5b-1024 80 "${PY}" -m bench.gpu.step_profile profile --preset 0.5b --seq-len 1024  # its text holds the tables; no --json: 8 files come back at most
 part throughput-0.5b 80 "${PY}" -m bench.gpu.gpu_throughput --seq-lens 1024 4096 --steps 8 --warmup 3 --json "${rows}"
+# The preset as it ships: micro-batch and checkpointing chosen for this GPU (issue 48 item 4).
+part throughput-0.5b+auto 60 "${PY}" -m bench.gpu.gpu_throughput --seq-lens 1024 --steps 5 --warmup 2 --json "${rows}" data.batch_size=auto model.llm.gradient_checkpointing=auto
 # One length a process: recompiling for a second length crashed in inductor on torch 2.11 (bench/results/gpu.md).
 part throughput-0.5b-compile-1024 75 "${PY}" -m bench.gpu.gpu_throughput --compile --seq-lens 1024 --steps 8 --warmup 3 --json "${rows}"
 part throughput-0.5b-compile-4096 75 "${PY}" -m bench.gpu.gpu_throughput --compile --seq-lens 4096 --steps 8 --warmup 3 --json "${rows}"
-part throughput-7b 130 "${PY}" -m bench.gpu.gpu_throughput --preset 7b --seq-lens 1024 --steps 5 --warmup 2 --json "${rows}"
+part throughput-7b 110 "${PY}" -m bench.gpu.gpu_throughput --preset 7b --seq-lens 1024 --steps 5 --warmup 2 --json "${rows}"
 part tests-gpu 130 "${PY}" -m pytest -x -q -p no:cacheprovider tests/gpu
 log "done"

@@ -26,6 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from purrsight.atomic_file import write_text_atomically
 from purrsight.errors import ExitCode, UserError
 
+AUTO = "auto"  # data.batch_size and model.llm.gradient_checkpointing: chosen at start from the estimate
+
+
+class AutoUnresolvedError(RuntimeError):
+    """A setting left ``auto`` was read before the start decided it: a bug, not a user's mistake."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"{key}=auto is decided at start (purrsight/estimate/auto_fit.py) before anything reads it")
+
 
 class _YamlLoader(yaml.SafeLoader):
     """SafeLoader that reads ``1e-3`` as a float.
@@ -116,7 +125,11 @@ class LLMConfig(_Section):
     config: dict[str, Any] | None = Field(None, description="Qwen2 config dict for a random-init LLM (tiny default).")
     tokenizer: str | None = Field(None, description="Tokenizer directory; default: the LLM path, or the synthetic set's tokenizer.")
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
-    gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory in the LLM.")
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        False,
+        description="Trade compute for activation memory in the LLM; auto: on only where the estimate says the "
+        "micro-batch needs it (docs/SCALING.md).",
+    )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
 
     @model_validator(mode="after")
@@ -124,6 +137,20 @@ class LLMConfig(_Section):
         if (self.path is None) == (self.config is None):
             raise ValueError("set exactly one of path or config")
         return self
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _switch_or_auto(cls, value: Any) -> Any:
+        if value != AUTO and not isinstance(value, bool):
+            raise ValueError("give true, false or auto")
+        return value
+
+    @property
+    def checkpointing(self) -> bool:
+        """gradient_checkpointing as a choice made: ``auto`` is decided at start, before the model is built."""
+        if isinstance(self.gradient_checkpointing, bool):
+            return self.gradient_checkpointing
+        raise AutoUnresolvedError("model.llm.gradient_checkpointing")
 
 
 class ModelConfig(_Section):
@@ -207,7 +234,11 @@ class DataConfig(_Section):
     max_consecutive_bad_samples: int = Field(
         8, gt=0, description="With skip: this many bad samples in a row (a broken folder, not a bad file) stops the run."
     )
-    batch_size: int = Field(8, gt=0, description="Samples per process per step (before accumulation).")
+    batch_size: int | Literal["auto"] = Field(
+        8,
+        description="Samples per process per micro-batch; auto: the largest the device's memory holds by the estimate, "
+        "up to trainer.global_batch_size's share (docs/SCALING.md).",
+    )
     group_by_length: bool = Field(
         False, description="Batch samples of similar length together, in shuffled groups within windows (docs/DATA.md)."
     )
@@ -222,6 +253,21 @@ class DataConfig(_Section):
     )
     num_workers: int = Field(0, ge=0, description="Loader worker processes per rank; 0 decodes in the training process.")
     pin_memory: bool | Literal["auto"] = Field("auto", description="Pinned host memory; auto: on when training on GPUs.")
+
+    @property
+    def micro_batch(self) -> int:
+        """batch_size as a number: ``auto`` is decided at start (estimate/auto_fit.py), before anything reads it."""
+        if isinstance(self.batch_size, int):
+            return self.batch_size
+        raise AutoUnresolvedError("data.batch_size")
+
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _samples_or_auto(cls, value: Any) -> Any:
+        # One problem a bad value, not one for each of the union's members.
+        if value != AUTO and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError("Input should be greater than 0 (a whole number of samples), or auto")
+        return value
 
     @field_validator("image_background")
     @classmethod
@@ -406,10 +452,23 @@ class Config(_Section):
     # The keys this command's overrides set (section.key), as load_config read them: what the user
     # said for this run, as against the config file's standing values (a prepared set's check).
     _overridden: frozenset[str] = PrivateAttr(default=frozenset())
+    # The settings the start chose because they said auto (training/auto_settings.py): a
+    # checkpoint records them, so a resume knows its run's own choices from values it was given.
+    _auto_chosen: frozenset[str] = PrivateAttr(default=frozenset())
 
     @property
     def overridden(self) -> frozenset[str]:
         return self._overridden
+
+    @property
+    def auto_chosen(self) -> frozenset[str]:
+        return self._auto_chosen
+
+    def with_auto_chosen(self, keys: list[str]) -> Config:
+        """This config, recording that ``keys`` (dotted) were chosen at start, not given."""
+        copy = self.model_copy()
+        copy._auto_chosen = frozenset(keys)
+        return copy
 
     def __eq__(self, other: object) -> bool:
         """The settings alike: where each came from (``overridden``) is no part of a config's value."""
@@ -421,6 +480,16 @@ class Config(_Section):
     def _sharding_compiles_nothing(self) -> Config:
         if self.distributed.strategy == "fsdp" and self.trainer.compile:
             raise ValueError("trainer.compile is not supported with distributed.strategy=fsdp; set trainer.compile=false")
+        return self
+
+    @model_validator(mode="after")
+    def _auto_batch_fills_a_global_batch(self) -> Config:
+        # The samples an optimizer step averages over are the user's to choose, not the GPU's.
+        if self.data.batch_size == AUTO and self.trainer.global_batch_size is None:
+            raise ValueError(
+                "data.batch_size=auto needs trainer.global_batch_size (samples per optimizer step) to fill; "
+                "set it, or give data.batch_size a number"
+            )
         return self
 
     @model_validator(mode="after")

@@ -66,7 +66,7 @@ class GlobalBatch:
 def resolve_global_batch(config: Config, world: int) -> tuple[Config, GlobalBatch]:
     """The config with the accumulation this world needs for the asked global batch, and its line."""
     asked = config.trainer.global_batch_size
-    batch = config.data.batch_size
+    batch = config.data.micro_batch
     if asked is None:
         return config, GlobalBatch(world, batch, config.trainer.accumulate_grad_batches, None)
     accumulation = accumulation_for(asked, world, batch)

@@ -37,7 +37,7 @@ import soundfile
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from bench.common import REAL_CONFIG, TARGET_MFU, h100_consumption, machine, save_processors, synthetic_tokenizer
+from bench.common import MEASURED_SETTINGS, REAL_CONFIG, TARGET_MFU, h100_consumption, machine, save_processors, synthetic_tokenizer
 from purrsight.config import Config, load_config
 from purrsight.data.dataset import Collator, MultiModalDataset, Sample
 from purrsight.datasets.builder import Datasets, build_datasets
@@ -93,7 +93,7 @@ def loader_rate(dataset: Dataset[Sample], collator: Collator, workers: int, batc
 
 def corpus_config(work: Path, name: str, image_dir: Path, audio_dir: Path, batch_size: int | None, **kwargs: object) -> Config:
     index = write_samples(work / name, **kwargs)  # type: ignore[arg-type]
-    batch = [f"data.batch_size={batch_size}"] if batch_size else []
+    batch = [*MEASURED_SETTINGS, *([f"data.batch_size={batch_size}"] if batch_size else [])]
     return load_config(
         REAL_CONFIG,
         [
@@ -147,7 +147,7 @@ def main() -> int:
                 world_size=1,
             ),
         }
-        batch = config.data.batch_size
+        batch = config.data.micro_batch
         variants = {
             ("processor", "224 px"): processor_path(ours["224 px"]),
             ("ours", "224 px"): ours["224 px"],

@@ -36,6 +36,7 @@ import psutil
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from bench.common import (
+    MEASURED_SETTINGS,
     PYTHON,
     REAL_CONFIG,
     REPO,
@@ -184,7 +185,7 @@ def photo_pipeline(work: Path, photos: int, tokenizer: Path) -> dict[str, float]
         f"model.image_encoder.path={image_dir}",
         f"model.audio_encoder.path={audio_dir}",
     ]
-    config = load_config(REAL_CONFIG, overrides, check_paths=False)
+    config = load_config(REAL_CONFIG, [*MEASURED_SETTINGS, *overrides], check_paths=False)
     out = work / "photos-prepared"
     shutil.rmtree(out, ignore_errors=True)
     started = time.monotonic()

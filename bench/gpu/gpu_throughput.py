@@ -45,7 +45,8 @@ from bench.common import (
     random_init_overrides,
     synthetic_tokenizer,
 )
-from purrsight.config import Config, load_config
+from purrsight.config import AUTO, Config, load_config
+from purrsight.estimate.auto_fit import auto_choice, device_memory, with_choices
 from purrsight.estimate.memory import estimate
 from purrsight.model.llm import leave_lora_casts_to_autocast
 from purrsight.model.multimodal import PurrSightModel
@@ -79,9 +80,26 @@ def random_batch(config: Config, model: PurrSightModel, batch: int, seq_len: int
 PRESETS = {"0.5b": (REAL_CONFIG, QWEN2_5_0_5B), "7b": (REPO / "config" / "qwen2.5-7b.yaml", QWEN2_5_7B)}
 
 
-def build(preset: str | None, overrides: list[str], device: torch.device) -> tuple[Config, PurrSightModel]:
+def settle_auto(config: Config, seq_len: int, device: torch.device) -> Config:
+    """``auto`` settings chosen as training chooses them on this device (one process), for ``seq_len``."""
+    if AUTO not in (config.data.batch_size, config.model.llm.gradient_checkpointing):
+        return config
+    memory, name = device_memory("gpu" if device.type == "cuda" else "cpu")
+    priced = config.model_copy(
+        update={
+            "data": config.data.model_copy(update={"max_length": seq_len}),
+            "trainer": config.trainer.model_copy(update={"precision": "bf16-mixed" if device.type == "cuda" else "32-true"}),
+        }
+    )
+    choice = auto_choice(priced, 1, memory, name)
+    print("\n".join(choice.lines()), flush=True)
+    return with_choices(config, choice.batch_size, choice.gradient_checkpointing)
+
+
+def build(preset: str | None, overrides: list[str], device: torch.device, seq_len: int) -> tuple[Config, PurrSightModel]:
     """A preset's model (``None``: the tiny default's), random-initialised from its config dicts,
-    on ``device``, its frozen weights in the dtype training holds them in there."""
+    on ``device``, its frozen weights in the dtype training holds them in there; settings left
+    auto chosen for ``seq_len`` tokens."""
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         tokenizer = synthetic_tokenizer(Path(tmp) / "synthetic")
         if preset is None:
@@ -89,7 +107,7 @@ def build(preset: str | None, overrides: list[str], device: torch.device) -> tup
         else:
             path, llm = PRESETS[preset]
             options = random_init_overrides(tokenizer, llm)
-        config = load_config(path, [*options, *overrides], check_paths=False)
+        config = settle_auto(load_config(path, [*options, *overrides], check_paths=False), seq_len, device)
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"  # make_step's autocast
         model = build_model(config, frozen_dtype(precision)).model
         leave_lora_casts_to_autocast(model, precision)  # as the trainer builds it (training/module.py)
@@ -197,13 +215,13 @@ def main() -> int:
         raise SystemExit("bench.gpu.gpu_throughput: no CUDA device; run it on a GPU machine (or --cpu / --smoke on CPU)")
     device = torch.device("cpu" if args.cpu else "cuda")
 
-    config, model = build(None if args.cpu else args.preset, args.overrides, device)
+    config, model = build(None if args.cpu else args.preset, args.overrides, device, max(args.seq_lens))
     if args.compile:
         compile_decoder_layers(model)
     model.train()
     results = []
     for seq in args.seq_lens:  # printed as measured: a length that runs out of memory leaves the others' figures
-        results.append(measure(config, model, seq, config.data.batch_size, args.steps, args.warmup, device))
+        results.append(measure(config, model, seq, config.data.micro_batch, args.steps, args.warmup, device))
         print(f"measured {seq} tokens: {results[-1]}", flush=True)
 
     name = (
@@ -214,7 +232,7 @@ def main() -> int:
     llm = sum(p.numel() for p in model.llm.parameters()) / 1e6
     print(f"device: {name}; torch {torch.__version__}; {datetime.date.today()}")
     print(
-        f"LLM {llm:.0f}M parameters; batch {config.data.batch_size}; compile {args.compile}; "
+        f"LLM {llm:.0f}M parameters; batch {config.data.micro_batch}; compile {args.compile}; "
         f"{args.steps} timed steps after {args.warmup} warm-up\n"
     )
     print("| seq len | first step (s) | step (s) | tokens/s | MFU | peak memory (GiB) |")
@@ -225,8 +243,12 @@ def main() -> int:
             f"| {r['peak_mem_gib']:.1f} |"
         )
     if args.json and device.type == "cuda":
-        estimates = [estimate_bytes(args.preset, args.overrides, int(r["seq_len"])) for r in results]
-        write_rows(args.json, args.preset, args.compile, config.data.batch_size, results, estimates)
+        chosen = [
+            f"data.batch_size={config.data.micro_batch}",
+            f"model.llm.gradient_checkpointing={config.model.llm.checkpointing}",
+        ]
+        estimates = [estimate_bytes(args.preset, [*args.overrides, *chosen], int(r["seq_len"])) for r in results]
+        write_rows(args.json, args.preset, args.compile, config.data.micro_batch, results, estimates)
     return 0
 
 

@@ -137,7 +137,7 @@ def profile(preset: str, seq_len: int, batch: int) -> dict[str, Any]:
     from purrsight.training.optim import build_optimizer
 
     device = torch.device("cuda")
-    config, model = build(preset, [], device)
+    config, model = build(preset, [], device, seq_len)
     model.train()
     optimizer, _ = build_optimizer(model.trainable_parameters(), config.optim, 10)
     step = make_step(config, model, random_batch(config, model, batch, seq_len, device), optimizer)

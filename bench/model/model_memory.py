@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers import Qwen2Config, SiglipVisionConfig, Wav2Vec2Config
 
-from bench.common import REPO
+from bench.common import MEASURED_SETTINGS, REPO
 from purrsight.config import load_config
 from purrsight.estimate.memory import STRATEGIES, footprint
 
@@ -69,7 +69,7 @@ def table() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         bases = shapes(Path(tmp))
         towers = [f"model.image_encoder.path={tmp}/siglip-base-patch16-224", f"model.audio_encoder.path={tmp}/wav2vec2-base"]
-        config = load_config(REPO / "config" / "qwen2.5-7b.yaml", towers, check_paths=False)
+        config = load_config(REPO / "config" / "qwen2.5-7b.yaml", [*towers, *MEASURED_SETTINGS], check_paths=False)
         for name, path in bases.items():
             result = footprint(config, path).estimate(GPUS)
             for strategy in STRATEGIES:

@@ -210,11 +210,11 @@ def build_datasets(config: Config, world_size: int) -> Datasets:
         train = raw(data.train_index)
         val = raw(data.val_index) if data.val_index is not None else None
         source = data.train_index
-    if len(train) < data.batch_size * world_size:  # type: ignore[arg-type]
+    if len(train) < data.micro_batch * world_size:  # type: ignore[arg-type]
         # drop_last would leave no batch at all: a run that "finishes" at step 0 is a silent no-op.
         raise IndexFileError(
             f"{source}: {len(train)} samples, fewer than one global batch "  # type: ignore[arg-type]
-            f"(data.batch_size {data.batch_size} x {world_size} processes); add samples or lower data.batch_size"
+            f"(data.batch_size {data.micro_batch} x {world_size} processes); add samples or lower data.batch_size"
         )
     log.info("data: %d train samples (%s), %d val samples", len(train), source, len(val) if val else 0)  # type: ignore[arg-type]
     return Datasets(train, val, collator)

@@ -6,8 +6,12 @@ import argparse
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from purrsight.errors import UserError
+
+if TYPE_CHECKING:
+    from purrsight.config import Config
 
 DESCRIPTION = """\
 Per-GPU memory of training CONFIG on N GPUs, ddp and fsdp side by side, and the checkpoint's size.
@@ -21,7 +25,9 @@ activations and logits at data.batch_size and data.max_length (plus the prefix t
 running that step's forward and backward on meta with gradient checkpointing as configured (the
 logits at their real bytes: the loss makes them a chunk of rows at a time, never whole, counted as
 if every text token carried a label).
-trainer.precision auto counts as bf16-mixed.
+trainer.precision auto counts as bf16-mixed. data.batch_size auto and model.llm.gradient_checkpointing
+auto are priced as training chooses them (docs/SCALING.md "Auto micro-batch") for --gpu-memory, or
+for an 80 GB GPU where it is not given: the lines above the table name the choice.
 
 Not counted: the CUDA context, NCCL buffers and allocator fragmentation (leave 1-5 GB of an 80 GB
 GPU for them), pinned loader batches, kernel workspaces. docs/SCALING.md has the tables.
@@ -40,6 +46,7 @@ verdict "fits" alone.
   python train_phase2.py estimate --config config/qwen2.5-7b.yaml --gpus 8 --gpu-memory 80GB
   python train_phase2.py estimate --config config/qwen2.5-7b.yaml --gpus 8 --llm-config /path/Qwen2.5-72B/config.json --json
 """
+AUTO_GPU_MEMORY = 80 * 10**9  # what "auto" settings are priced for without --gpu-memory: an A100's or H100's
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
@@ -93,6 +100,23 @@ def in_unit(count: int, unit: int) -> str:
     return f"{count / unit:.2f}"
 
 
+def settle_auto(config: Config, gpus: int, memory: int | None, llm_config: Path | None) -> tuple[Config, list[str]]:
+    """``config`` with its auto settings chosen as training would on GPUs of ``memory`` bytes
+    (AUTO_GPU_MEMORY where not given), and the lines that say so; an unchanged config where none is auto."""
+    from purrsight.config import AUTO
+    from purrsight.estimate.auto_fit import auto_choice, with_choices
+    from purrsight.estimate.memory import precision_of
+
+    if AUTO not in (config.data.batch_size, config.model.llm.gradient_checkpointing):
+        return config, []
+    given = memory is not None
+    memory = memory or AUTO_GPU_MEMORY
+    device = f"a {memory / 1e9:.0f} GB GPU" + ("" if given else ", --gpu-memory names yours")
+    priced = config.model_copy(update={"trainer": config.trainer.model_copy(update={"precision": precision_of(config)})})
+    choice = auto_choice(priced, gpus, memory, device, llm_config)
+    return with_choices(config, choice.batch_size, choice.gradient_checkpointing), choice.lines()
+
+
 def estimate_command(args: argparse.Namespace) -> int:
     gpus, memory = parse_gpus(args.gpus), parse_gpu_memory(args.gpu_memory) if args.gpu_memory is not None else None
     per_node = parse_gpus(args.gpus_per_node, "--gpus-per-node") if args.gpus_per_node is not None else None
@@ -100,7 +124,9 @@ def estimate_command(args: argparse.Namespace) -> int:
     from purrsight.estimate.memory import STRATEGIES, estimate
 
     config = load_config(args.config, args.overrides, check_paths=False)  # model paths: config.json only, checked as read
-    result = estimate(config, gpus, Path(args.llm_config) if args.llm_config else None, per_node)
+    llm_config = Path(args.llm_config) if args.llm_config else None
+    config, chosen = settle_auto(config, gpus, memory, llm_config)
+    result = estimate(config, gpus, llm_config, per_node)
     if args.json:
         per_gpu = {
             name: {
@@ -124,6 +150,9 @@ def estimate_command(args: argparse.Namespace) -> int:
                     "per_gpu_bytes": per_gpu,
                     "gpus_per_node": result.gpus_per_node,
                     "host_bytes_per_node": result.host_per_node,
+                    "data.batch_size": config.data.micro_batch,
+                    "model.llm.gradient_checkpointing": config.model.llm.checkpointing,
+                    "auto": chosen,
                 },
                 indent=2,
             )
@@ -135,6 +164,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         f"{args.config} on {gpus} GPU(s), {result.precision}: {result.frozen_parameters / 1e6:,.1f}M frozen, "
         f"{result.trainable_parameters / 1e6:,.2f}M trainable parameters; checkpoint {result.checkpoint_bytes / 1e9:.3f} GB"
     )
+    for line in chosen:
+        print(line)
     rows = ["frozen", "trainable", "gradients", "optimizer", "all_gather", "activations", "logits"]
     print(f"{'per GPU, ' + unit_name:<14}" + "".join(f"{name:>14}" for name in STRATEGIES))
     for row in rows:

@@ -171,7 +171,8 @@ def gathered_bytes(model: PurrSightModel, frozen: torch.dtype, trainable: torch.
 def step_peak(meta: MetaModel, config: Config, dtype: torch.dtype) -> tuple[int, int]:
     """(activations, logits): the peak bytes of one micro-batch's forward and backward, run on meta."""
     model = meta.model.to(dtype)
-    batch_size, length = config.data.batch_size, config.data.max_length
+    model.zero_grad(set_to_none=True)  # a model priced before: backward makes its gradients anew, as a step's first does
+    batch_size, length = config.data.micro_batch, config.data.max_length
     meta_device = torch.device("meta")
     batch: dict[str, object] = {
         "input_ids": torch.zeros(batch_size, length, dtype=torch.long, device=meta_device),
@@ -255,14 +256,15 @@ class Footprint:
         )
 
 
-def footprint(config: Config, llm_config: Path | None = None) -> Footprint:
-    """``config``'s model counted on meta and its step run there (the module docstring)."""
+def footprint(config: Config, llm_config: Path | None = None, meta: MetaModel | None = None) -> Footprint:
+    """``config``'s model counted on meta and its step run there (the module docstring); ``meta``:
+    that model already built (auto_fit.py prices many batch sizes of one model)."""
     precision = precision_of(config)
     compute = _compute_dtype(precision)
     frozen_dtype = _frozen_dtype(precision)
     trainable_dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     gather_frozen, gather_trainable = (compute, compute) if precision == "bf16-mixed" else (frozen_dtype, trainable_dtype)
-    meta = meta_model(config, llm_config)
+    meta = meta or meta_model(config, llm_config)
     frozen = _numel(meta.model, False, set())
     trainable = _numel(meta.model, True, set())
     largest = max((p.numel() for p in meta.model.llm.parameters() if not p.requires_grad), default=0)

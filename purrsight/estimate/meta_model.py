@@ -22,7 +22,7 @@ from purrsight.data.synthetic import TOKENIZER_VOCAB
 from purrsight.errors import UserError
 from purrsight.model.aligner import Phase1Aligner
 from purrsight.model.encoders import TINY_ARCHITECTURES, FrozenEncoder, _tower, _width
-from purrsight.model.llm import check_lora_targets
+from purrsight.model.llm import check_lora_targets, recompute_layers
 from purrsight.model.multimodal import MODALITIES, PurrSightModel
 
 
@@ -124,8 +124,8 @@ def meta_model(config: Config, llm_config: Path | None = None) -> MetaModel:
     llm_cfg = config.model.llm
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(hf_llm, attn_implementation=llm_cfg.attn_implementation, dtype=torch.float32)
-        if llm_cfg.gradient_checkpointing:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if llm_cfg.checkpointing:
+            recompute_layers(base)
         base.config.use_cache = False
         check_lora_targets(base, list(llm_cfg.lora.target_modules))
         llm = get_peft_model(base, _lora(config))

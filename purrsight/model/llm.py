@@ -99,6 +99,17 @@ def _base_llm(
     return model, f"qwen2-config:{architecture_digest(options)}:seed{seed}"
 
 
+def recompute_layers(base: PreTrainedModel) -> None:
+    """Gradient checkpointing of every decoder layer, non-reentrant (it works with frozen inputs and
+    with DDP); through transformers' activation_checkpointing_enable where it has it (5.24: the
+    older name warns at every build)."""
+    enable = getattr(base, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def load_llm(
     vocab_size: int,
     seed: int,
@@ -122,8 +133,7 @@ def load_llm(
     base, source = _base_llm(vocab_size, seed, path, config, attn_implementation, on_meta and path is not None, dtype)
     check_lora_targets(base, list(lora.target_modules or []))
     if gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs and with DDP.
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        recompute_layers(base)
     base.config.use_cache = False  # no KV cache while training
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from purrsight.errors import UserError
 from purrsight.run_folder import LAST_NAME, step_checkpoints
@@ -72,3 +73,26 @@ def training_position(path: Path, world_now: int) -> DataPosition | None:
     import torch
 
     return saved_position(torch.load(path, map_location="cpu", weights_only=True, mmap=True), world_now)
+
+
+# A checkpoint's run config (its resolved YAML, parsed) and the settings its start chose itself.
+SavedSettings = tuple[dict[str, Any], frozenset[str]]
+AUTO_CHOSEN_KEY = "auto_chosen"
+
+
+def saved_settings(path: Path) -> SavedSettings | None:
+    """The config a checkpoint's run trained with and the settings it chose at start (none before
+    2026-11-29); None where the file keeps no config."""
+    import torch
+    import yaml
+
+    meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("purrsight")
+    text = meta.get("config") if isinstance(meta, dict) else None
+    try:
+        settings = yaml.safe_load(text) if isinstance(text, str) else None
+    except yaml.YAMLError:
+        return None
+    if not isinstance(settings, dict):
+        return None
+    chosen = meta.get(AUTO_CHOSEN_KEY) if isinstance(meta, dict) else None
+    return settings, frozenset(key for key in chosen or [] if isinstance(key, str))

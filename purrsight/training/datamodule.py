@@ -133,7 +133,7 @@ class Phase2DataModule(pl.LightningDataModule):
         # not read from the loader, whose sampler runs ahead of training by the prefetched batches.
         return DataLoader(
             dataset,
-            batch_size=data.batch_size,
+            batch_size=data.micro_batch,
             sampler=sampler,
             collate_fn=self.collator,
             num_workers=data.num_workers,
@@ -161,7 +161,7 @@ class Phase2DataModule(pl.LightningDataModule):
         if data.group_by_length:
             if self._lengths is None:  # read once per run: every rank alike, from the same set
                 self._lengths = sample_lengths(self.train_set)
-                problem = grouping_fit(data.length_group_size, data.batch_size, world)
+                problem = grouping_fit(data.length_group_size, data.micro_batch, world)
                 if problem and rank == 0:
                     log.warning(problem)
             lengths = self._lengths
@@ -198,12 +198,12 @@ class Phase2DataModule(pl.LightningDataModule):
         sampler = self.train_sampler
         if sampler is None or trained == 0:  # nothing trained by this process yet: where it started
             at = self._resume_at
-            return at if at is not None else DataPosition(0, 0, world, data.batch_size, trainer_cfg.accumulate_grad_batches)
-        if trained >= sampler.pass_samples // data.batch_size:  # the epoch is over: the next starts at its beginning
+            return at if at is not None else DataPosition(0, 0, world, data.micro_batch, trainer_cfg.accumulate_grad_batches)
+        if trained >= sampler.pass_samples // data.micro_batch:  # the epoch is over: the next starts at its beginning
             epoch, consumed = epoch + 1, 0
         else:
-            consumed = sampler.start + trained * data.batch_size * world
-        return DataPosition(epoch, consumed, world, data.batch_size, trainer_cfg.accumulate_grad_batches)
+            consumed = sampler.start + trained * data.micro_batch * world
+        return DataPosition(epoch, consumed, world, data.micro_batch, trainer_cfg.accumulate_grad_batches)
 
     def data_order(self) -> dict[str, Any]:
         """What decides the training order now, for a checkpoint (runs/data_order.py)."""
@@ -259,7 +259,7 @@ class Phase2DataModule(pl.LightningDataModule):
         world, _ = self._world()
         if self.train_set is None:
             return
-        size, batch = len(self.train_set), self.config.data.batch_size  # type: ignore[arg-type]
+        size, batch = len(self.train_set), self.config.data.micro_batch  # type: ignore[arg-type]
         has_position = isinstance(checkpoint.get("purrsight"), dict) and POSITION_KEY in checkpoint["purrsight"]
         if not has_position and reopen_closed_epoch(checkpoint):  # only versions before our position entry
             log.info(

@@ -121,7 +121,7 @@ def build_model(
         lora,
         path=llm_cfg.path,
         config=llm_cfg.config,
-        gradient_checkpointing=llm_cfg.gradient_checkpointing,
+        gradient_checkpointing=llm_cfg.checkpointing,
         attn_implementation=llm_cfg.attn_implementation,
         on_meta=llm_on_meta,
         dtype=frozen,

@@ -17,6 +17,7 @@ from purrsight.distributed.process_group import computed_on_rank_zero
 from purrsight.errors import UserError
 from purrsight.model.llm import leave_lora_casts_to_autocast
 from purrsight.model.multimodal import PurrSightModel
+from purrsight.runs.checkpoint_files import AUTO_CHOSEN_KEY
 from purrsight.runs.checkpoint_saver import validation_cut_by_stop
 from purrsight.runs.data_order import ORDER_KEY
 from purrsight.runs.data_position import POSITION_KEY
@@ -182,6 +183,7 @@ class Phase2Module(pl.LightningModule):
             "projector": self.config.model.projector,
             "trainable_shapes": keep,
             "config": dump_config(self.config),
+            AUTO_CHOSEN_KEY: sorted(self.config.auto_chosen),
         }
         datamodule = self._datamodule()
         if datamodule is not None:

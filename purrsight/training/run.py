@@ -26,6 +26,7 @@ from purrsight.runs.checkpoint_files import training_position
 from purrsight.runs.checkpoint_saver import CheckpointSaver
 from purrsight.runs.data_position import DataPosition
 from purrsight.runs.start import agreed_start
+from purrsight.training.auto_settings import settle_auto_settings
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.module import Phase2Module
 from purrsight.training.trainer_builder import build_trainer, resolve_placement
@@ -41,12 +42,12 @@ def global_batch_change(saved: DataPosition | None, config: Config, world: int) 
     """
     if saved is None:
         return None  # saved before any training: nothing to compare
-    now = config.data.batch_size * config.trainer.accumulate_grad_batches * world
+    now = config.data.micro_batch * config.trainer.accumulate_grad_batches * world
     if saved.global_batch == now:
         return None
     return (
         f"global batch {saved.global_batch} -> {now} samples per optimizer step (data.batch_size {saved.batch_size} -> "
-        f"{config.data.batch_size}, accumulate_grad_batches {saved.accumulation} -> {config.trainer.accumulate_grad_batches}, "
+        f"{config.data.micro_batch}, accumulate_grad_batches {saved.accumulation} -> {config.trainer.accumulate_grad_batches}, "
         f"processes {saved.world_size} -> {world}); "
         f"optim.lr is not rescaled ({config.optim.lr:g}): scale it yourself if you want a rule"
     )
@@ -73,7 +74,8 @@ def train(
     an engine that tracks them itself (Ray); by default torchrun's restart count and a
     strategy built for torchrun or a single process.
     """
-    backend = resolve_placement(config).backend
+    placement = resolve_placement(config)
+    backend = placement.backend
     flight_recorder.enable(config.run.run_dir)  # before the process group starts: it reads the settings then
     # Our own process group (Lightning skips its init when one exists): node-ordered ranks,
     # and a collective decision about resuming, so no rank starts over while others resume.
@@ -98,13 +100,15 @@ def train(
             os.getpid(),  # which process is which rank: a forked worker's /proc/PID/environ is its server's
         )
         generation = agreed_max(generation, backend)
-    # The accumulation this world needs for trainer.global_batch_size, before anything reads it
-    # (the start's position check, the data, the trainer): an elastic restart keeps the global batch.
+    plan = agreed_start(config, resume or os.environ.get("PURRSIGHT_RESUME") or None, generation, distributed)
+    ckpt = plan.checkpoint
+    # The micro-batch and checkpointing left auto (chosen for this device, or kept from the
+    # checkpoint), then the accumulation this world needs for trainer.global_batch_size, before
+    # anything reads them (the data, the model, the trainer): an elastic restart keeps the global batch.
+    config = settle_auto_settings(config, ckpt, placement.accelerator, backend, distributed)
     config, global_batch = resolve_global_batch(config, int(os.environ.get("WORLD_SIZE", "1")))
     if int(os.environ.get("RANK", "0")) == 0:
         (log.info if global_batch.exact else log.warning)(global_batch.line())
-    plan = agreed_start(config, resume or os.environ.get("PURRSIGHT_RESUME") or None, generation, distributed)
-    ckpt = plan.checkpoint
     pl.seed_everything(config.run.seed, workers=True, verbose=False)
     if int(os.environ.get("RANK", "0")) == 0:
         write_resolved(config, config.run.run_dir)

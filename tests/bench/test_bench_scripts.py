@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import run_plain
+from bench.common import MEASURED_SETTINGS, run_plain
 from bench.launch.interpreters import child_cpu_s
 from tests.helpers import run_python
 
@@ -28,6 +28,15 @@ def test_gpu_script_smoke_run_on_cpu() -> None:
     rows = table_rows(done.stdout)
     assert [row[0] for row in rows] == ["16", "32"]
     assert all(float(row[2]) > 0 for row in rows)  # tokens/s
+
+
+def test_the_auto_choices_table_fills_each_gpus_share_of_the_global_batch() -> None:
+    """bench/model/auto_choices.py on the 0.5B preset as it ships (global batch 256) over 8 GPUs of
+    141 GB: the choice's row, one micro-batch of the 32-sample share."""
+    done = run_python(["-m", "bench.model.auto_choices", "--presets", "0.5b", "--gpus", "8", "--gpu-memory", "141"], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("| 0.5b")]
+    assert [[cell.strip() for cell in row[:7]] for row in rows] == [["0.5b", "256", "8", "141", "32", "off", "1"]]
 
 
 def test_data_pipeline_script_small_run() -> None:
@@ -146,7 +155,7 @@ def test_the_model_memory_table_counts_known_sizes_and_fsdp_fits_what_ddp_cannot
 
     bases = shapes(tmp_path)
     towers = [f"model.image_encoder.path={tmp_path}/siglip-base-patch16-224", f"model.audio_encoder.path={tmp_path}/wav2vec2-base"]
-    config = load_config(REPO / "config" / "qwen2.5-7b.yaml", towers, check_paths=False)
+    config = load_config(REPO / "config" / "qwen2.5-7b.yaml", [*towers, *MEASURED_SETTINGS], check_paths=False)
     results = {name: footprint(config, path).estimate(GPUS) for name, path in bases.items()}
     # Qwen2.5-7B, -32B, -72B as published (7.6, 32.8, 72.7) plus the two frozen towers (0.19B)
     assert [round(result.frozen_parameters / 1e9, 1) for result in results.values()] == [7.8, 33.0, 72.9]

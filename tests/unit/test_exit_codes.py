@@ -43,4 +43,7 @@ def test_config_error_is_reported_before_lightning_loads() -> None:
     )
     result = run_python(["-c", probe])
     assert result.stdout.split() == ["2", "False", "False"], result.stderr
-    assert result.stderr.strip() == "error: override data.batch_size=0: data.batch_size: Input should be greater than 0 (got 0)"
+    assert (
+        result.stderr.strip() == "error: override data.batch_size=0: data.batch_size: "
+        "Input should be greater than 0 (a whole number of samples), or auto (got 0)"
+    )

@@ -51,7 +51,9 @@ def test_the_pooled_projector_of_earlier_runs_computes_what_it_computed() -> Non
 
 def trainable_at_the_7b_preset(kind: str) -> int:
     """Projectors and LoRA of config/qwen2.5-7b.yaml, counted on the meta device (no weights)."""
-    config = load_config(REPO / "config" / "qwen2.5-7b.yaml", [f"model.projector={kind}"], check_paths=False)
+    config = load_config(
+        REPO / "config" / "qwen2.5-7b.yaml", [f"model.projector={kind}", "model.llm.gradient_checkpointing=true"], check_paths=False
+    )
     lora = config.model.llm.lora
     with torch.device("meta"):
         llm = Qwen2ForCausalLM(Qwen2Config(**QWEN25_7B))

@@ -1,0 +1,219 @@
+"""``data.batch_size: auto`` and ``model.llm.gradient_checkpointing: auto``, chosen from the estimate.
+
+The user states the global batch (``trainer.global_batch_size``: samples per optimizer step); the
+device decides how it is cut. At start, for the device training runs on:
+
+- **the micro-batch** is the largest whose step the estimate (memory.py) fits in the device's
+  memory, MARGIN over the estimate and HEADROOM kept free, up to the process's share of the global
+  batch (global / processes); then made as even as the global batch allows: the fewest
+  micro-batches per step, each about the same size (a share of 64 where 50 fit is 2 x 32, not
+  50 + 14, which no whole accumulation gives);
+- **gradient checkpointing** is on only where it must be: where the micro-batch without it would
+  reach neither the share nor FLOPS_WITHOUT_CHECKPOINTING of work, and recomputation fits a
+  larger one (it costs about a third more compute: worth it only to a GPU that a small
+  micro-batch leaves waiting on the host); or where nothing fits without it;
+- the accumulation follows (global_batch.py).
+
+A value given keeps winning (a given micro-batch gets checkpointing only where it does not fit
+without); a resume keeps the choices its checkpoint trained with (training/auto_settings.py). Where
+not even one sample fits with checkpointing, the start is refused, naming the figures.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from purrsight.config import AUTO, Config
+from purrsight.errors import UserError
+from purrsight.estimate.memory import HEADROOM, footprint
+from purrsight.estimate.meta_model import MetaModel, meta_model
+from purrsight.global_batch import accumulation_for, resolve_global_batch
+
+# The peak measured above the estimate: 3-8% eagerly, 17% compiled (one H200, 2026-11-28,
+# bench/results/gpu.md). A choice at the estimate's edge would run out of memory.
+MARGIN = 1.2
+# A micro-batch of this much work (6 x parameters x tokens) keeps a GPU busy for about a second of
+# an H100's bf16 math, which hides the host's kernel launches (0.4 s a step at the 0.5B preset on
+# an H200, bench/results/gpu.md); below it the step waits on the host (the 0.5B preset at 33k
+# tokens: 13% MFU; the 7B at 8.7k: 23%), and recomputation's third more compute buys fewer,
+# larger micro-batches. A 7B base reaches it at about 22k tokens, a 0.5B one at 330k.
+FLOPS_WITHOUT_CHECKPOINTING = 1e15
+
+
+class NothingFitsError(UserError):
+    """Not one sample's step fits the device by the estimate."""
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    batch_size: int
+    gradient_checkpointing: bool
+    per_device: int  # the estimate's bytes a device at this choice
+    memory: int  # the device memory it was fitted to
+    device: str  # what that memory is: a GPU's name, or the host's share
+    asked_batch: bool  # data.batch_size was auto
+    asked_checkpointing: bool  # model.llm.gradient_checkpointing was auto
+
+    def lines(self) -> list[str]:
+        """What was chosen and from what, for the log's first lines."""
+        room = f"the estimate {self.per_device / 1e9:.2f} GB a device, of {self.memory / 1e9:.1f} GB on {self.device}"
+        said = []
+        if self.asked_batch:
+            said.append(f"data.batch_size auto: {self.batch_size} ({room}; {MARGIN - 1:.0%} over it and 2 GB kept free)")
+        if self.asked_checkpointing:
+            why = "the micro-batch needs it" if self.gradient_checkpointing else "not needed at this micro-batch"
+            state = "on" if self.gradient_checkpointing else "off"
+            said.append(f"model.llm.gradient_checkpointing auto: {state} ({why}{'' if self.asked_batch else '; ' + room})")
+        return said
+
+
+def largest_fitting(need: Callable[[int], float], budget: float, cap: int) -> int:
+    """The largest micro-batch in 1..cap whose ``need`` is within ``budget``; 0: none.
+
+    More samples never need less memory, and need grows about linearly with them (activations;
+    the loss's chunk is fixed), so each guess is where the line between the bracket's ends meets
+    the budget, every other one the bracket's middle: a few of the estimate's runs, not log2(cap).
+    """
+    if need(cap) <= budget:
+        return cap
+    if need(1) > budget:
+        return 0
+    low, high, halve = 1, cap, False  # need(low) fits, need(high) does not
+    while high - low > 1:
+        slope = (need(high) - need(low)) / (high - low)
+        guess = (low + high) // 2 if halve or slope <= 0 else low + int((budget - need(low)) / slope)
+        guess = min(high - 1, max(low + 1, guess))
+        low, high = (guess, high) if need(guess) <= budget else (low, guess)
+        halve = not halve
+    return low
+
+
+def even_micro_batch(global_batch: int, world: int, largest: int) -> int:
+    """The micro-batch, at most ``largest``, whose step (global_batch.py's accumulation) comes nearest
+    ``global_batch`` among those that take no more micro-batches than the fewest the memory allows
+    (the share over ``largest``, rounded up); then the fewer micro-batches, then the larger one."""
+    fewest = math.ceil(max(Fraction(1), Fraction(global_batch, world)) / largest)
+
+    def made(batch: int) -> tuple[int, int, int]:
+        accumulation = accumulation_for(global_batch, world, batch)
+        return abs(world * batch * accumulation - global_batch), accumulation, -batch
+
+    return min((batch for batch in range(1, largest + 1) if made(batch)[1] <= fewest), key=made)
+
+
+def _need_with(need: Callable[[int, bool], float], checkpointing: bool, batch: int) -> float:
+    return need(batch, checkpointing)
+
+
+def choose(
+    global_batch: int,
+    world: int,
+    sample_flops: float,
+    need: Callable[[int, bool], float],
+    budget: float,
+    batch: int | None,
+    checkpointing: bool | None,
+) -> tuple[int, bool, bool]:
+    """(micro-batch, checkpointing, whether it fits) for a process's share of ``global_batch``.
+
+    ``batch`` / ``checkpointing``: the value given, or None for auto; ``sample_flops``: the
+    longest sample's training work (6 x parameters x tokens); ``need(micro_batch, checkpointing)``:
+    the memory a device needs; ``budget``: what it has.
+    """
+
+    def fits(size: int, recompute: bool) -> bool:
+        return need(size, recompute) <= budget
+
+    if batch is not None:  # only checkpointing is to choose: on where the micro-batch must have it
+        needs = checkpointing if checkpointing is not None else not fits(batch, False)
+        return batch, needs, fits(batch, needs)
+    share = max(Fraction(1), Fraction(global_batch, world))
+    cap = math.ceil(share)
+    options = [checkpointing] if checkpointing is not None else [False, True]
+    largest = {option: largest_fitting(partial(_need_with, need, option), budget, cap) for option in options}
+    if checkpointing is None:
+        off, on = largest[False], largest[True]
+        checkpointing = off == 0 or (off < cap and off * sample_flops < FLOPS_WITHOUT_CHECKPOINTING and on > off)
+    if largest[checkpointing] == 0:
+        return 1, checkpointing, False
+    return even_micro_batch(global_batch, world, largest[checkpointing]), checkpointing, True
+
+
+def with_choices(config: Config, batch: int, checkpointing: bool) -> Config:
+    """``config`` with both settings given."""
+    data = config.data.model_copy(update={"batch_size": batch})
+    llm = config.model.llm.model_copy(update={"gradient_checkpointing": checkpointing})
+    model = config.model.model_copy(update={"llm": llm})
+    return config.model_copy(update={"data": data, "model": model})
+
+
+def auto_choice(config: Config, world: int, memory: int, device: str, llm_config: Path | None = None) -> AutoChoice:
+    """The auto settings of ``config`` decided for ``world`` processes on devices of ``memory`` bytes.
+
+    ``config``'s precision is the one training resolves on that device (the estimate counts bf16
+    or fp32 by it). Raises NothingFitsError where not one sample fits with checkpointing.
+    """
+
+    given_batch = None if config.data.batch_size == AUTO else config.data.micro_batch
+    given_checkpointing = None if config.model.llm.gradient_checkpointing == AUTO else config.model.llm.checkpointing
+    strategy = config.distributed.strategy
+    metas: dict[bool, MetaModel] = {}  # a model a checkpointing setting, priced at every micro-batch
+    totals: dict[tuple[int, bool], int] = {}
+
+    def total(batch: int, checkpointing: bool) -> int:
+        if (batch, checkpointing) not in totals:
+            priced, _ = resolve_global_batch(with_choices(config, batch, checkpointing), world)  # fsdp's window
+            meta = metas.setdefault(checkpointing, meta_model(priced, llm_config))
+            totals[batch, checkpointing] = footprint(priced, llm_config, meta).estimate(world).per_gpu[strategy].total
+        return totals[batch, checkpointing]
+
+    def need(batch: int, checkpointing: bool) -> float:
+        return MARGIN * total(batch, checkpointing) + HEADROOM
+
+    asked = config.trainer.global_batch_size or world * (given_batch or 1)  # none: a given micro-batch's
+    total(given_batch or 1, bool(given_checkpointing))  # the model, built once: its size sets a sample's work
+    parameters = sum(param.numel() for param in next(iter(metas.values())).model.parameters())
+    sample_flops = 6.0 * parameters * config.data.max_length
+    batch, checkpointing, fitted = choose(asked, world, sample_flops, need, memory, given_batch, given_checkpointing)
+    needed = total(batch, checkpointing)
+    if not fitted and given_batch is None:
+        raise NothingFitsError(
+            f"data.batch_size auto: not one sample fits {device} ({memory / 1e9:.1f} GB): the estimate is "
+            f"{needed / 1e9:.2f} GB a device at micro-batch 1 with gradient checkpointing ({MARGIN - 1:.0%} over it and "
+            f"2 GB kept free); shard it (distributed.strategy=fsdp on more GPUs), shorten data.max_length, or give "
+            "data.batch_size a number to try anyway"
+        )
+    return AutoChoice(batch, checkpointing, needed, memory, device, given_batch is None, given_checkpointing is None)
+
+
+def host_memory() -> int:
+    """Bytes this machine can still give: MemAvailable, within a cgroup's limit (a SLURM job's)."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+        limit, used = (Path("/sys/fs/cgroup") / name for name in ("memory.max", "memory.current"))
+        if limit.is_file() and limit.read_text().strip() != "max":
+            available = min(available, int(limit.read_text()) - int(used.read_text()))
+    except (OSError, ValueError):
+        pass  # sysconf's figure stands
+    return max(0, available)
+
+
+def device_memory(accelerator: str) -> tuple[int, str]:
+    """(bytes, what they are) of the device this process trains on: its GPU, else its share of the host."""
+    if accelerator == "gpu":
+        index = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+        properties = torch.cuda.get_device_properties(index)
+        return int(properties.total_memory), properties.name
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return host_memory() // local, "host memory" + (f" / {local} processes" if local > 1 else "")
