@@ -49,10 +49,10 @@ rows="${OUT}/gpu-rows.json"
 part profile-0.5b-1024 80 "${PY}" -m bench.gpu.step_profile profile --preset 0.5b --seq-len 1024  # its text holds the tables; no --json: 8 files come back at most
 part throughput-0.5b 80 "${PY}" -m bench.gpu.gpu_throughput --seq-lens 1024 4096 --steps 8 --warmup 3 --json "${rows}"
 # The preset as it ships: micro-batch and checkpointing chosen for this GPU (issue 48 item 4).
-part throughput-0.5b+auto 60 "${PY}" -m bench.gpu.gpu_throughput --seq-lens 1024 --steps 5 --warmup 2 --json "${rows}" data.batch_size=auto model.llm.gradient_checkpointing=auto
+part throughput-0.5b+auto 90 "${PY}" -m bench.gpu.gpu_throughput --seq-lens 1024 --steps 5 --warmup 2 --json "${rows}" data.batch_size=auto model.llm.gradient_checkpointing=auto
 # One length a process: recompiling for a second length crashed in inductor on torch 2.11 (bench/results/gpu.md).
 part throughput-0.5b-compile-1024 75 "${PY}" -m bench.gpu.gpu_throughput --compile --seq-lens 1024 --steps 8 --warmup 3 --json "${rows}"
 part throughput-0.5b-compile-4096 75 "${PY}" -m bench.gpu.gpu_throughput --compile --seq-lens 4096 --steps 8 --warmup 3 --json "${rows}"
-part throughput-7b 110 "${PY}" -m bench.gpu.gpu_throughput --preset 7b --seq-lens 1024 --steps 5 --warmup 2 --json "${rows}"
+part throughput-7b 100 "${PY}" -m bench.gpu.gpu_throughput --preset 7b --seq-lens 1024 --steps 5 --warmup 2 --json "${rows}"
 part tests-gpu 130 "${PY}" -m pytest -x -q -p no:cacheprovider tests/gpu
 log "done"

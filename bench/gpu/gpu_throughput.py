@@ -46,11 +46,12 @@ from bench.common import (
     synthetic_tokenizer,
 )
 from purrsight.config import AUTO, Config, load_config
-from purrsight.estimate.auto_fit import auto_choice, device_memory, with_choices
+from purrsight.estimate.auto_fit import auto_choice, with_choices
 from purrsight.estimate.memory import estimate
 from purrsight.model.llm import leave_lora_casts_to_autocast
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.observability.flops import gpu_peak_tflops, model_flops_per_token
+from purrsight.training.auto_settings import device_memory
 from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
 from purrsight.training.optim import build_optimizer
 

@@ -19,6 +19,7 @@ from bench.gpu.gpu_throughput import PRESETS
 from purrsight.config import load_config
 from purrsight.errors import UserError
 from purrsight.estimate.auto_fit import auto_choice
+from purrsight.estimate.memory import FSDP_ONE_PROCESS
 from purrsight.global_batch import accumulation_for
 
 
@@ -43,6 +44,9 @@ def main() -> int:
             assert asked is not None  # the presets state it
             for gpus in args.gpus:
                 for memory in args.gpu_memory:
+                    if config.distributed.strategy == "fsdp" and gpus == 1:
+                        print(f"| {preset} | {asked} | {gpus} | {memory:g} | refused: {FSDP_ONE_PROCESS} | | | | |")
+                        continue
                     started = time.perf_counter()
                     try:
                         choice = auto_choice(config, gpus, int(memory * 1e9), f"{memory:g} GB")

@@ -1,35 +1,32 @@
 """``data.batch_size: auto`` and ``model.llm.gradient_checkpointing: auto``, chosen from the estimate.
 
 The user states the global batch (``trainer.global_batch_size``: samples per optimizer step); the
-device decides how it is cut. At start, for the device training runs on:
+device decides how it is cut. For the device training runs on (its memory: training/auto_settings.py):
 
 - **the micro-batch** is the largest whose step the estimate (memory.py) fits in the device's
   memory, MARGIN over the estimate and HEADROOM kept free, up to the process's share of the global
-  batch (global / processes); then made as even as the global batch allows: the fewest
-  micro-batches per step, each about the same size (a share of 64 where 50 fit is 2 x 32, not
+  batch (global / processes); then cut even: the fewest micro-batches a step, and among those the
+  one whose global batch comes nearest what was asked (a share of 64 where 50 fit is 2 x 32, not
   50 + 14, which no whole accumulation gives);
-- **gradient checkpointing** is on only where it must be: where the micro-batch without it would
-  reach neither the share nor FLOPS_WITHOUT_CHECKPOINTING of work, and recomputation fits a
-  larger one (it costs about a third more compute: worth it only to a GPU that a small
-  micro-batch leaves waiting on the host); or where nothing fits without it;
+- **gradient checkpointing** is on where nothing fits without it, or where it takes strictly fewer
+  micro-batches a step and a micro-batch without it is under FLOPS_WITHOUT_CHECKPOINTING of work:
+  recomputation costs about a third more compute, worth it only to a GPU that small micro-batches
+  leave waiting on the host;
 - the accumulation follows (global_batch.py).
 
-A value given keeps winning (a given micro-batch gets checkpointing only where it does not fit
-without); a resume keeps the choices its checkpoint trained with (training/auto_settings.py). Where
-not even one sample fits with checkpointing, the start is refused, naming the figures.
+A value given is priced as it is (``AutoChoice.fits``); not one sample fitting a micro-batch left
+auto is refused, naming the figures.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import partial
 from pathlib import Path
-
-import torch
+from typing import Literal
 
 from purrsight.config import AUTO, Config
 from purrsight.errors import UserError
@@ -61,18 +58,30 @@ class AutoChoice:
     device: str  # what that memory is: a GPU's name, or the host's share
     asked_batch: bool  # data.batch_size was auto
     asked_checkpointing: bool  # model.llm.gradient_checkpointing was auto
+    fits: bool = True  # False: a micro-batch given that the estimate says does not fit
 
     def lines(self) -> list[str]:
         """What was chosen and from what, for the log's first lines."""
         room = f"the estimate {self.per_device / 1e9:.2f} GB a device, of {self.memory / 1e9:.1f} GB on {self.device}"
         said = []
         if self.asked_batch:
-            said.append(f"data.batch_size auto: {self.batch_size} ({room}; {MARGIN - 1:.0%} over it and 2 GB kept free)")
+            kept = f"{MARGIN - 1:.0%} over it and {HEADROOM / 1e9:.0f} GB kept free"
+            said.append(f"data.batch_size auto: {self.batch_size} ({room}; {kept})")
         if self.asked_checkpointing:
             why = "the micro-batch needs it" if self.gradient_checkpointing else "not needed at this micro-batch"
             state = "on" if self.gradient_checkpointing else "off"
             said.append(f"model.llm.gradient_checkpointing auto: {state} ({why}{'' if self.asked_batch else '; ' + room})")
         return said
+
+    def warning(self) -> str | None:
+        """A micro-batch given that the estimate does not fit: said, not refused (the estimate may be wrong)."""
+        if self.fits:
+            return None
+        return (
+            f"data.batch_size {self.batch_size} does not fit by the estimate ({self.per_device / 1e9:.2f} GB a device, "
+            f"{MARGIN - 1:.0%} over it and {HEADROOM / 1e9:.0f} GB kept free, of {self.memory / 1e9:.1f} GB on "
+            f"{self.device}): expect out-of-memory; data.batch_size=auto chooses one that fits"
+        )
 
 
 def largest_fitting(need: Callable[[int], float], budget: float, cap: int) -> int:
@@ -125,30 +134,35 @@ def choose(
     """(micro-batch, checkpointing, whether it fits) for a process's share of ``global_batch``.
 
     ``batch`` / ``checkpointing``: the value given, or None for auto; ``sample_flops``: the
-    longest sample's training work (6 x parameters x tokens); ``need(micro_batch, checkpointing)``:
-    the memory a device needs; ``budget``: what it has.
+    longest sample's training work (6 x the LLM's parameters x tokens); ``need(micro_batch,
+    checkpointing)``: the memory a device needs; ``budget``: what it has.
     """
 
     def fits(size: int, recompute: bool) -> bool:
         return need(size, recompute) <= budget
 
-    if batch is not None:  # only checkpointing is to choose: on where the micro-batch must have it
+    if batch is not None:  # only checkpointing is to choose: on where the micro-batch does not fit without
         needs = checkpointing if checkpointing is not None else not fits(batch, False)
         return batch, needs, fits(batch, needs)
-    share = max(Fraction(1), Fraction(global_batch, world))
-    cap = math.ceil(share)
-    options = [checkpointing] if checkpointing is not None else [False, True]
-    largest = {option: largest_fitting(partial(_need_with, need, option), budget, cap) for option in options}
-    if checkpointing is None:
-        off, on = largest[False], largest[True]
-        checkpointing = off == 0 or (off < cap and off * sample_flops < FLOPS_WITHOUT_CHECKPOINTING and on > off)
-    if largest[checkpointing] == 0:
-        return 1, checkpointing, False
-    return even_micro_batch(global_batch, world, largest[checkpointing]), checkpointing, True
+    cap = math.ceil(max(Fraction(1), Fraction(global_batch, world)))
+    picked: dict[bool, int] = {}  # checkpointing -> the micro-batch it allows, cut even
+    for option in [checkpointing] if checkpointing is not None else [False, True]:
+        largest = largest_fitting(partial(_need_with, need, option), budget, cap)
+        if largest:
+            cut = even_micro_batch(global_batch, world, largest)  # smaller; fsdp's accumulation window may not fit
+            picked[option] = cut if fits(cut, option) else largest
+    if not picked:
+        return 1, checkpointing is not False, False
+    if len(picked) == 1:
+        (option,) = picked
+    else:  # recompute only for strictly fewer micro-batches a step, each of small work without it
+        steps = {option: accumulation_for(global_batch, world, size) for option, size in picked.items()}
+        option = steps[True] < steps[False] and picked[False] * sample_flops < FLOPS_WITHOUT_CHECKPOINTING
+    return picked[option], option, True
 
 
-def with_choices(config: Config, batch: int, checkpointing: bool) -> Config:
-    """``config`` with both settings given."""
+def with_choices(config: Config, batch: int | Literal["auto"], checkpointing: bool | Literal["auto"]) -> Config:
+    """``config`` with both settings set (``auto`` leaves one to choose)."""
     data = config.data.model_copy(update={"batch_size": batch})
     llm = config.model.llm.model_copy(update={"gradient_checkpointing": checkpointing})
     model = config.model.model_copy(update={"llm": llm})
@@ -156,12 +170,12 @@ def with_choices(config: Config, batch: int, checkpointing: bool) -> Config:
 
 
 def auto_choice(config: Config, world: int, memory: int, device: str, llm_config: Path | None = None) -> AutoChoice:
-    """The auto settings of ``config`` decided for ``world`` processes on devices of ``memory`` bytes.
+    """The auto settings of ``config`` decided for ``world`` processes on devices of ``memory`` bytes
+    (settings given are priced as they are: ``AutoChoice.fits`` says whether they fit).
 
     ``config``'s precision is the one training resolves on that device (the estimate counts bf16
-    or fp32 by it). Raises NothingFitsError where not one sample fits with checkpointing.
+    or fp32 by it). Raises NothingFitsError where a micro-batch left auto cannot hold one sample.
     """
-
     given_batch = None if config.data.batch_size == AUTO else config.data.micro_batch
     given_checkpointing = None if config.model.llm.gradient_checkpointing == AUTO else config.model.llm.checkpointing
     strategy = config.distributed.strategy
@@ -179,41 +193,18 @@ def auto_choice(config: Config, world: int, memory: int, device: str, llm_config
         return MARGIN * total(batch, checkpointing) + HEADROOM
 
     asked = config.trainer.global_batch_size or world * (given_batch or 1)  # none: a given micro-batch's
-    total(given_batch or 1, bool(given_checkpointing))  # the model, built once: its size sets a sample's work
-    parameters = sum(param.numel() for param in next(iter(metas.values())).model.parameters())
-    sample_flops = 6.0 * parameters * config.data.max_length
+    total(given_batch or 1, bool(given_checkpointing))  # the model, built once: its LLM's size sets a sample's work
+    llm_parameters = sum(param.numel() for param in next(iter(metas.values())).model.llm.parameters())
+    sample_flops = 6.0 * llm_parameters * config.data.max_length
     batch, checkpointing, fitted = choose(asked, world, sample_flops, need, memory, given_batch, given_checkpointing)
     needed = total(batch, checkpointing)
     if not fitted and given_batch is None:
+        how = "with" if checkpointing else "without"
+        recompute = "" if checkpointing else "recompute (model.llm.gradient_checkpointing=auto), "
         raise NothingFitsError(
             f"data.batch_size auto: not one sample fits {device} ({memory / 1e9:.1f} GB): the estimate is "
-            f"{needed / 1e9:.2f} GB a device at micro-batch 1 with gradient checkpointing ({MARGIN - 1:.0%} over it and "
-            f"2 GB kept free); shard it (distributed.strategy=fsdp on more GPUs), shorten data.max_length, or give "
-            "data.batch_size a number to try anyway"
+            f"{needed / 1e9:.2f} GB a device at micro-batch 1 {how} gradient checkpointing ({MARGIN - 1:.0%} over it and "
+            f"{HEADROOM / 1e9:.0f} GB kept free); {recompute}shard it (distributed.strategy=fsdp on more GPUs), shorten "
+            "data.max_length, or give data.batch_size a number to try anyway"
         )
-    return AutoChoice(batch, checkpointing, needed, memory, device, given_batch is None, given_checkpointing is None)
-
-
-def host_memory() -> int:
-    """Bytes this machine can still give: MemAvailable, within a cgroup's limit (a SLURM job's)."""
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-        limit, used = (Path("/sys/fs/cgroup") / name for name in ("memory.max", "memory.current"))
-        if limit.is_file() and limit.read_text().strip() != "max":
-            available = min(available, int(limit.read_text()) - int(used.read_text()))
-    except (OSError, ValueError):
-        pass  # sysconf's figure stands
-    return max(0, available)
-
-
-def device_memory(accelerator: str) -> tuple[int, str]:
-    """(bytes, what they are) of the device this process trains on: its GPU, else its share of the host."""
-    if accelerator == "gpu":
-        index = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
-        properties = torch.cuda.get_device_properties(index)
-        return int(properties.total_memory), properties.name
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return host_memory() // local, "host memory" + (f" / {local} processes" if local > 1 else "")
+    return AutoChoice(batch, checkpointing, needed, memory, device, given_batch is None, given_checkpointing is None, fitted)

@@ -26,7 +26,7 @@ running that step's forward and backward on meta with gradient checkpointing as 
 logits at their real bytes: the loss makes them a chunk of rows at a time, never whole, counted as
 if every text token carried a label).
 trainer.precision auto counts as bf16-mixed. data.batch_size auto and model.llm.gradient_checkpointing
-auto are priced as training chooses them (docs/SCALING.md "Auto micro-batch") for --gpu-memory, or
+auto are priced as training chooses them (docs/SCALING.md, "The micro-batch and checkpointing the GPU decides") for --gpu-memory, or
 for an 80 GB GPU where it is not given: the lines above the table name the choice.
 
 Not counted: the CUDA context, NCCL buffers and allocator fragmentation (leave 1-5 GB of an 80 GB

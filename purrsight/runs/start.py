@@ -114,13 +114,15 @@ def _step_of(path: Path) -> int:
     return step
 
 
-def agreed_start(config: Config, resume: str | None, generation: int, distributed: bool) -> StartPlan:
-    """Rank 0's plan on every rank; rank 0's refusal raised on every rank (all exit 2 together)."""
+def agreed_plan(config: Config, resume: str | None, generation: int, distributed: bool) -> StartPlan:
+    """Rank 0's plan (``plan_start``: nothing changed yet) on every rank; its refusal raised on every
+    rank (all exit 2 together). ``prepare_agreed`` acts on it, once what else may refuse the start
+    has spoken (training/run.py: the auto settings)."""
     plan: StartPlan | None = None
     problem: Exception | None = None
     if int(os.environ.get("RANK", "0")) == 0:
         try:
-            plan = choose_start(config, resume, generation)
+            plan = plan_start(config, resume, generation)
         except (ResumeError, RunFolderError, CheckpointReadError) as err:
             problem = err
     if distributed:  # even a slow filesystem that disagrees cannot split the ranks
@@ -131,3 +133,18 @@ def agreed_start(config: Config, resume: str | None, generation: int, distribute
         raise problem
     assert plan is not None
     return plan
+
+
+def prepare_agreed(config: Config, plan: StartPlan, distributed: bool) -> None:
+    """Rank 0 prepares the run folder for ``plan`` (``prepare_run_folder``) while the others wait,
+    so none writes into a folder that is then cleared; a failure is raised on every rank."""
+    problem: str | None = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            prepare_run_folder(config, plan)
+        except (RunFolderError, OSError) as err:
+            problem = str(err)
+    if distributed:
+        problem = from_rank_zero(problem)
+    if problem is not None:
+        raise RunFolderError(problem)

@@ -25,7 +25,7 @@ from purrsight.runs.attempts import AttemptRecorder
 from purrsight.runs.checkpoint_files import training_position
 from purrsight.runs.checkpoint_saver import CheckpointSaver
 from purrsight.runs.data_position import DataPosition
-from purrsight.runs.start import agreed_start
+from purrsight.runs.start import agreed_plan, prepare_agreed
 from purrsight.training.auto_settings import settle_auto_settings
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.module import Phase2Module
@@ -100,12 +100,14 @@ def train(
             os.getpid(),  # which process is which rank: a forked worker's /proc/PID/environ is its server's
         )
         generation = agreed_max(generation, backend)
-    plan = agreed_start(config, resume or os.environ.get("PURRSIGHT_RESUME") or None, generation, distributed)
+    plan = agreed_plan(config, resume or os.environ.get("PURRSIGHT_RESUME") or None, generation, distributed)
     ckpt = plan.checkpoint
     # The micro-batch and checkpointing left auto (chosen for this device, or kept from the
     # checkpoint), then the accumulation this world needs for trainer.global_batch_size, before
     # anything reads them (the data, the model, the trainer): an elastic restart keeps the global batch.
+    # The folder is prepared after: a start the choice refuses leaves it as it was.
     config = settle_auto_settings(config, ckpt, placement.accelerator, backend, distributed)
+    prepare_agreed(config, plan, distributed)
     config, global_batch = resolve_global_batch(config, int(os.environ.get("WORLD_SIZE", "1")))
     if int(os.environ.get("RANK", "0")) == 0:
         (log.info if global_batch.exact else log.warning)(global_batch.line())

@@ -11,10 +11,11 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from purrsight.config import ConfigError, load_config
+from purrsight.config import ConfigError, dump_config, load_config
 from purrsight.estimate.auto_fit import (
     FLOPS_WITHOUT_CHECKPOINTING,
     HEADROOM,
@@ -24,10 +25,11 @@ from purrsight.estimate.auto_fit import (
     choose,
     even_micro_batch,
     largest_fitting,
+    with_choices,
 )
 from purrsight.estimate.memory import footprint
 from purrsight.global_batch import accumulation_for
-from purrsight.training.auto_settings import BATCH, CHECKPOINTING, kept_settings
+from purrsight.training.auto_settings import BATCH, CHECKPOINTING, _decide, kept_settings
 from tests.helpers import DEFAULT_CONFIG, REPO, tiny_config, tiny_overrides
 
 costs = st.integers(min_value=0, max_value=10**6)
@@ -84,7 +86,9 @@ def test_checkpointing_is_on_only_where_the_micro_batch_needs_it(
     share: int, sample_flops: float, fixed: int, off_slope: int, on_fraction: int, budget: int
 ) -> None:
     """Recomputation holds less a sample (``on_fraction`` percent of it); it is chosen only where
-    without it nothing fits, or the micro-batch reaches neither the share nor the work's floor."""
+    without it nothing fits, or where it takes strictly fewer micro-batches a step than the
+    micro-batch without it, which is under the work's floor; every choice fits and is the even cut
+    of the largest that fits."""
 
     def need(batch: int, checkpointing: bool) -> float:
         return fixed + batch * (off_slope * on_fraction / 100 if checkpointing else off_slope)
@@ -95,9 +99,12 @@ def test_checkpointing_is_on_only_where_the_micro_batch_needs_it(
     assert fits == (max(off, on) > 0)
     if fits:
         assert need(batch, checkpointing) <= budget and batch <= share
-    if checkpointing:
-        assert off == 0 or (off < share and off * sample_flops < FLOPS_WITHOUT_CHECKPOINTING and on > off)
-    else:
+        assert batch == even_micro_batch(share, 1, on if checkpointing else off)
+    if checkpointing and off > 0:
+        off_batch = even_micro_batch(share, 1, off)
+        assert accumulation_for(share, 1, batch) < accumulation_for(share, 1, off_batch)  # strictly fewer steps
+        assert off_batch * sample_flops < FLOPS_WITHOUT_CHECKPOINTING
+    if not checkpointing:
         assert off > 0
     # A value given wins: the micro-batch stays, and checkpointing is on only where it must be.
     given_batch, needed, _ = choose(share, 1, sample_flops, need, budget, 3, None)
@@ -127,7 +134,8 @@ def test_the_choice_is_the_largest_the_models_own_estimate_fits(synthetic_dir: P
         f"data.batch_size auto: 56 (the estimate {choice.per_device / 1e9:.2f} GB a device, of {memory / 1e9:.1f} GB on "
         "a test's budget; 20% over it and 2 GB kept free)"
     ]
-    with pytest.raises(NothingFitsError, match=r"not one sample fits a test's budget \(2\.0 GB\).*micro-batch 1"):
+    refusal = r"not one sample fits a test's budget \(2\.0 GB\).*micro-batch 1 without gradient checkpointing.*recompute"
+    with pytest.raises(NothingFitsError, match=refusal):
         auto_choice(config, 1, HEADROOM, "a test's budget")
 
 
@@ -160,25 +168,20 @@ def saved(
     return values, frozenset(chosen)
 
 
-@given(world=st.integers(1, 16), batch=st.integers(1, 40), global_batch=st.integers(1, 200))
-def test_a_resume_keeps_its_runs_own_choices_while_they_still_serve_the_global_batch(
-    world: int, batch: int, global_batch: int
-) -> None:
+@given(batch=st.integers(1, 40), global_batch=st.integers(1, 200))
+def test_a_resume_keeps_its_runs_own_choices_for_what_it_still_asks(batch: int, global_batch: int) -> None:
     config = load_config(
         DEFAULT_CONFIG,
         ["data.batch_size=auto", "model.llm.gradient_checkpointing=auto", f"trainer.global_batch_size={global_batch}"],
         check_paths=False,
     )
-    kept = kept_settings(config, world, saved(batch, True, global_batch))
-    assert kept.get(CHECKPOINTING) is True
-    # Kept while the micro-batch is within this world's share (fewer nodes: more micro-batches).
-    assert (BATCH in kept) == (batch <= max(1, math.ceil(global_batch / world)))
+    assert kept_settings(config, saved(batch, True, global_batch)) == {BATCH: batch, CHECKPOINTING: True}
     # Another global batch or length: chosen again; values the run was given (not chosen): chosen now.
-    assert kept_settings(config, world, saved(batch, True, global_batch + 1)) == {}
-    assert kept_settings(config, world, saved(batch, True, global_batch, chosen=())) == {}
+    assert kept_settings(config, saved(batch, True, global_batch + 1)) == {}
+    assert kept_settings(config, saved(batch, True, global_batch, chosen=())) == {}
     # A value given now wins over the checkpoint's.
     given_now = config.model_copy(update={"data": config.data.model_copy(update={"batch_size": 4})})
-    assert BATCH not in kept_settings(given_now, world, saved(batch, True, global_batch))
+    assert kept_settings(given_now, saved(batch, True, global_batch)) == {CHECKPOINTING: True}
 
 
 @pytest.mark.parametrize(
@@ -198,7 +201,7 @@ def test_a_setting_a_checkpoint_holds_that_does_not_read_is_chosen_again(
         ["data.batch_size=auto", "model.llm.gradient_checkpointing=auto", "trainer.global_batch_size=12"],
         check_paths=False,
     )
-    kept = kept_settings(config, 2, bad)  # type: ignore[arg-type]
+    kept = kept_settings(config, bad)  # type: ignore[arg-type]
     assert unread not in kept and len(kept) <= 1
 
 
@@ -218,3 +221,47 @@ def test_the_estimate_prices_auto_as_training_chooses_it(synthetic_dir: Path, tm
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.strip().splitlines() == [refused.stderr.strip()]  # one line
     assert "not one sample fits a 2 GB GPU (2.0 GB)" in refused.stderr
+
+
+def test_a_resume_cuts_the_kept_micro_batch_for_its_world_and_chooses_again_where_it_no_longer_fits(
+    synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """_decide against checkpoint files as the trainer writes them (the config's YAML, ``auto_chosen``),
+    on the tiny model's own estimate: a run that chose 6 a process on 2 processes (global batch 12)
+    keeps 6 on one (2 micro-batches), is cut to 3 on four, is chosen again where 6 no longer fits
+    the device, and a checkpoint from before ``auto_chosen`` (its values were given) keeps nothing."""
+    config = tiny_config(
+        synthetic_dir, tmp_path, data__batch_size="auto", model__llm__gradient_checkpointing="auto", trainer__global_batch_size=12
+    )
+    ran = with_choices(config, 6, False)
+
+    def checkpoint(name: str, chosen: list[str] | None) -> Path:
+        meta: dict[str, object] = {"config": dump_config(ran)}
+        if chosen is not None:
+            meta["auto_chosen"] = chosen
+        path = tmp_path / name
+        torch.save({"purrsight": meta, "state_dict": {}, "global_step": 4}, path)
+        return path
+
+    new = checkpoint("new.ckpt", [BATCH, CHECKPOINTING])
+    roomy = 10**12
+    one = _decide(config, new, "cpu", 1, roomy, "a test's budget")
+    assert (one.batch, one.checkpointing) == (6, False)
+    assert one.lines == [
+        "data.batch_size auto: 6, as the checkpoint's run chose it (give a value to choose again)",
+        "model.llm.gradient_checkpointing auto: off, as the checkpoint's run chose it (give a value to choose again)",
+    ]
+    four = _decide(config, new, "cpu", 4, roomy, "a test's budget")
+    assert four.batch == 3 and four.lines[0].startswith("data.batch_size auto: 3, the checkpoint run's 6 cut for 4 processes")
+
+    def need(batch: int, checkpointing: bool = False) -> float:
+        return MARGIN * footprint(with_choices(config, batch, checkpointing)).estimate(1).per_gpu["ddp"].total + HEADROOM
+
+    tight = int((need(4) + need(5)) / 2)  # 4 samples fit without checkpointing, 5 do not: nor does the kept 6
+    again = _decide(config, new, "cpu", 1, tight, "a test's budget")
+    assert again.lines[0].startswith(
+        "the checkpoint's run chose data.batch_size 6, model.llm.gradient_checkpointing off: it does not fit"
+    )
+    assert again.lines[0].endswith("chosen again") and need(again.batch, again.checkpointing) <= tight
+    old = _decide(config, checkpoint("old.ckpt", None), "cpu", 1, roomy, "a test's budget")
+    assert old.batch == 12 and not any("the checkpoint" in line for line in old.lines)

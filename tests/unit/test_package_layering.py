@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "datasets": {"data", "model", "distributed"},
     "runs": {"distributed", "internals"},
     "observability": {"model", "runs"},
-    "training": {"internals", "data", "model", "distributed", "datasets", "runs", "observability", "estimate"},
+    "training": {"internals", "data", "model", "distributed", "datasets", "runs", "observability", "estimate", "launcher"},
     "estimate": {"internals", "data", "model"},  # config files and meta tensors: nothing trains here
     "launcher": {"internals", "data"},
     "ray_node": {"launcher"},  # a batch job's Ray node stands on the launcher's node facts (addresses, CPUs)
