@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -35,7 +36,8 @@ def test_two_ranks_train_on_disjoint_shards_with_identical_weights_and_all_reduc
     synthetic_dir: Path, tmp_path: Path
 ) -> None:
     """Learning under DDP, with docs/SCALING.md's settings at 128 nodes: accumulate_grad_batches,
-    bucket_cap_mb, the process-group timeout."""
+    bucket_cap_mb, the process-group timeout. Checkpointing is left to the start (auto): the two
+    ranks agree on the smallest memory and rank 0's choice, said once."""
     overrides = tiny_overrides(
         synthetic_dir,
         tmp_path,
@@ -46,9 +48,15 @@ def test_two_ranks_train_on_disjoint_shards_with_identical_weights_and_all_reduc
         distributed__bucket_cap_mb=100,
         distributed__timeout_s=1234,
         checkpoint__every_n_steps=40,
+        model__llm__gradient_checkpointing="auto",
     )
     result, ranks = train_two_probed_ranks(tmp_path, overrides)
     assert noise_in(result.stdout + result.stderr) == []
+    chosen = re.findall(r"\[rank (\d)\] INFO purrsight\.training\.auto_settings: (.*)", result.stderr)
+    assert [(rank, line.split(" (", 1)[0]) for rank, line in chosen] == [("0", "model.llm.gradient_checkpointing auto: off")], (
+        chosen
+    )
+    assert "host memory / 2 processes" in chosen[0][1]  # the node's memory shared by its two ranks
 
     for name, weight in ranks[0]["weights"].items():
         assert torch.equal(weight, ranks[1]["weights"][name]), f"{name} differs between ranks"

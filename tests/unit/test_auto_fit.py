@@ -5,6 +5,7 @@ model's own estimate, and what a resume keeps. End to end: tests/integration/tes
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from fractions import Fraction
@@ -29,7 +30,8 @@ from purrsight.estimate.auto_fit import (
 )
 from purrsight.estimate.memory import footprint
 from purrsight.global_batch import accumulation_for
-from purrsight.training.auto_settings import BATCH, CHECKPOINTING, _decide, kept_settings
+from purrsight.training import auto_settings
+from purrsight.training.auto_settings import BATCH, CHECKPOINTING, _decide, device_memory, host_memory, kept_settings
 from tests.helpers import DEFAULT_CONFIG, REPO, tiny_config, tiny_overrides
 
 costs = st.integers(min_value=0, max_value=10**6)
@@ -265,3 +267,16 @@ def test_a_resume_cuts_the_kept_micro_batch_for_its_world_and_chooses_again_wher
     assert again.lines[0].endswith("chosen again") and need(again.batch, again.checkpointing) <= tight
     old = _decide(config, checkpoint("old.ckpt", None), "cpu", 1, roomy, "a test's budget")
     assert old.batch == 12 and not any("the checkpoint" in line for line in old.lines)
+
+
+def test_a_cpu_device_is_the_hosts_available_memory_within_the_jobs_cgroup_shared_by_the_nodes_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < host_memory() <= total
+    if host_memory() <= 2 * 10**9:
+        pytest.skip("under 2 GB available here: the limit below would not bind")
+    monkeypatch.setattr(auto_settings, "memory_limit", lambda: 10**9)  # a job's 1 GB, as launcher/cgroups.py reads it
+    assert host_memory() == 10**9
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert device_memory("cpu") == (10**9 // 4, "host memory / 4 processes")
