@@ -604,6 +604,9 @@ def _describe(error: Any, path: Path, overrides: list[str]) -> str:
     message = error["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
+    if not loc:  # a rule across sections: the override of a key it names, where one set it
+        sources = [_source_of(key, path, overrides) for key in re.findall(r"[a-z_]+(?:\.[a-z_]+)+", message)]
+        source = next((found for found in sources if found != str(path)), source)
     got = error.get("input")
     shown = "" if error["type"] == "missing" or isinstance(got, dict) else f" (got {got!r})"
     return f"{source}: {dotted or 'config'}: {message}{shown}"

@@ -145,7 +145,7 @@ def test_auto_needs_a_global_batch_and_bad_values_are_one_problem_each() -> None
     with pytest.raises(ConfigError) as caught:
         load_config(DEFAULT_CONFIG, ["data.batch_size=auto"], check_paths=False)
     assert caught.value.problems == [
-        f"{DEFAULT_CONFIG}: config: data.batch_size=auto needs trainer.global_batch_size (samples per optimizer step) "
+        "override data.batch_size=auto: config: data.batch_size=auto needs trainer.global_batch_size (samples per optimizer step) "
         "to fill; set it, or give data.batch_size a number"
     ]
     with pytest.raises(ConfigError) as caught:
