@@ -139,6 +139,14 @@ def test_the_choice_is_the_largest_the_models_own_estimate_fits(synthetic_dir: P
     refusal = r"not one sample fits a test's budget \(2\.0 GB\).*micro-batch 1 without gradient checkpointing.*recompute"
     with pytest.raises(NothingFitsError, match=refusal):
         auto_choice(config, 1, HEADROOM, "a test's budget")
+    # A micro-batch given is priced, not refused: checkpointing comes on, and where even that does
+    # not fit, a warning says so (the estimate may be wrong; the user chose).
+    given = with_choices(config, 61, "auto")
+    warned = auto_choice(given, 1, memory, "a test's budget")
+    assert (warned.batch_size, warned.gradient_checkpointing) == (61, True)
+    assert warned.fits and warned.warning() is None  # recomputation makes room for the 61st sample
+    tiny = auto_choice(given, 1, HEADROOM, "a test's budget")
+    assert not tiny.fits and (tiny.warning() or "").startswith("data.batch_size 61 does not fit by the estimate")
 
 
 def test_auto_needs_a_global_batch_and_bad_values_are_one_problem_each() -> None:
