@@ -239,6 +239,13 @@ class DataConfig(_Section):
         description="Samples per process per micro-batch; auto: the largest the device's memory holds by the estimate, "
         "up to trainer.global_batch_size's share (docs/SCALING.md).",
     )
+    pad_to_multiple_of: int | None = Field(
+        None,
+        gt=0,
+        description="Pad each batch's text to a multiple of this many tokens (at most data.max_length): a few shapes, "
+        "so trainer.compile compiles each once, statically, instead of recompiling for every length; the padded "
+        "positions cost compute; none: to the batch's longest.",
+    )
     group_by_length: bool = Field(
         False, description="Batch samples of similar length together, in shuffled groups within windows (docs/DATA.md)."
     )

@@ -106,15 +106,25 @@ class MultiModalDataset(Dataset[Sample]):
 
 
 class Collator:
-    """Pads text to the longest in the batch; absent media become blanks plus a mask.
+    """Pads text to the longest in the batch, or up to the next multiple of ``pad_to`` (at most
+    ``max_length``: a compiled step then meets a few shapes); absent media become blanks plus a mask.
 
     Pictures travel as the decoder stores them: uint8 ones (4x less to hand from a loader worker
     and to copy to the GPU than floats) are normalised by the model on its device
     (PurrSightModel.tower_input).
     """
 
-    def __init__(self, pad_id: int, blank_image: torch.Tensor | None, blank_audio: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        pad_id: int,
+        blank_image: torch.Tensor | None,
+        blank_audio: torch.Tensor | None,
+        pad_to: int | None = None,
+        max_length: int | None = None,
+    ) -> None:
         self.pad_id = pad_id
+        self.pad_to = pad_to
+        self.max_length = max_length
         self.blank_image = blank_image
         self.blank_audio = blank_audio
 
@@ -129,6 +139,8 @@ class Collator:
     def __call__(self, samples: list[Sample]) -> dict[str, Any]:
         lengths = [len(s.input_ids) for s in samples]
         longest = max(lengths)
+        if self.pad_to is not None:  # never shorter than the batch's longest; never past max_length but for it
+            longest = max(longest, min(-(-longest // self.pad_to) * self.pad_to, self.max_length or longest))
         input_ids = torch.full((len(samples), longest), self.pad_id, dtype=torch.long)
         labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((len(samples), longest), dtype=torch.long)

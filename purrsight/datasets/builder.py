@@ -188,7 +188,13 @@ def build_datasets(config: Config, world_size: int) -> Datasets:
     tokenizer = load_tokenizer(config.tokenizer_dir())
     text = TextEncoder(tokenizer, data.max_length)
     image, audio = build_decoders(config)
-    collator = Collator(tokenizer.pad_token_id, image.blank() if image else None, audio.blank() if audio else None)
+    collator = Collator(
+        tokenizer.pad_token_id,
+        image.blank() if image else None,
+        audio.blank() if audio else None,
+        pad_to=data.pad_to_multiple_of,
+        max_length=data.max_length,
+    )
 
     def raw(index: str) -> MultiModalDataset:
         records = _shared(lambda: scanned_index(index, text, data.max_length, config))

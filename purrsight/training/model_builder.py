@@ -71,21 +71,39 @@ def hold_frozen_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def compile_decoder_layers(model: PurrSightModel) -> int:
+def compile_decoder_layers(model: PurrSightModel, shapes: int | None = None) -> int:
     """torch.compile each decoder layer of the LLM in place; the number compiled.
 
     Per layer, as torchtitan does: the layers share their code, so one compilation serves them
     all, and a graph break in one costs little. ``nn.Module.compile`` keeps parameter names, so
     checkpoints are the same with and without. The frozen towers stay eager: they run once per
     sample, on a batch whose size varies with the samples that hold their modality.
+
+    ``shapes``: how many input shapes the batches can take (``data.pad_to_multiple_of`` pads them
+    to a few lengths): each is compiled statically (no symbolic shapes, which a second length's
+    recompilation crashed in inductor on torch 2.11: bench/results/gpu.md), and dynamo's
+    recompile limit (8) is raised to hold them all. None: dynamic shapes after the first
+    recompilation, torch's default.
     """
     base = model.llm.get_base_model()
     layers = getattr(getattr(base, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ModelLoadError(f"trainer.compile: {type(base).__name__} has no model.layers to compile; set trainer.compile=false")
+    if shapes is not None:
+        import torch._dynamo.config as dynamo
+
+        dynamo.recompile_limit = max(dynamo.recompile_limit, shapes)
     for layer in layers:
-        layer.compile()
+        layer.compile(dynamic=False if shapes is not None else None)
     return len(layers)
+
+
+def padded_shapes(config: Config) -> int | None:
+    """The input shapes a run's batches take with ``data.pad_to_multiple_of`` (None without it): its
+    multiples up to ``data.max_length`` and that length, for the training batch and for validation's
+    (its last batch may be shorter)."""
+    multiple = config.data.pad_to_multiple_of
+    return None if multiple is None else 2 * (-(-config.data.max_length // multiple) + 1)
 
 
 def build_model(

@@ -67,6 +67,18 @@ def test_missing_modality_keeps_every_projector_in_the_graph(synthetic_dir: Path
     assert any(torch.count_nonzero(p.grad) for p in built.model.projectors["audio"].parameters())
 
 
+def test_padding_to_a_multiple_does_not_change_the_loss(synthetic_dir: Path, tmp_path: Path) -> None:
+    """data.pad_to_multiple_of: the same samples padded to the next multiple of 48 tokens give the
+    loss of the batch padded to its longest (the padding is masked and carries no label)."""
+    longest = first_batch(tiny_config(synthetic_dir, tmp_path / "a"))
+    padded = first_batch(tiny_config(synthetic_dir, tmp_path / "b", data__pad_to_multiple_of=48, data__max_length=96))
+    assert longest["ids"] == padded["ids"] and padded["input_ids"].shape[1] % 48 == 0
+    assert padded["input_ids"].shape[1] > longest["input_ids"].shape[1]  # padding was added: the check means something
+    model = build_model(tiny_config(synthetic_dir, tmp_path / "a")).model
+    model.eval()
+    assert torch.allclose(model(longest)[0], model(padded)[0], atol=1e-5)
+
+
 def test_absent_image_does_not_change_the_loss(synthetic_dir: Path, tmp_path: Path) -> None:
     """A sample marked image-less must give the same loss whatever pixels stand in for the image."""
     config = tiny_config(synthetic_dir, tmp_path)
@@ -245,16 +257,26 @@ def test_the_trainer_under_bf16_builds_the_model_with_bf16_frozen_weights(synthe
     assert lora_layers and not any(layer.cast_input_dtype_enabled for layer in lora_layers)
 
 
-def test_compiled_decoder_layers_train_like_eager_ones_and_keep_checkpoint_names(synthetic_dir: Path, tmp_path: Path) -> None:
-    """trainer.compile: the same losses and gradients as eager (inductor on CPU), the same names."""
-    from purrsight.training.model_builder import compile_decoder_layers
+def test_compiled_decoder_layers_train_like_eager_ones_and_keep_checkpoint_names(
+    synthetic_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trainer.compile: the same losses and gradients as eager (inductor on CPU), the same names.
+    With data.pad_to_multiple_of the layers compile statically, for every padded shape a run meets."""
+    import torch._dynamo.config as dynamo
 
-    config = tiny_config(synthetic_dir, tmp_path)
+    from purrsight.training.model_builder import compile_decoder_layers, padded_shapes
+
+    config = tiny_config(synthetic_dir, tmp_path, data__pad_to_multiple_of=16, data__max_length=64)
+    shapes = padded_shapes(config)
+    assert shapes == 2 * (4 + 1)  # 16, 32, 48, 64 and 64 itself, for training's batch and validation's
+    monkeypatch.setattr(dynamo, "recompile_limit", 8)  # torch's default; set back after the test
     eager, compiled = build_model(config).model, build_model(config).model
     names = list(compiled.state_dict())
-    assert compile_decoder_layers(compiled) == config.model.llm.config["num_hidden_layers"]
+    assert compile_decoder_layers(compiled, shapes) == config.model.llm.config["num_hidden_layers"]
+    assert dynamo.recompile_limit == shapes  # each padded length compiled once, none left to eager
     assert list(compiled.state_dict()) == names  # checkpoints load either way
     batch = first_batch(config)
+    assert batch["input_ids"].shape[1] % 16 == 0
     for model in (eager, compiled):
         model.eval()  # no LoRA dropout: the two runs draw no random numbers
         model(batch)[0].backward()

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
 from purrsight.data.dataset import Collator, MultiModalDataset, Sample, check_prompt_lengths
@@ -139,3 +141,28 @@ def test_a_chat_template_that_refuses_the_turns_makes_a_named_bad_sample(tmp_pat
     with pytest.raises(SampleError, match=r"chat\.jsonl:1 \(id 's'\): the tokenizer's chat template refuses"):
         MultiModalDataset(index, text, None, None, on_bad_sample="error")[0]
     assert MultiModalDataset(index, text, None, None, on_bad_sample="skip")[0].id == "u"
+
+
+@given(
+    lengths=st.lists(st.integers(1, 100), min_size=1, max_size=6),
+    multiple=st.none() | st.integers(1, 64),
+    room=st.integers(0, 40),
+)
+def test_a_batch_is_padded_to_its_longest_or_the_next_multiple_within_max_length(
+    lengths: list[int], multiple: int | None, room: int
+) -> None:
+    """data.pad_to_multiple_of: every length is a multiple or data.max_length itself, so a compiled
+    step meets at most max_length / multiple + 1 shapes; never shorter than the batch's longest."""
+    max_length = max(lengths) + room
+    samples = [Sample(str(i), list(range(n)), [IGNORE_INDEX, *range(1, n)], None, None, skipped=0) for i, n in enumerate(lengths)]
+    batch = Collator(0, None, None, pad_to=multiple, max_length=max_length)(samples)
+    width = batch["input_ids"].shape[1]
+    if multiple is None:
+        assert width == max(lengths)
+    else:
+        assert max(lengths) <= width <= max_length and (width % multiple == 0 or width == max_length)
+        assert width - max(lengths) < multiple  # the next multiple, not a later one
+    for row, n in enumerate(lengths):  # the padding is masked and carries no label
+        assert batch["attention_mask"][row, n:].sum() == 0 and (batch["labels"][row, n:] == IGNORE_INDEX).all()
+    assert batch["num_tokens"] == sum(lengths)  # telemetry counts the real tokens, not the padding
+    assert batch["padded"] == (min(lengths) < width)
