@@ -27,7 +27,8 @@ logits at their real bytes: the loss makes them a chunk of rows at a time, never
 if every text token carried a label).
 trainer.precision auto counts as bf16-mixed. data.batch_size auto and model.llm.gradient_checkpointing
 auto are priced as training chooses them (docs/SCALING.md, "The micro-batch and checkpointing the GPU decides") for --gpu-memory, or
-for an 80 GB GPU where it is not given: the lines above the table name the choice.
+for an 80 GB GPU where it is not given: the lines above the table name the choice (where not one
+sample fits, the refusal training would give, and the table at micro-batch 1).
 
 Not counted: the CUDA context, NCCL buffers and allocator fragmentation (leave 1-5 GB of an 80 GB
 GPU for them), pinned loader batches, kernel workspaces. docs/SCALING.md has the tables.
@@ -102,9 +103,11 @@ def in_unit(count: int, unit: int) -> str:
 
 def settle_auto(config: Config, gpus: int, memory: int | None, llm_config: Path | None) -> tuple[Config, list[str]]:
     """``config`` with its auto settings chosen as training would on GPUs of ``memory`` bytes
-    (AUTO_GPU_MEMORY where not given), and the lines that say so; an unchanged config where none is auto."""
+    (AUTO_GPU_MEMORY where not given), and the lines that say so; an unchanged config where none is
+    auto. Where not one sample fits, the table prices micro-batch 1 under the refusal training would
+    give: the figures are what a user needs to choose what to shard or shorten."""
     from purrsight.config import AUTO
-    from purrsight.estimate.auto_fit import auto_choice, with_choices
+    from purrsight.estimate.auto_fit import NothingFitsError, auto_choice, with_choices
     from purrsight.estimate.memory import precision_of
 
     if AUTO not in (config.data.batch_size, config.model.llm.gradient_checkpointing):
@@ -113,7 +116,11 @@ def settle_auto(config: Config, gpus: int, memory: int | None, llm_config: Path 
     memory = memory or AUTO_GPU_MEMORY
     device = f"a {memory / 1e9:.0f} GB GPU" + ("" if given else ", --gpu-memory names yours")
     priced = config.model_copy(update={"trainer": config.trainer.model_copy(update={"precision": precision_of(config)})})
-    choice = auto_choice(priced, gpus, memory, device, llm_config)
+    try:
+        choice = auto_choice(priced, gpus, memory, device, llm_config)
+    except NothingFitsError as refusal:
+        checkpointing = config.model.llm.gradient_checkpointing is not False
+        return with_choices(config, 1, checkpointing), [f"{refusal} (training stops at start; priced below at micro-batch 1)"]
     return with_choices(config, choice.batch_size, choice.gradient_checkpointing), choice.lines()
 
 
