@@ -86,13 +86,8 @@ def settle_auto(config: Config, seq_len: int, device: torch.device) -> Config:
     if AUTO not in (config.data.batch_size, config.model.llm.gradient_checkpointing):
         return config
     memory, name = device_memory("gpu" if device.type == "cuda" else "cpu")
-    priced = config.model_copy(
-        update={
-            "data": config.data.model_copy(update={"max_length": seq_len}),
-            "trainer": config.trainer.model_copy(update={"precision": "bf16-mixed" if device.type == "cuda" else "32-true"}),
-        }
-    )
-    choice = auto_choice(priced, 1, memory, name)
+    priced = config.model_copy(update={"data": config.data.model_copy(update={"max_length": seq_len})})
+    choice = auto_choice(priced, 1, memory, name, "bf16-mixed" if device.type == "cuda" else "32-true")
     print("\n".join(choice.lines()), flush=True)
     return with_choices(config, choice.batch_size, choice.gradient_checkpointing)
 

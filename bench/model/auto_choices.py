@@ -39,7 +39,7 @@ def main() -> int:
         for preset in args.presets:
             path, llm = PRESETS[preset]
             shape = [o for o in random_init_overrides(tokenizer, llm) if o not in MEASURED_SETTINGS]  # the preset's auto
-            config = load_config(path, [*shape, "trainer.precision=bf16-mixed"], check_paths=False)
+            config = load_config(path, shape, check_paths=False)
             asked = config.trainer.global_batch_size
             assert asked is not None  # the presets state it
             for gpus in args.gpus:
@@ -49,7 +49,7 @@ def main() -> int:
                         continue
                     started = time.perf_counter()
                     try:
-                        choice = auto_choice(config, gpus, int(memory * 1e9), f"{memory:g} GB")
+                        choice = auto_choice(config, gpus, int(memory * 1e9), f"{memory:g} GB", "bf16-mixed")
                     except UserError as err:
                         print(f"| {preset} | {asked} | {gpus} | {memory:g} | refused: {err} | | | | |")
                         continue

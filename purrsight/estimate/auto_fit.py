@@ -43,6 +43,7 @@ MARGIN = 1.2
 # tokens: 13% MFU; the 7B at 8.7k: 23%), and recomputation's third more compute buys fewer,
 # larger micro-batches. A 7B base reaches it at about 22k tokens, a 0.5B one at 330k.
 FLOPS_WITHOUT_CHECKPOINTING = 1e15
+KEPT_FREE = f"{MARGIN - 1:.0%} over it and {HEADROOM / 1e9:.0f} GB kept free"  # how every line says the margin
 
 
 class NothingFitsError(UserError):
@@ -65,8 +66,7 @@ class AutoChoice:
         room = f"the estimate {self.per_device / 1e9:.2f} GB a device, of {self.memory / 1e9:.1f} GB on {self.device}"
         said = []
         if self.asked_batch:
-            kept = f"{MARGIN - 1:.0%} over it and {HEADROOM / 1e9:.0f} GB kept free"
-            said.append(f"data.batch_size auto: {self.batch_size} ({room}; {kept})")
+            said.append(f"data.batch_size auto: {self.batch_size} ({room}; {KEPT_FREE})")
         if self.asked_checkpointing:
             why = "the micro-batch needs it" if self.gradient_checkpointing else "not needed at this micro-batch"
             state = "on" if self.gradient_checkpointing else "off"
@@ -79,7 +79,7 @@ class AutoChoice:
             return None
         return (
             f"data.batch_size {self.batch_size} does not fit by the estimate ({self.per_device / 1e9:.2f} GB a device, "
-            f"{MARGIN - 1:.0%} over it and {HEADROOM / 1e9:.0f} GB kept free, of {self.memory / 1e9:.1f} GB on "
+            f"{KEPT_FREE}, of {self.memory / 1e9:.1f} GB on "
             f"{self.device}): expect out-of-memory; data.batch_size=auto chooses one that fits"
         )
 
@@ -169,32 +169,39 @@ def with_choices(config: Config, batch: int | Literal["auto"], checkpointing: bo
     return config.model_copy(update={"data": data, "model": model})
 
 
-def auto_choice(config: Config, world: int, memory: int, device: str, llm_config: Path | None = None) -> AutoChoice:
+def auto_choice(config: Config, world: int, memory: int, device: str, precision: str, llm_config: Path | None = None) -> AutoChoice:
     """The auto settings of ``config`` decided for ``world`` processes on devices of ``memory`` bytes
     (settings given are priced as they are: ``AutoChoice.fits`` says whether they fit).
 
-    ``config``'s precision is the one training resolves on that device (the estimate counts bf16
-    or fp32 by it). Raises NothingFitsError where a micro-batch left auto cannot hold one sample.
+    ``precision``: the one training resolves on that device (the estimate counts bf16 or fp32 by
+    it; the config's may say auto). Raises NothingFitsError where a micro-batch left auto cannot
+    hold one sample.
     """
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"precision": precision})})
     given_batch = None if config.data.batch_size == AUTO else config.data.micro_batch
     given_checkpointing = None if config.model.llm.gradient_checkpointing == AUTO else config.model.llm.checkpointing
     strategy = config.distributed.strategy
     metas: dict[bool, MetaModel] = {}  # a model a checkpointing setting, priced at every micro-batch
     totals: dict[tuple[int, bool], int] = {}
 
+    def built(checkpointing: bool) -> MetaModel:
+        if checkpointing not in metas:
+            metas[checkpointing] = meta_model(with_choices(config, given_batch or 1, checkpointing), llm_config)
+        return metas[checkpointing]
+
     def total(batch: int, checkpointing: bool) -> int:
         if (batch, checkpointing) not in totals:
             priced, _ = resolve_global_batch(with_choices(config, batch, checkpointing), world)  # fsdp's window
-            meta = metas.setdefault(checkpointing, meta_model(priced, llm_config))
-            totals[batch, checkpointing] = footprint(priced, llm_config, meta).estimate(world).per_gpu[strategy].total
+            totals[batch, checkpointing] = (
+                footprint(priced, llm_config, built(checkpointing)).estimate(world).per_gpu[strategy].total
+            )
         return totals[batch, checkpointing]
 
     def need(batch: int, checkpointing: bool) -> float:
         return MARGIN * total(batch, checkpointing) + HEADROOM
 
     asked = config.trainer.global_batch_size or world * (given_batch or 1)  # none: a given micro-batch's
-    total(given_batch or 1, bool(given_checkpointing))  # the model, built once: its LLM's size sets a sample's work
-    llm_parameters = sum(param.numel() for param in next(iter(metas.values())).model.llm.parameters())
+    llm_parameters = sum(param.numel() for param in built(bool(given_checkpointing)).model.llm.parameters())
     sample_flops = 6.0 * llm_parameters * config.data.max_length
     batch, checkpointing, fitted = choose(asked, world, sample_flops, need, memory, given_batch, given_checkpointing)
     needed = total(batch, checkpointing)
@@ -203,8 +210,8 @@ def auto_choice(config: Config, world: int, memory: int, device: str, llm_config
         recompute = "" if checkpointing else "recompute (model.llm.gradient_checkpointing=auto), "
         raise NothingFitsError(
             f"data.batch_size auto: not one sample fits {device} ({memory / 1e9:.1f} GB): the estimate is "
-            f"{needed / 1e9:.2f} GB a device at micro-batch 1 {how} gradient checkpointing ({MARGIN - 1:.0%} over it and "
-            f"{HEADROOM / 1e9:.0f} GB kept free); {recompute}shard it (distributed.strategy=fsdp on more GPUs), shorten "
+            f"{needed / 1e9:.2f} GB a device at micro-batch 1 {how} gradient checkpointing ({KEPT_FREE}); "
+            f"{recompute}shard it (distributed.strategy=fsdp on more GPUs), shorten "
             "data.max_length, or give data.batch_size a number to try anyway"
         )
     return AutoChoice(batch, checkpointing, needed, memory, device, given_batch is None, given_checkpointing is None, fitted)

@@ -115,9 +115,8 @@ def settle_auto(config: Config, gpus: int, memory: int | None, llm_config: Path 
     given = memory is not None
     memory = memory or AUTO_GPU_MEMORY
     device = f"a {memory / 1e9:.0f} GB GPU" + ("" if given else ", --gpu-memory names yours")
-    priced = config.model_copy(update={"trainer": config.trainer.model_copy(update={"precision": precision_of(config)})})
     try:
-        choice = auto_choice(priced, gpus, memory, device, llm_config)
+        choice = auto_choice(config, gpus, memory, device, precision_of(config), llm_config)
     except NothingFitsError as refusal:
         checkpointing = config.model.llm.gradient_checkpointing is not False
         return with_choices(config, 1, checkpointing), [f"{refusal} (training stops at start; priced below at micro-batch 1)"]

@@ -81,7 +81,6 @@ def _decide(config: Config, checkpoint: Path | None, accelerator: str, world: in
     from purrsight.estimate.auto_fit import auto_choice, even_micro_batch, with_choices
 
     precision = resolve_precision(config, accelerator)  # the estimate counts bf16 or fp32 by it
-    priced = config.model_copy(update={"trainer": config.trainer.model_copy(update={"precision": precision})})
     kept = kept_settings(config, saved_settings(checkpoint) if checkpoint is not None else None)
     lines = []
     if BATCH in kept and config.trainer.global_batch_size is not None:
@@ -99,8 +98,8 @@ def _decide(config: Config, checkpoint: Path | None, accelerator: str, world: in
         )
     if kept:
         batch_now, checkpointing_now = config.data.batch_size, config.model.llm.gradient_checkpointing
-        given = with_choices(priced, kept.get(BATCH, batch_now), kept.get(CHECKPOINTING, checkpointing_now))
-        choice = auto_choice(given, world, memory, device)
+        given = with_choices(config, kept.get(BATCH, batch_now), kept.get(CHECKPOINTING, checkpointing_now))
+        choice = auto_choice(given, world, memory, device, precision)
         if choice.fits:
             return Settled(choice.batch_size, choice.gradient_checkpointing, lines + choice.lines())
         lines = [
@@ -108,7 +107,7 @@ def _decide(config: Config, checkpoint: Path | None, accelerator: str, world: in
             f"it does not fit here by the estimate ({choice.per_device / 1e9:.2f} GB a device, of {memory / 1e9:.1f} GB "
             f"on {device}); chosen again"
         ]
-    choice = auto_choice(priced, world, memory, device)
+    choice = auto_choice(config, world, memory, device, precision)
     return Settled(choice.batch_size, choice.gradient_checkpointing, lines + choice.lines(), [w for w in [choice.warning()] if w])
 
 

@@ -129,7 +129,7 @@ def test_the_choice_is_the_largest_the_models_own_estimate_fits(synthetic_dir: P
         return MARGIN * footprint(priced).estimate(1).per_gpu["ddp"].total + HEADROOM
 
     memory = int((need(60) + need(61)) / 2)  # between 60 and 61 samples: the largest is 60
-    choice = auto_choice(config, 1, memory, "a test's budget")
+    choice = auto_choice(config, 1, memory, "a test's budget", "bf16-mixed")
     assert choice.gradient_checkpointing is False  # given: kept
     assert choice.batch_size == even_micro_batch(500, 1, 60) == 56  # 9 x 56 = 504: no 9 or fewer make 500
     assert need(choice.batch_size) <= memory < need(61)
@@ -139,14 +139,14 @@ def test_the_choice_is_the_largest_the_models_own_estimate_fits(synthetic_dir: P
     ]
     refusal = r"not one sample fits a test's budget \(2\.0 GB\).*micro-batch 1 without gradient checkpointing.*recompute"
     with pytest.raises(NothingFitsError, match=refusal):
-        auto_choice(config, 1, HEADROOM, "a test's budget")
+        auto_choice(config, 1, HEADROOM, "a test's budget", "bf16-mixed")
     # A micro-batch given is priced, not refused: checkpointing comes on, and where even that does
     # not fit, a warning says so (the estimate may be wrong; the user chose).
     given = with_choices(config, 61, "auto")
-    warned = auto_choice(given, 1, memory, "a test's budget")
+    warned = auto_choice(given, 1, memory, "a test's budget", "bf16-mixed")
     assert (warned.batch_size, warned.gradient_checkpointing) == (61, True)
     assert warned.fits and warned.warning() is None  # recomputation makes room for the 61st sample
-    tiny = auto_choice(given, 1, HEADROOM, "a test's budget")
+    tiny = auto_choice(given, 1, HEADROOM, "a test's budget", "bf16-mixed")
     assert not tiny.fits and (tiny.warning() or "").startswith("data.batch_size 61 does not fit by the estimate")
 
 
