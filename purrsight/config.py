@@ -33,7 +33,7 @@ class AutoUnresolvedError(RuntimeError):
     """A setting left ``auto`` was read before the start decided it: a bug, not a user's mistake."""
 
     def __init__(self, key: str) -> None:
-        super().__init__(f"{key}=auto is decided at start (purrsight/estimate/auto_fit.py) before anything reads it")
+        super().__init__(f"{key}=auto is decided at start (purrsight/training/auto_settings.py) before anything reads it")
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -263,7 +263,7 @@ class DataConfig(_Section):
 
     @property
     def micro_batch(self) -> int:
-        """batch_size as a number: ``auto`` is decided at start (estimate/auto_fit.py), before anything reads it."""
+        """batch_size as a number: ``auto`` is decided at start (training/auto_settings.py), before anything reads it."""
         if isinstance(self.batch_size, int):
             return self.batch_size
         raise AutoUnresolvedError("data.batch_size")
