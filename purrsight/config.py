@@ -315,7 +315,8 @@ class TrainerConfig(_Section):
     )
     accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="auto: gpu when CUDA is available.")
     compile: bool = Field(
-        False, description="torch.compile each LLM decoder layer: a slower first step (compilation), faster steps after."
+        False,
+        description="torch.compile the decoder layers, projectors and loss: slower first steps (compilation), faster after.",
     )
     val_every_n_steps: int = Field(50, gt=0, description="Validate every N optimizer steps and at the end.")
     limit_val_batches: int | None = Field(None, description="Cap validation batches; none: the whole set.")

@@ -52,7 +52,7 @@ from purrsight.model.llm import leave_lora_casts_to_autocast
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.observability.flops import gpu_peak_tflops, model_flops_per_token
 from purrsight.training.auto_settings import device_memory
-from purrsight.training.model_builder import build_model, compile_decoder_layers, frozen_dtype
+from purrsight.training.model_builder import build_model, compile_trainable_path, frozen_dtype
 from purrsight.training.optim import build_optimizer
 
 
@@ -213,7 +213,7 @@ def main() -> int:
 
     config, model = build(None if args.cpu else args.preset, args.overrides, device, max(args.seq_lens))
     if args.compile:
-        compile_decoder_layers(model)
+        compile_trainable_path(model)
     model.train()
     results = []
     for seq in args.seq_lens:  # printed as measured: a length that runs out of memory leaves the others' figures

@@ -14,6 +14,7 @@ precision), the log-softmax and the loss in fp32, the mean over labelled positio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -24,6 +25,7 @@ from purrsight.labels import IGNORE_INDEX
 
 CHUNK_BYTES = 256 * 2**20  # one chunk's fp32 logits; its transient peak is about three of them
 LOSS_METHOD = "linear_cross_entropy"  # attached to the head; fsdp.py registers it as a forward of its unit
+SCORER = "chunk_scorer"  # the head's attribute that holds the function scoring a chunk
 
 
 def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -31,12 +33,52 @@ def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab_size))
 
 
+ChunkScores = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def score_chunk(
+    chunk: torch.Tensor, weight: torch.Tensor, wanted: torch.Tensor, want_hidden: bool, want_weight: bool, predict: bool
+) -> ChunkScores:
+    """One chunk of rows: (summed loss, argmax per row or None, gradient of the chunk's hidden
+    states or None, its part of the head's weight gradient in fp32 or None). A function of its
+    own so that ``trainer.compile`` can compile it (compiled_scorer): eager, it is some fifteen
+    kernels a chunk, most of them passes over the chunk's fp32 logits."""
+    logits = linear(chunk, weight)  # in autocast's dtype under mixed precision, as lm_head's
+    compute_dtype, upcast = logits.dtype, logits.float()
+    del logits
+    labelled = wanted != IGNORE_INDEX
+    target = wanted.clamp(min=0)[:, None]
+    normaliser = torch.logsumexp(upcast, dim=-1, keepdim=True)
+    loss = ((normaliser - upcast.gather(1, target)).squeeze(1) * labelled).sum()
+    predicted = upcast.argmax(dim=-1) if predict else None
+    if not (want_hidden or want_weight):
+        return loss, predicted, None, None
+    # d(loss)/d(logits) = softmax - one-hot, at labelled rows only; made in place of the upcast.
+    grad_logits = upcast.sub_(normaliser).exp_()
+    grad_logits.scatter_add_(1, target, torch.full_like(normaliser, -1.0))
+    grad_logits.mul_(labelled[:, None])
+    grad_logits = grad_logits.to(compute_dtype)  # autograd's too: the upcast's backward casts back
+    grad_chunk = grad_logits @ weight.to(compute_dtype) if want_hidden else None
+    grad_weight = (grad_logits.T @ chunk.to(compute_dtype)).float() if want_weight else None
+    return loss, predicted, grad_chunk, grad_weight
+
+
+Scorer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, bool, bool], ChunkScores]
+
+
+def compiled_scorer() -> Scorer:
+    """``score_chunk`` compiled: one or two fused kernels over a chunk's logits besides its matmuls.
+    Shapes: every chunk has the same rows but a batch's last, so the first recompilation (the last
+    chunk's) makes the row count symbolic and no other follows."""
+    return cast(Scorer, torch.compile(score_chunk))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """(summed loss, predictions or None) of ``hidden @ weight.T`` against ``targets``."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int, predict: bool
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int, predict: bool, score: Scorer
     ) -> tuple[torch.Tensor, torch.Tensor]:
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -45,26 +87,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for start in range(0, hidden.shape[0], rows):
             chunk, wanted = hidden[start : start + rows], targets[start : start + rows]
-            logits = linear(chunk, weight)  # in autocast's dtype under mixed precision, as lm_head's
-            compute_dtype, upcast = logits.dtype, logits.float()
-            del logits
-            labelled = wanted != IGNORE_INDEX
-            target = wanted.clamp(min=0)[:, None]
-            normaliser = torch.logsumexp(upcast, dim=-1, keepdim=True)
-            total += ((normaliser - upcast.gather(1, target)).squeeze(1) * labelled).sum()
-            if predict:
-                predicted[start : start + rows] = upcast.argmax(dim=-1)
-            if grad_hidden is None and grad_weight is None:
-                continue
-            # d(loss)/d(logits) = softmax - one-hot, at labelled rows only; made in place of the upcast.
-            grad_logits = upcast.sub_(normaliser).exp_()
-            grad_logits.scatter_add_(1, target, torch.full_like(normaliser, -1.0))
-            grad_logits.mul_(labelled[:, None])
-            grad_logits = grad_logits.to(compute_dtype)  # autograd's too: the upcast's backward casts back
-            if grad_hidden is not None:
-                grad_hidden[start : start + rows] = grad_logits @ weight.to(compute_dtype)
-            if grad_weight is not None:
-                grad_weight += (grad_logits.T @ chunk.to(compute_dtype)).float()
+            loss, chunk_predicted, grad_chunk, grad_weight_part = score(chunk, weight, wanted, want_hidden, want_weight, predict)
+            total += loss
+            if chunk_predicted is not None:
+                predicted[start : start + rows] = chunk_predicted
+            if grad_hidden is not None and grad_chunk is not None:
+                grad_hidden[start : start + rows] = grad_chunk
+            if grad_weight is not None and grad_weight_part is not None:
+                grad_weight += grad_weight_part
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.mark_non_differentiable(predicted)
@@ -75,18 +105,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_out = None if grad_hidden is None else grad_hidden * grad_total.to(grad_hidden.dtype)
         weight_out = None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype)
-        return hidden_out, weight_out, None, None, None
+        return hidden_out, weight_out, None, None, None, None
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int, predict: bool = False
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    rows: int,
+    predict: bool = False,
+    score: Scorer = score_chunk,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss over labelled rows, argmax per row, empty unless ``predict``).
 
     hidden (N, H), weight (V, H), targets (N,) with IGNORE_INDEX where a row has no label;
-    ``rows``: rows a chunk. Gradients flow to ``hidden`` and ``weight`` where they require them.
+    ``rows``: rows a chunk; ``score``: what scores a chunk (score_chunk, or compiled_scorer's).
+    Gradients flow to ``hidden`` and ``weight`` where they require them.
     """
-    total, predicted = _LinearCrossEntropy.apply(hidden, weight, targets, rows, predict)
+    total, predicted = _LinearCrossEntropy.apply(hidden, weight, targets, rows, predict, score)
     return total, predicted
 
 
@@ -95,9 +131,18 @@ def attach_loss(head: nn.Module, rows: int) -> None:
 
     A method of the head's own, so that when the head is an FSDP unit of its own (an untied head,
     training/fsdp.py) FSDP can gather its weight around the call as it does around its forward.
+    The chunk scorer is looked up at each call: ``use_scorer`` swaps it (``trainer.compile``)
+    without replacing the method FSDP wrapped.
     """
+    use_scorer(head, score_chunk)
 
     def loss(hidden: torch.Tensor, targets: torch.Tensor, predict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return linear_cross_entropy(hidden, cast(torch.Tensor, head.weight), targets, rows, predict)
+        score = cast(Scorer, getattr(head, SCORER))
+        return linear_cross_entropy(hidden, cast(torch.Tensor, head.weight), targets, rows, predict, score)
 
     setattr(head, LOSS_METHOD, loss)
+
+
+def use_scorer(head: nn.Module, score: Scorer) -> None:
+    """What scores each chunk of ``head``'s loss from now on (score_chunk, or compiled_scorer's)."""
+    setattr(head, SCORER, score)  # a plain attribute: neither a submodule nor part of state_dict

@@ -15,6 +15,7 @@ from purrsight.distributed.process_group import computed_on_rank_zero
 from purrsight.internals.transformers_keys import loaded_names
 from purrsight.model.aligner import load_aligner
 from purrsight.model.encoders import FrozenEncoder, load_encoder
+from purrsight.model.linear_cross_entropy import compiled_scorer, use_scorer
 from purrsight.model.llm import load_llm, load_tokenizer
 from purrsight.model.loading import ModelLoadError
 from purrsight.model.multimodal import MODALITIES, PurrSightModel
@@ -71,13 +72,15 @@ def hold_frozen_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def compile_decoder_layers(model: PurrSightModel, shapes: int | None = None) -> int:
-    """torch.compile each decoder layer of the LLM in place; the number compiled.
+def compile_trainable_path(model: PurrSightModel, shapes: int | None = None) -> int:
+    """torch.compile, in place, what trains: each decoder layer of the LLM with its LoRA adapters,
+    each modality's projector and the loss's chunk scorer; the number of decoder layers compiled.
 
     Per layer, as torchtitan does: the layers share their code, so one compilation serves them
     all, and a graph break in one costs little. ``nn.Module.compile`` keeps parameter names, so
     checkpoints are the same with and without. The frozen towers stay eager: they run once per
-    sample, on a batch whose size varies with the samples that hold their modality.
+    sample, on a batch whose size varies with the samples that hold their modality. The loss's
+    chunks: model/linear_cross_entropy.py's ``compiled_scorer``.
 
     ``shapes``: how many input shapes the batches can take (``data.pad_to_multiple_of`` pads them
     to a few lengths): each is compiled statically (no symbolic shapes, which a second length's
@@ -95,6 +98,9 @@ def compile_decoder_layers(model: PurrSightModel, shapes: int | None = None) -> 
         dynamo.recompile_limit = max(dynamo.recompile_limit, shapes)
     for layer in layers:
         layer.compile(dynamic=False if shapes is not None else None)
+    for projector in model.projectors.values():
+        projector.compile()  # a micro-batch's samples x its tokens: one shape but a last batch's
+    use_scorer(model.head, compiled_scorer())
     return len(layers)
 
 

@@ -24,7 +24,7 @@ from purrsight.runs.data_position import POSITION_KEY
 from purrsight.training.datamodule import Phase2DataModule
 from purrsight.training.fingerprint import FINGERPRINT_VERSION
 from purrsight.training.fsdp import build_sharded, local_frozen_bytes, peak_rss_bytes
-from purrsight.training.model_builder import build_model, compile_decoder_layers, fingerprint_v2, frozen_dtype, padded_shapes
+from purrsight.training.model_builder import build_model, compile_trainable_path, fingerprint_v2, frozen_dtype, padded_shapes
 from purrsight.training.optim import build_optimizer, continue_schedule
 
 CHECKPOINT_META_KEY = "purrsight"
@@ -66,9 +66,14 @@ class Phase2Module(pl.LightningModule):
             leave_lora_casts_to_autocast(built.model, precision)
             if self.config.trainer.compile:
                 shapes = padded_shapes(self.config)
-                layers = compile_decoder_layers(built.model, shapes)
+                layers = compile_trainable_path(built.model, shapes)
                 how = f"static, at most {shapes} shapes (data.pad_to_multiple_of)" if shapes else "dynamic shapes"
-                log.info("trainer.compile: %d LLM decoder layers compiled (%s; the first steps include compilation)", layers, how)
+                log.info(
+                    "trainer.compile: %d LLM decoder layers, the projectors and the loss compiled "
+                    "(%s; the first steps include compilation)",
+                    layers,
+                    how,
+                )
             log.info(
                 "model built: frozen weights %s; this rank holds %.2f MiB of them; peak RSS so far %.0f MiB",
                 how,

@@ -257,14 +257,16 @@ def test_the_trainer_under_bf16_builds_the_model_with_bf16_frozen_weights(synthe
     assert lora_layers and not any(layer.cast_input_dtype_enabled for layer in lora_layers)
 
 
-def test_compiled_decoder_layers_train_like_eager_ones_and_keep_checkpoint_names(
+def test_the_compiled_trainable_path_trains_like_eager_and_keeps_checkpoint_names(
     synthetic_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """trainer.compile: the same losses and gradients as eager (inductor on CPU), the same names.
-    With data.pad_to_multiple_of the layers compile statically, for every padded shape a run meets."""
+    """trainer.compile (decoder layers, projectors, the loss's chunk scorer): the same losses and
+    gradients as eager (inductor on CPU), the same names. With data.pad_to_multiple_of the layers
+    compile statically, for every padded shape a run meets."""
     import torch._dynamo.config as dynamo
 
-    from purrsight.training.model_builder import compile_decoder_layers, padded_shapes
+    from purrsight.model.linear_cross_entropy import SCORER, score_chunk
+    from purrsight.training.model_builder import compile_trainable_path, padded_shapes
 
     config = tiny_config(synthetic_dir, tmp_path, data__pad_to_multiple_of=16, data__max_length=64)
     shapes = padded_shapes(config)
@@ -272,8 +274,10 @@ def test_compiled_decoder_layers_train_like_eager_ones_and_keep_checkpoint_names
     monkeypatch.setattr(dynamo, "recompile_limit", 8)  # torch's default; set back after the test
     eager, compiled = build_model(config).model, build_model(config).model
     names = list(compiled.state_dict())
-    assert compile_decoder_layers(compiled, shapes) == config.model.llm.config["num_hidden_layers"]
+    assert compile_trainable_path(compiled, shapes) == config.model.llm.config["num_hidden_layers"]
     assert dynamo.recompile_limit == shapes  # each padded length compiled once, none left to eager
+    assert all(projector._compiled_call_impl is not None for projector in compiled.projectors.values())
+    assert getattr(compiled.head, SCORER) is not score_chunk and getattr(eager.head, SCORER) is score_chunk
     assert list(compiled.state_dict()) == names  # checkpoints load either way
     batch = first_batch(config)
     assert batch["input_ids"].shape[1] % 16 == 0
