@@ -6,8 +6,8 @@ projectors, LoRA r=16 on every linear layer, gradient checkpointing as configure
 trains it on random batches already on the GPU as the trainer's bf16-mixed does: frozen
 weights held in bf16, LoRA and projectors in fp32 under bf16 autocast; the trainer's AdamW
 (fused on GPUs) and gradient clipping, batch 8 per GPU, 5 s of audio and a 224-px image per
-sample. Loading data is left out (bench/data/data_pipeline.py). --compile compiles the LLM's decoder
-layers as trainer.compile=true does; the first step's time (compilation included) is reported.
+sample. Loading data is left out (bench/data/data_pipeline.py). --compile compiles the decoder layers,
+projectors and loss as trainer.compile=true does; the first step's time (compilation included) is reported.
 
 MFU = text tokens/s x FLOPs per token / peak, with telemetry's FLOPs count (LLM only; the
 frozen towers' forward adds about 2% at 1024 tokens) and its peak table.
@@ -200,7 +200,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. data.batch_size=16")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="0.5b", help="the preset's model, random-initialised")
-    parser.add_argument("--compile", action="store_true", help="compile the decoder layers (trainer.compile=true)")
+    parser.add_argument("--compile", action="store_true", help="compile as trainer.compile=true does")
     parser.add_argument("--smoke", action="store_true", help="tiny default on CPU, 2 steps: checks the script, measures nothing")
     parser.add_argument("--cpu", action="store_true", help="tiny default on CPU, timed (compile's gain where no GPU is)")
     parser.add_argument("--json", type=Path, help="add this run's rows, with the estimate's figure for each, to this file (a GPU)")

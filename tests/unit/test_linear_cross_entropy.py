@@ -11,11 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from purrsight.labels import IGNORE_INDEX
-from purrsight.model.linear_cross_entropy import chunk_rows, linear_cross_entropy
+from purrsight.model.linear_cross_entropy import chunk_rows, compiled_scorer, linear_cross_entropy, score_chunk
 from purrsight.model.multimodal import labelled_rows
 from purrsight.training.model_builder import build_model
 from tests.helpers import tiny_config
 from tests.unit.test_model import first_batch
+
+COMPILED = compiled_scorer()  # one compiled function for every example: its recompilations are what is tested
 
 
 @st.composite
@@ -57,6 +59,35 @@ def test_loss_gradients_and_predictions_equal_the_whole_logits_cross_entropy(
     else:
         assert weight.grad is None
     assert torch.equal(predicted, logits.argmax(dim=-1))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 16), st.booleans(), st.booleans(), st.data())
+def test_the_compiled_scorer_gives_the_eager_loss_gradients_and_predictions_whatever_the_last_chunk(
+    count: int, rows: int, head_trains: bool, predict: bool, data: st.DataObject
+) -> None:
+    """trainer.compile's scorer (inductor on CPU) against the eager one, with a batch's last chunk
+    shorter than the others or not; a recompilation past dynamo's limit fails the test instead of
+    falling back to eager unnoticed."""
+    targets = torch.tensor(
+        data.draw(st.lists(st.one_of(st.just(IGNORE_INDEX), st.integers(0, 30)), min_size=count, max_size=count))
+    )
+    generator = torch.Generator().manual_seed(count * 100 + rows)
+    results = []
+    for score in (score_chunk, COMPILED):
+        hidden = torch.randn(count, 8, generator=torch.Generator().manual_seed(count), requires_grad=True)
+        weight = torch.randn(31, 8, generator=generator.manual_seed(rows), requires_grad=head_trains)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            total, predicted = linear_cross_entropy(hidden, weight, targets, rows, predict, score)
+        total.backward()
+        results.append((total, predicted, hidden.grad, weight.grad))
+    (eager_total, eager_predicted, eager_hidden, eager_weight), (total, predicted, grad_hidden, grad_weight) = results
+    assert torch.allclose(total, eager_total, rtol=1e-5, atol=1e-5)
+    assert torch.equal(predicted, eager_predicted) and predicted.numel() == (count if predict else 0)
+    assert grad_hidden is not None and eager_hidden is not None and torch.allclose(grad_hidden, eager_hidden, atol=1e-6)
+    assert (grad_weight is None) == (not head_trains)
+    if grad_weight is not None:
+        assert eager_weight is not None and torch.allclose(grad_weight, eager_weight, atol=1e-5)
 
 
 @settings(max_examples=60, deadline=None)
