@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU work of a session lent a GPU machine, as one script (bench/gpu/README.md): profile the
 # 0.5B preset's step, measure throughput, MFU and peak memory against the estimate (0.5B eager and
-# compiled at 1,024 and 4,096 tokens, the auto micro-batch, 7B eager at 1,024), the loss's chunk scorer eager
-# against compiled, then run tests/gpu. Each part has its
+# compiled at 1,024 and 4,096 tokens, the auto micro-batch, 7B eager at 1,024), run tests/gpu, then
+# what no GPU has run yet: the compiled layers as CUDA graphs and the loss's scorer eager against compiled. Each part has its
 # own time limit and all of them one deadline, so a part that hangs leaves time for the rest.
 # Results go to ${OUT} (the device tool's folder, which brings back at most 8 files): one file a
 # part, summary.txt, and gpu-rows.json (8 files; nothing more comes back), the issue-48 table
@@ -55,7 +55,10 @@ part throughput-0.5b+auto 90 "${PY}" -m bench.gpu.gpu_throughput --seq-lens 1024
 part throughput-0.5b-compile-1024 75 "${PY}" -m bench.gpu.gpu_throughput --compile --seq-lens 1024 --steps 8 --warmup 3 --json "${rows}"
 part throughput-0.5b-compile-4096 75 "${PY}" -m bench.gpu.gpu_throughput --compile --seq-lens 4096 --steps 8 --warmup 3 --json "${rows}"
 part throughput-7b 100 "${PY}" -m bench.gpu.gpu_throughput --preset 7b --seq-lens 1024 --steps 5 --warmup 2 --json "${rows}"
+part tests-gpu 130 "${PY}" -m pytest -x -q -p no:cacheprovider tests/gpu
+# Last, what no GPU has run yet (2026-11-29): what the deadline leaves them.
+# CUDA graphs on the padded static shapes (trainer.cuda_graphs): its text goes to the compiled 1,024 file.
+part throughput-0.5b-compile-1024+graphs 75 "${PY}" -m bench.gpu.gpu_throughput --compile --seq-lens 1024 --steps 8 --warmup 3 --json "${rows}" trainer.compile=true data.pad_to_multiple_of=128 trainer.cuda_graphs=true
 # The loss's chunk scorer, eager against compiled, at the 0.5B head and 8 x 1,024 positions (its text goes to the profile's file).
 part profile-0.5b-1024+loss 40 "${PY}" -m bench.gpu.loss_scorer --device cuda --rows 8192
-part tests-gpu 130 "${PY}" -m pytest -x -q -p no:cacheprovider tests/gpu
 log "done"

@@ -318,6 +318,13 @@ class TrainerConfig(_Section):
         False,
         description="torch.compile the decoder layers, projectors and loss: slower first steps (compilation), faster after.",
     )
+    cuda_graphs: bool = Field(
+        False,
+        description=(
+            "Replay the compiled decoder layers as CUDA graphs (torch.compile's reduce-overhead): one launch a layer "
+            "instead of its kernels; needs trainer.compile and data.pad_to_multiple_of (static shapes); GPUs only."
+        ),
+    )
     val_every_n_steps: int = Field(50, gt=0, description="Validate every N optimizer steps and at the end.")
     limit_val_batches: int | None = Field(None, description="Cap validation batches; none: the whole set.")
 
@@ -488,6 +495,16 @@ class Config(_Section):
     def _sharding_compiles_nothing(self) -> Config:
         if self.distributed.strategy == "fsdp" and self.trainer.compile:
             raise ValueError("trainer.compile is not supported with distributed.strategy=fsdp; set trainer.compile=false")
+        return self
+
+    @model_validator(mode="after")
+    def _cuda_graphs_replay_static_compiled_shapes(self) -> Config:
+        # A graph is recorded per input shape and replayed as recorded: compiled, and few shapes.
+        if self.trainer.cuda_graphs and not (self.trainer.compile and self.data.pad_to_multiple_of):
+            raise ValueError(
+                "trainer.cuda_graphs replays compiled layers at static shapes: set trainer.compile=true and "
+                "data.pad_to_multiple_of (e.g. 128), or trainer.cuda_graphs=false"
+            )
         return self
 
     @model_validator(mode="after")

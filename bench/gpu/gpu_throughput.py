@@ -52,7 +52,7 @@ from purrsight.model.llm import leave_lora_casts_to_autocast
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.observability.flops import gpu_peak_tflops, model_flops_per_token
 from purrsight.training.auto_settings import device_memory
-from purrsight.training.model_builder import build_model, compile_trainable_path, frozen_dtype
+from purrsight.training.model_builder import build_model, compile_trainable_path, frozen_dtype, padded_shapes
 from purrsight.training.optim import build_optimizer
 
 
@@ -119,7 +119,9 @@ def estimate_bytes(preset: str, overrides: list[str], seq_len: int) -> int:
         return estimate(config, 1).per_gpu["ddp"].total
 
 
-def write_rows(path: Path, preset: str, compiled: bool, batch: int, results: list[dict[str, float]], estimates: list[int]) -> None:
+def write_rows(
+    path: Path, preset: str, compiled: bool, graphs: bool, batch: int, results: list[dict[str, float]], estimates: list[int]
+) -> None:
     """Adds this run's rows to ``path`` (bench/gpu_session.sh gathers every run's rows in one file)."""
     table: dict[str, Any] = (
         json.loads(path.read_text())
@@ -128,6 +130,7 @@ def write_rows(path: Path, preset: str, compiled: bool, batch: int, results: lis
     )
     for result, estimated in zip(results, estimates, strict=True):
         row = {"preset": preset, "compile": compiled, "seq_len": result["seq_len"], "batch": batch, "mfu": result["mfu"]}
+        row |= {"cuda_graphs": graphs}
         row |= {"step_s": result["step_s"], "first_step_s": result["first_step_s"], "tokens_per_s": result["tokens_per_s"]}
         row |= {"peak_bytes": int(result["peak_mem_gib"] * 2**30), "estimate_bytes": estimated}
         table["rows"].append(row)
@@ -141,7 +144,11 @@ def make_step(config: Config, model: PurrSightModel, data: dict[str, Any], optim
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     clip = config.trainer.gradient_clip_val
 
+    graphs = config.trainer.cuda_graphs
+
     def step() -> None:
+        if graphs:  # a new iteration for the graph trees, as the trainer marks each micro-batch
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast:
             loss = model(data).loss
         loss.backward()
@@ -212,8 +219,8 @@ def main() -> int:
     device = torch.device("cpu" if args.cpu else "cuda")
 
     config, model = build(None if args.cpu else args.preset, args.overrides, device, max(args.seq_lens))
-    if args.compile:
-        compile_trainable_path(model)
+    if args.compile:  # as the trainer does (training/module.py)
+        compile_trainable_path(model, padded_shapes(config), cuda_graphs=config.trainer.cuda_graphs)
     model.train()
     results = []
     for seq in args.seq_lens:  # printed as measured: a length that runs out of memory leaves the others' figures
@@ -244,7 +251,7 @@ def main() -> int:
             f"model.llm.gradient_checkpointing={config.model.llm.checkpointing}",
         ]
         estimates = [estimate_bytes(args.preset, [*args.overrides, *chosen], int(r["seq_len"])) for r in results]
-        write_rows(args.json, args.preset, args.compile, config.data.micro_batch, results, estimates)
+        write_rows(args.json, args.preset, args.compile, config.trainer.cuda_graphs, config.data.micro_batch, results, estimates)
     return 0
 
 

@@ -72,7 +72,7 @@ def hold_frozen_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def compile_trainable_path(model: PurrSightModel, shapes: int | None = None) -> int:
+def compile_trainable_path(model: PurrSightModel, shapes: int | None = None, cuda_graphs: bool = False) -> int:
     """torch.compile, in place, what trains: each decoder layer of the LLM with its LoRA adapters,
     each modality's projector and the loss's chunk scorer; the number of decoder layers compiled.
 
@@ -87,6 +87,11 @@ def compile_trainable_path(model: PurrSightModel, shapes: int | None = None) -> 
     recompilation crashed in inductor on torch 2.11: bench/results/gpu.md), and dynamo's
     recompile limit (8) is raised to hold them all. None: dynamic shapes after the first
     recompilation, torch's default.
+
+    ``cuda_graphs`` (static ``shapes`` only): the layers compile in ``reduce-overhead`` mode, each
+    shape's kernels recorded once as a CUDA graph and replayed with one launch (inductor records
+    none for CPU tensors). The projectors and the loss keep the default mode: their row counts
+    vary with the modalities present and the labels, and each new count would be a new recording.
     """
     base = model.llm.get_base_model()
     layers = getattr(getattr(base, "model", None), "layers", None)
@@ -96,8 +101,9 @@ def compile_trainable_path(model: PurrSightModel, shapes: int | None = None) -> 
         import torch._dynamo.config as dynamo
 
         dynamo.recompile_limit = max(dynamo.recompile_limit, shapes)
+    mode = "reduce-overhead" if cuda_graphs and shapes is not None else None
     for layer in layers:
-        layer.compile(dynamic=False if shapes is not None else None)
+        layer.compile(dynamic=False if shapes is not None else None, mode=mode)
     for projector in model.projectors.values():
         projector.compile()  # a micro-batch's samples x its tokens: one shape but a last batch's
     use_scorer(model.head, compiled_scorer())

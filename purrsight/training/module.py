@@ -66,8 +66,12 @@ class Phase2Module(pl.LightningModule):
             leave_lora_casts_to_autocast(built.model, precision)
             if self.config.trainer.compile:
                 shapes = padded_shapes(self.config)
-                layers = compile_trainable_path(built.model, shapes)
+                graphs = self.config.trainer.cuda_graphs
+                layers = compile_trainable_path(built.model, shapes, cuda_graphs=graphs)
                 how = f"static, at most {shapes} shapes (data.pad_to_multiple_of)" if shapes else "dynamic shapes"
+                if graphs:  # inductor records graphs for CUDA tensors only
+                    on_gpu = self._trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+                    how += "; the layers replayed as CUDA graphs" if on_gpu else "; no CUDA device, so no CUDA graphs"
                 log.info(
                     "trainer.compile: %d LLM decoder layers, the projectors and the loss compiled "
                     "(%s; the first steps include compilation)",
@@ -109,6 +113,7 @@ class Phase2Module(pl.LightningModule):
                 f"{self.skipped_samples} bad samples skipped on rank {self.global_rank}, "
                 f"above data.max_bad_samples={self.config.data.max_bad_samples}; fix the data or raise the cap"
             )
+        self._new_graph_step()
         loss = self.model(batch).loss
         size = batch["input_ids"].shape[0]
         # Only on the steps the loggers and the progress line write: every self.log call
@@ -122,11 +127,21 @@ class Phase2Module(pl.LightningModule):
             self.log("train/skipped_samples", float(self.skipped_samples), on_step=True, batch_size=size)
         return loss
 
+    def _new_graph_step(self) -> None:
+        """With trainer.cuda_graphs, marks a new iteration for torch's CUDA graph trees at each
+        micro-batch: the last one's outputs (its backward done) may then be overwritten by the next
+        replay. Torch starts one by itself at a compiled call with no backward pending, which holds
+        for training's forward-backward but not around validation's forwards
+        (``torch.compiler.cudagraph_mark_step_begin``'s documentation)."""
+        if self.config.trainer.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+
     def on_validation_epoch_start(self) -> None:
         self._validation_sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss x samples, correct, samples
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         assert self.model is not None
+        self._new_graph_step()
         loss, right = self.model(batch, accuracy=True)
         assert right is not None
         size = batch["input_ids"].shape[0]

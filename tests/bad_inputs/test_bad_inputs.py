@@ -158,6 +158,12 @@ CASES = [
         "trainer.precision=16-mixed is not supported with distributed.strategy=fsdp",
         args=["distributed.strategy=fsdp", "trainer.precision=16-mixed"],
     ),
+    Case(
+        "cuda-graphs-at-dynamic-shapes",  # compiled but unpadded: every length would be a new recording
+        "check",
+        "trainer.cuda_graphs replays compiled layers at static shapes: set trainer.compile=true and data.pad_to_multiple_of",
+        args=["trainer.cuda_graphs=true", "trainer.compile=true"],
+    ),
     Case("config-missing", "train", "config file not found", prepare=lambda tmp, syn: ["--config", str(tmp / "nope.yaml")]),
     Case("check-command", "check", "unknown key data.batchsize", args=["data.batchsize=4"]),
     # --- data
