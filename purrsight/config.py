@@ -505,6 +505,12 @@ class Config(_Section):
                 "trainer.cuda_graphs replays compiled layers at static shapes: set trainer.compile=true and "
                 "data.pad_to_multiple_of (e.g. 128), or trainer.cuda_graphs=false"
             )
+        # The accumulation a global batch implies is known at the start (training/run.py refuses it there).
+        if self.trainer.cuda_graphs and self.trainer.global_batch_size is None and self.trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                "trainer.cuda_graphs needs one micro-batch per optimizer step (a replay overwrites the last one's "
+                "gradients); set trainer.accumulate_grad_batches=1 or trainer.cuda_graphs=false"
+            )
         return self
 
     @model_validator(mode="after")

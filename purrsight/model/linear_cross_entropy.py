@@ -14,6 +14,7 @@ precision), the log-softmax and the loss in fp32, the mean over labelled positio
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -66,11 +67,23 @@ def score_chunk(
 Scorer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, bool, bool], ChunkScores]
 
 
+SCORER_RECOMPILE_LIMIT = 32  # a run needs 8 (below); dynamo's shared default is 8, past which it runs eagerly
+
+
 def compiled_scorer() -> Scorer:
     """``score_chunk`` compiled: one or two fused kernels over a chunk's logits besides its matmuls.
-    Shapes: every chunk has the same rows but a batch's last, so the first recompilation (the last
-    chunk's) makes the row count symbolic and no other follows."""
-    return cast(Scorer, torch.compile(score_chunk))
+
+    Compilations a run needs: dynamo guards on the flags (training's gradients against
+    validation's predictions, under inference mode), a row count of 1 against more, a chunk at
+    the batch's start (storage offset 0) against a later one, and the first row count against
+    the symbolic one its first recompilation brings: 8 in a training and validation pattern
+    (measured on the CPU, then none in 30 more row counts). So the scorer has a recompile limit
+    of its own, apart from the decoder layers' (``isolate_recompiles``: each call's entries count
+    against its own limit), with room to spare.
+    """
+    # torch 2.13's stubs lack these two arguments of torch.compile (its signature has them).
+    compiled = torch.compile(score_chunk, recompile_limit=SCORER_RECOMPILE_LIMIT, isolate_recompiles=True)  # type: ignore[call-overload]
+    return cast(Scorer, compiled)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -131,16 +144,19 @@ def attach_loss(head: nn.Module, rows: int) -> None:
 
     A method of the head's own, so that when the head is an FSDP unit of its own (an untied head,
     training/fsdp.py) FSDP can gather its weight around the call as it does around its forward.
-    The chunk scorer is looked up at each call: ``use_scorer`` swaps it (``trainer.compile``)
-    without replacing the method FSDP wrapped.
+    Bound to the head, not closed over it: a copy of the model (``copy.deepcopy``) scores with its
+    own head. The chunk scorer is looked up at each call: ``use_scorer`` swaps it
+    (``trainer.compile``) without replacing the method FSDP wrapped.
     """
     use_scorer(head, score_chunk)
 
-    def loss(hidden: torch.Tensor, targets: torch.Tensor, predict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        score = cast(Scorer, getattr(head, SCORER))
-        return linear_cross_entropy(hidden, cast(torch.Tensor, head.weight), targets, rows, predict, score)
+    def loss(
+        self: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, predict: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        score = cast(Scorer, getattr(self, SCORER))
+        return linear_cross_entropy(hidden, cast(torch.Tensor, self.weight), targets, rows, predict, score)
 
-    setattr(head, LOSS_METHOD, loss)
+    setattr(head, LOSS_METHOD, types.MethodType(loss, head))
 
 
 def use_scorer(head: nn.Module, score: Scorer) -> None:

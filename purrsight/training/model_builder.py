@@ -90,8 +90,9 @@ def compile_trainable_path(model: PurrSightModel, shapes: int | None = None, cud
 
     ``cuda_graphs`` (static ``shapes`` only): the layers compile in ``reduce-overhead`` mode, each
     shape's kernels recorded once as a CUDA graph and replayed with one launch (inductor records
-    none for CPU tensors). The projectors and the loss keep the default mode: their row counts
-    vary with the modalities present and the labels, and each new count would be a new recording.
+    none for CPU tensors). The projectors and the loss keep the default mode: a projector is a few
+    kernels, not worth a graph's memory pool, and the loss's row count changes with the labels,
+    each new count a new recording.
     """
     base = model.llm.get_base_model()
     layers = getattr(getattr(base, "model", None), "layers", None)
@@ -111,11 +112,12 @@ def compile_trainable_path(model: PurrSightModel, shapes: int | None = None, cud
 
 
 def padded_shapes(config: Config) -> int | None:
-    """The input shapes a run's batches take with ``data.pad_to_multiple_of`` (None without it): its
-    multiples up to ``data.max_length`` and that length, for the training batch and for validation's
-    (its last batch may be shorter)."""
+    """At most how many compilations a decoder layer needs with ``data.pad_to_multiple_of`` (None
+    without it): one per length (its multiples up to ``data.max_length``, and that length) for each
+    kind of batch dynamo tells apart: training's, with gradients, and validation's, without (a
+    guard on the grad mode), each in full and as a last, shorter batch."""
     multiple = config.data.pad_to_multiple_of
-    return None if multiple is None else 2 * (-(-config.data.max_length // multiple) + 1)
+    return None if multiple is None else 4 * (-(-config.data.max_length // multiple) + 1)
 
 
 def build_model(

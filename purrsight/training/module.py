@@ -68,15 +68,15 @@ class Phase2Module(pl.LightningModule):
                 shapes = padded_shapes(self.config)
                 graphs = self.config.trainer.cuda_graphs
                 layers = compile_trainable_path(built.model, shapes, cuda_graphs=graphs)
-                how = f"static, at most {shapes} shapes (data.pad_to_multiple_of)" if shapes else "dynamic shapes"
+                compiled = f"static, at most {shapes} shapes (data.pad_to_multiple_of)" if shapes else "dynamic shapes"
                 if graphs:  # inductor records graphs for CUDA tensors only
                     on_gpu = self._trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-                    how += "; the layers replayed as CUDA graphs" if on_gpu else "; no CUDA device, so no CUDA graphs"
+                    compiled += "; the layers replayed as CUDA graphs" if on_gpu else "; no CUDA device, so no CUDA graphs"
                 log.info(
                     "trainer.compile: %d LLM decoder layers, the projectors and the loss compiled "
                     "(%s; the first steps include compilation)",
                     layers,
-                    how,
+                    compiled,
                 )
             log.info(
                 "model built: frozen weights %s; this rank holds %.2f MiB of them; peak RSS so far %.0f MiB",

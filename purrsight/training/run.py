@@ -11,13 +11,13 @@ from pathlib import Path
 import pytorch_lightning as pl
 from pytorch_lightning.strategies import Strategy
 
-from purrsight.config import Config, write_resolved
+from purrsight.config import Config, ConfigError, write_resolved
 from purrsight.distributed import flight_recorder
 from purrsight.distributed.lost_peer import raise_for_lost_peer
 from purrsight.distributed.preflight_callback import Preflight
 from purrsight.distributed.process_group import TORCHRUN_RANK, agreed_max, init_process_group, worker_generation
 from purrsight.distributed.watchdog import raise_for_peer_firing
-from purrsight.global_batch import resolve_global_batch
+from purrsight.global_batch import GlobalBatch, resolve_global_batch
 from purrsight.observability.report import write_report
 from purrsight.observability.trackers import close_trackers
 from purrsight.run_folder import checkpoint_dir
@@ -59,6 +59,22 @@ class TrainOutcome:
     final_step: int
     checkpoint: Path | None
     stopped_by_signal: int | None
+
+
+def refuse_graphs_with_accumulation(config: Config, global_batch: GlobalBatch) -> None:
+    """trainer.cuda_graphs only where a step is one micro-batch. The graphs' backward writes the
+    gradients into their memory pool, a parameter whose .grad is None takes that tensor as its
+    .grad, and the next micro-batch's replay overwrites it: accumulation would add to overwritten
+    gradients (torch names the case in cudagraph_trees.py's error on it). Known here, before the
+    run folder is touched: every rank computes the same accumulation and refuses alike."""
+    if config.trainer.cuda_graphs and config.trainer.accumulate_grad_batches > 1:
+        raise ConfigError(
+            [
+                f"trainer.cuda_graphs needs one micro-batch per optimizer step and this start has "
+                f"{config.trainer.accumulate_grad_batches} ({global_batch.product}); set data.batch_size to "
+                "the global batch / processes, or trainer.cuda_graphs=false"
+            ]
+        )
 
 
 def train(
@@ -107,8 +123,9 @@ def train(
     # anything reads them (the data, the model, the trainer): an elastic restart keeps the global batch.
     # The folder is prepared after: a start the choice refuses leaves it as it was.
     config = settle_auto_settings(config, ckpt, placement.accelerator, backend, distributed)
-    prepare_agreed(config, plan, distributed)
     config, global_batch = resolve_global_batch(config, int(os.environ.get("WORLD_SIZE", "1")))
+    refuse_graphs_with_accumulation(config, global_batch)
+    prepare_agreed(config, plan, distributed)
     if int(os.environ.get("RANK", "0")) == 0:
         (log.info if global_batch.exact else log.warning)(global_batch.line())
     pl.seed_everything(config.run.seed, workers=True, verbose=False)

@@ -164,6 +164,15 @@ CASES = [
         "trainer.cuda_graphs replays compiled layers at static shapes: set trainer.compile=true and data.pad_to_multiple_of",
         args=["trainer.cuda_graphs=true", "trainer.compile=true"],
     ),
+    Case(
+        "cuda-graphs-with-accumulation",  # known at the start: 8 samples a step = 1 process x 2 x 4 micro-batches
+        "train",
+        "trainer.cuda_graphs needs one micro-batch per optimizer step and this start has 4 (1 x 2 x 4 = 8)",
+        args=[
+            *("trainer.compile=true", "data.pad_to_multiple_of=16", "trainer.cuda_graphs=true"),
+            *("trainer.global_batch_size=8", "data.batch_size=2"),
+        ],
+    ),
     Case("config-missing", "train", "config file not found", prepare=lambda tmp, syn: ["--config", str(tmp / "nope.yaml")]),
     Case("check-command", "check", "unknown key data.batchsize", args=["data.batchsize=4"]),
     # --- data

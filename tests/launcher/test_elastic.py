@@ -58,9 +58,30 @@ def resumed_and_training(log: Path, offset: int, steps: int = STEPS) -> bool:
     return bool(resumed) and re.search(rf"step \d+/{steps}", after) is not None
 
 
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie left to be reaped counts as ended)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def all_ended(pids: list[int]) -> bool:
+    return all(gone(pid) for pid in pids)
+
+
+def joined_late(master: Launcher) -> bool:
+    """Whether the master saw a node waiting to join before any round of all three: a node that came
+    after the first round closed. Waiting after a round of three is a node that left and came back,
+    which no start should do: not this, and the test fails on it."""
+    text = master.text()
+    waiting, all_three = text.find("waiting to join"), text.find("elastic round of 3 node(s) [0, 1, 2]")
+    return waiting >= 0 and (all_three < 0 or waiting < all_three)
+
+
 def all_held_or_joined_late(master: Launcher, gate: Path) -> bool:
-    """Whether the three ranks hold at ``gate``, or the master saw a node join after its first round."""
-    return "waiting to join" in master.text() or all(held_marker(gate, rank).exists() for rank in range(3))
+    """Whether the three ranks hold at ``gate``, or a node joined after the master's first round."""
+    return joined_late(master) or all(held_marker(gate, rank).exists() for rank in range(3))
 
 
 def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Path, **overrides: Any) -> dict[int, Launcher]:
@@ -79,13 +100,17 @@ def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Pa
         master = launchers[0]  # its console output is this start's alone (latest_node0.log is the newest)
         held_or_late = functools.partial(all_held_or_joined_late, master, gate)
         assert wait_for(held_or_late, timeout=300), [launcher.text()[-2000:] for launcher in launchers.values()]
-        if "waiting to join" not in master.text():
+        if not joined_late(master):
             assert "elastic round of 3 node(s) [0, 1, 2]" in master.text(), master.text()[-3000:]
             return launchers
         print(f"start {attempt + 1}: a worker joined after the first round; starting again")
+        doomed = [launcher.proc.pid for launcher in launchers.values()]
+        doomed += [process.pid for pid in list(doomed) for process in descendants(pid)]
         for launcher in launchers.values():
             kill_whole(launcher.proc.pid)
             launcher.proc.wait()
+        all_gone = functools.partial(all_ended, doomed)  # none writes a record or a checkpoint after the cleaning
+        assert wait_for(all_gone, timeout=30), [pid for pid in doomed if not gone(pid)]
         shutil.rmtree(cluster.run_dir, ignore_errors=True)
         for marker in gate.parent.glob(f"{gate.name}.rank*.held"):
             marker.unlink()

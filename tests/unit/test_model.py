@@ -264,8 +264,8 @@ def test_the_compiled_trainable_path_trains_like_eager_and_keeps_checkpoint_name
 ) -> None:
     """trainer.compile (decoder layers, projectors, the loss's chunk scorer): the same losses and
     gradients as eager (inductor on CPU), the same names. With data.pad_to_multiple_of the layers
-    compile statically, for every padded shape a run meets; trainer.cuda_graphs compiles them in
-    reduce-overhead mode (on a CPU inductor records no graph, so the numbers are the same)."""
+    compile statically, for every padded shape a run meets; trainer.cuda_graphs compiles them (and
+    them alone) in reduce-overhead mode."""
     import torch._dynamo.config as dynamo
 
     from purrsight.model.linear_cross_entropy import SCORER, score_chunk
@@ -273,7 +273,7 @@ def test_the_compiled_trainable_path_trains_like_eager_and_keeps_checkpoint_name
 
     config = tiny_config(synthetic_dir, tmp_path, data__pad_to_multiple_of=16, data__max_length=64)
     shapes = padded_shapes(config)
-    assert shapes == 2 * (4 + 1)  # 16, 32, 48, 64 and 64 itself, for training's batch and validation's
+    assert shapes == 4 * (4 + 1)  # 16, 32, 48, 64 and 64 itself; training's and validation's, full and last
     # torch's default, set back after the test by torch's own patch: monkeypatch (pytest 9) would
     # delete it, as a config module keeps no value in its instance __dict__.
     stack = contextlib.ExitStack()
@@ -281,7 +281,7 @@ def test_the_compiled_trainable_path_trains_like_eager_and_keeps_checkpoint_name
     stack.enter_context(dynamo.patch(recompile_limit=8))
     eager, compiled = build_model(config).model, build_model(config).model
     names = list(compiled.state_dict())
-    modes: list[str | None] = []  # the real compile, its mode noted: trainer.cuda_graphs reaches the layers alone
+    modes: list[str | None] = []  # the real compile (lazy: at the first call), its mode noted
     compile_module = torch.nn.Module.compile
 
     def noted(module: torch.nn.Module, **kwargs: Any) -> None:
@@ -290,8 +290,12 @@ def test_the_compiled_trainable_path_trains_like_eager_and_keeps_checkpoint_name
 
     monkeypatch.setattr(torch.nn.Module, "compile", noted)
     layers = config.model.llm.config["num_hidden_layers"]
-    assert compile_trainable_path(compiled, shapes, cuda_graphs=True) == layers
-    assert modes == ["reduce-overhead"] * layers + [None] * len(compiled.projectors)  # on a CPU no graph is recorded
+    assert compile_trainable_path(compiled, shapes) == layers
+    assert modes == [None] * (layers + len(compiled.projectors))
+    # trainer.cuda_graphs reaches the layers alone (on a CPU inductor would record no graph); not run
+    modes.clear()
+    compile_trainable_path(build_model(config).model, shapes, cuda_graphs=True)
+    assert modes == ["reduce-overhead"] * layers + [None] * len(compiled.projectors)
     assert dynamo.recompile_limit == shapes  # each padded length compiled once, none left to eager
     assert all(projector._compiled_call_impl is not None for projector in compiled.projectors.values())
     assert getattr(compiled.head, SCORER) is not score_chunk and getattr(eager.head, SCORER) is score_chunk
