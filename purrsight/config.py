@@ -479,6 +479,15 @@ class Config(_Section):
     def auto_chosen(self) -> frozenset[str]:
         return self._auto_chosen
 
+    @property
+    def left_auto(self) -> list[str]:
+        """The settings (dotted) this config leaves ``auto``, for the start to choose (training/auto_settings.py)."""
+        values = {
+            "data.batch_size": self.data.batch_size,
+            "model.llm.gradient_checkpointing": self.model.llm.gradient_checkpointing,
+        }
+        return [key for key, value in values.items() if value == AUTO]
+
     def with_auto_chosen(self, keys: list[str]) -> Config:
         """This config, recording that ``keys`` (dotted) were chosen at start, not given."""
         copy = self.model_copy()

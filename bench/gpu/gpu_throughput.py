@@ -45,7 +45,7 @@ from bench.common import (
     random_init_overrides,
     synthetic_tokenizer,
 )
-from purrsight.config import AUTO, Config, load_config
+from purrsight.config import Config, load_config
 from purrsight.estimate.auto_fit import auto_choice, with_choices
 from purrsight.estimate.memory import estimate
 from purrsight.model.llm import leave_lora_casts_to_autocast
@@ -83,7 +83,7 @@ PRESETS = {"0.5b": (REAL_CONFIG, QWEN2_5_0_5B), "7b": (REPO / "config" / "qwen2.
 
 def settle_auto(config: Config, seq_len: int, device: torch.device) -> Config:
     """``auto`` settings chosen as training chooses them on this device (one process), for ``seq_len``."""
-    if AUTO not in (config.data.batch_size, config.model.llm.gradient_checkpointing):
+    if not config.left_auto:
         return config
     memory, name = device_memory("gpu" if device.type == "cuda" else "cpu")
     priced = config.model_copy(update={"data": config.data.model_copy(update={"max_length": seq_len})})
@@ -143,7 +143,6 @@ def make_step(config: Config, model: PurrSightModel, data: dict[str, Any], optim
     trainable = model.trainable_parameters()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     clip = config.trainer.gradient_clip_val
-
     graphs = config.trainer.cuda_graphs
 
     def step() -> None:

@@ -106,11 +106,10 @@ def settle_auto(config: Config, gpus: int, memory: int | None, llm_config: Path 
     (AUTO_GPU_MEMORY where not given), and the lines that say so; an unchanged config where none is
     auto. Where not one sample fits, the table prices micro-batch 1 under the refusal training would
     give: the figures are what a user needs to choose what to shard or shorten."""
-    from purrsight.config import AUTO
     from purrsight.estimate.auto_fit import NothingFitsError, auto_choice, with_choices
     from purrsight.estimate.memory import precision_of
 
-    if AUTO not in (config.data.batch_size, config.model.llm.gradient_checkpointing):
+    if not config.left_auto:
         return config, []
     given = memory is not None
     memory = memory or AUTO_GPU_MEMORY

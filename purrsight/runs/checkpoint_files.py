@@ -21,6 +21,14 @@ class CheckpointReadError(UserError):
     """A checkpoint could not be read at all (permissions, I/O error, stale NFS handle)."""
 
 
+def mapped(path: Path) -> Any:
+    """A checkpoint file loaded memory-mapped, safely: the few small entries the start reads leave
+    the disk, not the whole file, whatever the checkpoint's size."""
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
 def saved_step(path: Path) -> int | None:
     """The optimizer step a PurrSight checkpoint was saved at; None when it is torn or not one.
 
@@ -29,12 +37,8 @@ def saved_step(path: Path) -> int | None:
     skipping it would resume an older checkpoint, or start over, while it may be whole,
     so that raises CheckpointReadError naming the file and the cause.
     """
-    import torch
-
     try:
-        # Memory-mapped: the few entries read here leave the disk, not the whole file (a truncated
-        # file fails here as when read whole: its zip directory, at the end, is missing).
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = mapped(path)  # a truncated file fails here as when read whole: its zip directory, at the end, is missing
     except OSError as err:
         raise CheckpointReadError(
             f"cannot read checkpoint {path}: {err.strerror or err}; fix access to it (or move it away) and start again"
@@ -65,14 +69,8 @@ def newest_checkpoint(folder: Path) -> tuple[Path, int] | None:
 
 
 def training_position(path: Path, world_now: int) -> DataPosition | None:
-    """The data position in a checkpoint file (None when it holds none); ``world_now`` as saved_position takes it.
-
-    Memory-mapped: only the few small entries read here leave the disk, whatever the
-    checkpoint's size.
-    """
-    import torch
-
-    return saved_position(torch.load(path, map_location="cpu", weights_only=True, mmap=True), world_now)
+    """The data position in a checkpoint file (None when it holds none); ``world_now`` as saved_position takes it."""
+    return saved_position(mapped(path), world_now)
 
 
 # A checkpoint's run config (its resolved YAML, parsed) and the settings its start chose itself.
@@ -83,10 +81,9 @@ AUTO_CHOSEN_KEY = "auto_chosen"
 def saved_settings(path: Path) -> SavedSettings | None:
     """The config a checkpoint's run trained with and the settings it chose at start (none before
     2026-11-29); None where the file keeps no config."""
-    import torch
     import yaml
 
-    meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("purrsight")
+    meta = mapped(path).get("purrsight")
     text = meta.get("config") if isinstance(meta, dict) else None
     try:
         settings = yaml.safe_load(text) if isinstance(text, str) else None
@@ -94,5 +91,5 @@ def saved_settings(path: Path) -> SavedSettings | None:
         return None
     if not isinstance(settings, dict):
         return None
-    chosen = meta.get(AUTO_CHOSEN_KEY) if isinstance(meta, dict) else None
+    chosen = meta.get(AUTO_CHOSEN_KEY)  # meta is a dict: its config text was read
     return settings, frozenset(key for key in chosen or [] if isinstance(key, str))

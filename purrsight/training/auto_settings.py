@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from purrsight.config import AUTO, Config
+from purrsight.config import Config
 from purrsight.distributed.process_group import agreed_max, computed_on_rank_zero
 from purrsight.launcher.cgroups import memory_limit
 from purrsight.runs.checkpoint_files import SavedSettings, saved_settings
@@ -33,12 +33,6 @@ from purrsight.training.trainer_builder import resolve_precision
 log = logging.getLogger(__name__)
 BATCH, CHECKPOINTING = "data.batch_size", "model.llm.gradient_checkpointing"
 KEPT = "give a value to choose again"
-
-
-def auto_keys(config: Config) -> list[str]:
-    """The settings ``config`` leaves to the start."""
-    values = {BATCH: config.data.batch_size, CHECKPOINTING: config.model.llm.gradient_checkpointing}
-    return [key for key, value in values.items() if value == AUTO]
 
 
 def kept_settings(config: Config, saved: SavedSettings | None) -> dict[str, Any]:
@@ -61,7 +55,7 @@ def kept_settings(config: Config, saved: SavedSettings | None) -> dict[str, Any]
         kept[BATCH] = batch
     if CHECKPOINTING in chosen and isinstance(checkpointing, bool):
         kept[CHECKPOINTING] = checkpointing
-    return {key: value for key, value in kept.items() if key in auto_keys(config)}
+    return {key: value for key, value in kept.items() if key in config.left_auto}
 
 
 @dataclass(frozen=True)
@@ -144,7 +138,7 @@ def settle_auto_settings(config: Config, checkpoint: Path | None, accelerator: s
     Every rank calls it (a collective finds the smallest device); rank 0 decides and logs, and
     whatever it raises (a refusal: not one sample fits) is raised on every rank, so all end together.
     """
-    keys = auto_keys(config)
+    keys = config.left_auto
     if not keys:
         return config  # the estimate's model code stays unimported (tests/unit/test_start_imports.py)
     from purrsight.estimate.auto_fit import with_choices
