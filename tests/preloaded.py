@@ -106,6 +106,7 @@ def _child(request: dict[str, Any]) -> int:
 
 def serve() -> None:
     import purrsight.config
+    import purrsight.training.first_use  # what a trainer builds at its first use, built here as in the launcher's server
     import purrsight.training.run  # noqa: F401  (Lightning, torchmetrics, torch, transformers)
     import train_phase2  # noqa: F401  (the imports every child shares)
 

@@ -72,6 +72,7 @@ PRELOAD = [
     "purrsight.config",
     "purrsight.distributed.process_group",
     "purrsight.training.run",
+    "purrsight.training.first_use",  # what the first step would build: pandas, transformers' conversion table
 ]
 SERVER_IGNORES = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)  # held by the server
 

@@ -96,10 +96,17 @@ def test_each_worker_gets_what_a_subprocess_worker_gets(tmp_path: Path) -> None:
 
 
 def test_the_preload_list_is_the_trainers_start(tmp_path: Path) -> None:
-    """Every module the server preloads exists, and importing them is what a trainer imports first."""
-    check = "import importlib, sys; [importlib.import_module(name) for name in sys.argv[1:]]; print('ok')"
+    """Every module the server preloads exists, and importing them is what a trainer imports first;
+    what a worker would build at its first step is built there too (training/first_use.py): pandas
+    loaded for pyarrow, transformers' conversion table for peft. A transformers that moves the table
+    fails this test, not a run: the head start is then lost, and this says so."""
+    check = (
+        "import importlib, sys; [importlib.import_module(name) for name in sys.argv[1:]]; "
+        "from transformers import conversion_mapping; "
+        "print('pandas' in sys.modules, conversion_mapping._checkpoint_conversion_mapping_cache is not None)"
+    )
     done = subprocess.run([sys.executable, "-c", check, *PRELOAD], cwd=REPO, env=python_env(), capture_output=True, text=True)
-    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert done.stdout.strip() == "True True", done.stderr[-2000:]
     assert (REPO / "train_phase2.py").read_text().count("from purrsight.training.run import train") == 1
 
 
