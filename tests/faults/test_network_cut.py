@@ -185,6 +185,8 @@ def test_an_elastic_job_goes_on_without_the_node_cut_off_the_network_with_the_gl
         assert "watchdog: rank" not in survivor, survivor[-4000:]
     resumed = re.search(r"resuming from checkpoint .*step-(\d+)\.ckpt", after)
     assert resumed, after[-4000:]
-    assert again_s < WATCHDOG_S + 45, again_s  # a bound on a hang; the figure is printed
+    # A bound on a hang, which would wait out the agents' 120 s rendezvous join timeout; the figure is
+    # printed. 62 s once, on a machine running at half its speed (2026-11-29).
+    assert again_s < WATCHDOG_S + 75, again_s
     trained = steps_trained(records, [(0, 3, 0, int(resumed.group(1))), (cut_ns, 2, int(resumed.group(1)), steps)])
     check_global_batch_and_every_sample_once(trained, steps, synthetic_dir)

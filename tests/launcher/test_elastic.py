@@ -86,15 +86,18 @@ def all_held_or_joined_late(master: Launcher, gate: Path) -> bool:
 
 def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Path, **overrides: Any) -> dict[int, Launcher]:
     """Three launchers of a ``nodes`` (MIN:MAX) job, held at ``gate``'s step, having trained every
-    step in one round of the three. The workers start first: they wait for the master, so the three
-    normally join its first round together. On a crowded machine a worker's torchrun can start
-    later than the round's last call (CI, 2026-11-29: 11 s); the round then closes without it and
-    restarts when it arrives, which is right for a job but not the start these tests build on
-    (their record of attempts begins with one round of three). Such a start is ended whole and made
-    again in a clean folder, at most twice."""
+    step in one round of the three. The workers start first, and the master once both have passed
+    their node's own checks: they then wait for the master's store (the "master reachable" check)
+    and join its first round together. On a crowded machine a worker's torchrun can still join
+    later than the round's last call (CI, 2026-11-29: 11 s, when the master started 2 s after the
+    workers whatever their preparation took); the round then closes without it and restarts when it
+    arrives, which is right for a job but not the start these tests build on (their record of
+    attempts begins with one round of three). Such a start is ended whole and made again in a clean
+    folder, at most twice."""
     for attempt in range(3):
         launchers = {rank: cluster.start(nodes, rank, env=env, **overrides) for rank in (1, 2)}
-        time.sleep(2)
+        workers_ready = functools.partial(all_waiting_for_the_master, [launchers[1], launchers[2]])
+        assert wait_for(workers_ready, timeout=120), [launcher.text()[-2000:] for launcher in launchers.values()]
         launchers[0] = cluster.start(nodes, 0, env=env, **overrides)
 
         master = launchers[0]  # its console output is this start's alone (latest_node0.log is the newest)
@@ -119,6 +122,12 @@ def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Pa
                 record.unlink()
         cluster.port = free_port()  # the killed store's port may linger in TIME_WAIT
     raise AssertionError(f"three starts in a row had a worker join after the first round:\n{master.text()[-3000:]}")
+
+
+def all_waiting_for_the_master(launchers: list[Launcher]) -> bool:
+    """Whether each worker node's launcher has passed its own health checks: the one it runs next
+    waits for the master's rendezvous store (purrsight/launcher/health.py, "master reachable")."""
+    return all("health: PASS  output writable" in launcher.text() for launcher in launchers)
 
 
 def three_held_at_7_then_one_lost(cluster: Cluster, tmp_path: Path, lost: int, last_call_s: int) -> dict[int, Launcher]:
