@@ -4,7 +4,9 @@ The launcher's fork server imports ``forked_workers.PRELOAD``; ``purrsight.train
 (part of that list) also builds what a trainer otherwise builds at its first use. Two parents, one
 importing the list without it and one with it, each fork ``--runs`` trainer runs of the tiny default
 (``--steps`` optimizer steps, the tests' batch and intervals) and add up their children's CPU seconds
-(user + system, the kernel's count of each reaped child); the two take turns, ``--repeats`` times.
+(user + system, the kernel's count of each reaped child: the trainer process itself, not a loader
+server it leaves to end on its own); the two take turns, ``--repeats`` times. A run that fails
+stops the measure with its traceback.
 
     .venv/bin/python -m bench.launch.first_use --repeats 3         # from the repository root
 """
@@ -23,7 +25,7 @@ FIRST_USE = "purrsight.training.first_use"
 
 # The parent: imports its list, then forks and reaps each run; prints its children's CPU seconds per run.
 PARENT = """
-import importlib, os, resource, runpy, sys
+import importlib, os, resource, runpy, sys, traceback
 modules, runs, argv = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3:]
 for name in modules:
     importlib.import_module(name)
@@ -31,11 +33,19 @@ for run in range(runs):
     pid = os.fork()
     if pid == 0:
         sys.argv = ["train_phase2.py", *argv, f"run.name=run{run}"]
+        code = 0
         try:
             runpy.run_path("train_phase2.py", run_name="__main__")
+        except BaseException as err:  # a failed run must not count as a cheap one
+            code = 0 if isinstance(err, SystemExit) and err.code in (None, 0) else 1
+            if code:
+                traceback.print_exc()
         finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"run {run} failed (exit {os.waitstatus_to_exitcode(status)})")
 used = resource.getrusage(resource.RUSAGE_CHILDREN)
 print((used.ru_utime + used.ru_stime) / runs)
 """

@@ -140,7 +140,13 @@ def test_an_elastic_job_goes_on_without_the_node_cut_off_the_network_with_the_gl
             return subprocess.Popen(hosts[rank].command(*launcher, "--", *overrides), cwd=REPO, env=env, stdout=out, stderr=out)
 
         procs = {rank: start(rank) for rank in (1, 2)}
-        time.sleep(2)
+        outs = [tmp_path / f"node{rank}.out" for rank in (1, 2)]
+        # The master once both workers passed their own checks (the next waits for its store), so
+        # the three join round 0 together however long their preparation took under load.
+        workers_waiting = lambda: all("health: PASS  output writable" in out.read_text() for out in outs)  # noqa: E731
+        a_worker_ended = lambda: any(procs[rank].poll() is not None for rank in (1, 2))  # noqa: E731
+        assert wait_for(lambda: workers_waiting() or a_worker_ended(), timeout=120), [out.read_text()[-2000:] for out in outs]
+        assert not a_worker_ended(), [out.read_text()[-2000:] for out in outs]
         procs[0] = start(0)
         log = tmp_path / "logs" / "latest_node0.log"
         try:

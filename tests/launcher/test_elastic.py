@@ -96,8 +96,9 @@ def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Pa
     folder, at most twice."""
     for attempt in range(3):
         launchers = {rank: cluster.start(nodes, rank, env=env, **overrides) for rank in (1, 2)}
-        workers_ready = functools.partial(all_waiting_for_the_master, [launchers[1], launchers[2]])
-        assert wait_for(workers_ready, timeout=120), [launcher.text()[-2000:] for launcher in launchers.values()]
+        workers = [launchers[1], launchers[2]]
+        assert wait_for(functools.partial(all_waiting_for_the_master, workers), timeout=120), [w.text()[-2000:] for w in workers]
+        assert not any(ended_or_failed_a_check(worker) for worker in workers), [w.text()[-2000:] for w in workers]
         launchers[0] = cluster.start(nodes, 0, env=env, **overrides)
 
         master = launchers[0]  # its console output is this start's alone (latest_node0.log is the newest)
@@ -125,9 +126,16 @@ def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Pa
 
 
 def all_waiting_for_the_master(launchers: list[Launcher]) -> bool:
-    """Whether each worker node's launcher has passed its own health checks: the one it runs next
-    waits for the master's rendezvous store (purrsight/launcher/health.py, "master reachable")."""
+    """Whether each worker node's launcher has passed its own health checks, the one it runs next
+    waiting for the master's rendezvous store (purrsight/launcher/health.py, "master reachable"),
+    or one has ended or failed a check (then the master would wait for it in vain)."""
+    if any(ended_or_failed_a_check(launcher) for launcher in launchers):
+        return True
     return all("health: PASS  output writable" in launcher.text() for launcher in launchers)
+
+
+def ended_or_failed_a_check(launcher: Launcher) -> bool:
+    return launcher.proc.poll() is not None or "health: FAIL" in launcher.text()
 
 
 def three_held_at_7_then_one_lost(cluster: Cluster, tmp_path: Path, lost: int, last_call_s: int) -> dict[int, Launcher]:
