@@ -59,8 +59,10 @@ def per_run_cpu(modules: list[str], runs: int, steps: int, out: str) -> float:
     argv = ["--config", str(TINY_CONFIG), *overrides]
     done = subprocess.run(
         [PYTHON, "-c", PARENT, ",".join(modules), str(runs), *argv],
-        cwd=REPO, env=bench_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, check=True,
+        cwd=REPO, env=bench_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
     )  # fmt: skip
+    if done.returncode != 0:  # the failed run's traceback and its parent's line, not a bare exit status
+        raise SystemExit(done.stderr[-4000:])
     return float(done.stdout.strip().splitlines()[-1])
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from purrsight.distributed.hang_culprit import PUBLISH_S
 from tests.helpers import REPO, launcher_env, record_samples_env, tiny_overrides
-from tests.launcher.conftest import kill_whole, wait_for
+from tests.launcher.conftest import kill_whole, wait_for, wait_for_workers_at_the_master_check
 from tests.launcher.test_elastic import check_global_batch_and_every_sample_once, resumed_and_training, steps_trained
 from tests.launcher.test_launcher import workers
 from tests.network_hosts import Host, network_hosts
@@ -140,13 +140,7 @@ def test_an_elastic_job_goes_on_without_the_node_cut_off_the_network_with_the_gl
             return subprocess.Popen(hosts[rank].command(*launcher, "--", *overrides), cwd=REPO, env=env, stdout=out, stderr=out)
 
         procs = {rank: start(rank) for rank in (1, 2)}
-        outs = [tmp_path / f"node{rank}.out" for rank in (1, 2)]
-        # The master once both workers passed their own checks (the next waits for its store), so
-        # the three join round 0 together however long their preparation took under load.
-        workers_waiting = lambda: all("health: PASS  output writable" in out.read_text() for out in outs)  # noqa: E731
-        a_worker_ended = lambda: any(procs[rank].poll() is not None for rank in (1, 2))  # noqa: E731
-        assert wait_for(lambda: workers_waiting() or a_worker_ended(), timeout=120), [out.read_text()[-2000:] for out in outs]
-        assert not a_worker_ended(), [out.read_text()[-2000:] for out in outs]
+        wait_for_workers_at_the_master_check([(procs[rank], tmp_path / f"node{rank}.out") for rank in (1, 2)])
         procs[0] = start(0)
         log = tmp_path / "logs" / "latest_node0.log"
         try:

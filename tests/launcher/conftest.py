@@ -9,6 +9,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -113,6 +114,30 @@ def wait_for(predicate, timeout: float, interval: float = 0.5) -> bool:  # type:
             return True
         time.sleep(interval)
     return False
+
+
+# The last of a node's own health checks (purrsight/launcher/health.py): a worker node's next,
+# "master reachable", waits for the master's rendezvous store.
+OWN_CHECKS_PASSED = "health: PASS  output writable"
+
+
+def wait_for_workers_at_the_master_check(workers: list[tuple[subprocess.Popen[Any], Path]], timeout: float = 120) -> None:
+    """Until each worker node's launcher (its process, its console file) has passed its own health
+    checks and waits for the master: a master started then has all of them join its first round,
+    however long their preparation took. Fails at once, with their output, where one ends or fails
+    a check (the master would wait for it in vain)."""
+
+    def consoles() -> list[str]:
+        return [console.read_text(errors="replace") for _, console in workers]
+
+    def ended_or_failed() -> bool:
+        return any(proc.poll() is not None for proc, _ in workers) or any("health: FAIL" in text for text in consoles())
+
+    def ready() -> bool:
+        return ended_or_failed() or all(OWN_CHECKS_PASSED in text for text in consoles())
+
+    assert wait_for(ready, timeout), [text[-2000:] for text in consoles()]
+    assert not ended_or_failed(), [text[-2000:] for text in consoles()]
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ import psutil
 import torch
 
 from tests.helpers import fault_env, free_port, held_marker, hold_env, log_time, python_env, record_samples_env, recorded_steps
-from tests.launcher.conftest import Cluster, Launcher, descendants, kill_whole, wait_for
+from tests.launcher.conftest import Cluster, Launcher, descendants, kill_whole, wait_for, wait_for_workers_at_the_master_check
 
 GLOBAL_BATCH, BATCH, STEPS, KILLED_AT, SAVED_AT, JOIN_AT = 12, 2, 36, 8, 5, 14
 # The second loss (node 2 at 22: the two resume from 20) and the join whose checkpoint is killed
@@ -96,9 +96,7 @@ def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Pa
     folder, at most twice."""
     for attempt in range(3):
         launchers = {rank: cluster.start(nodes, rank, env=env, **overrides) for rank in (1, 2)}
-        workers = [launchers[1], launchers[2]]
-        assert wait_for(functools.partial(all_waiting_for_the_master, workers), timeout=120), [w.text()[-2000:] for w in workers]
-        assert not any(ended_or_failed_a_check(worker) for worker in workers), [w.text()[-2000:] for w in workers]
+        wait_for_workers_at_the_master_check([(launchers[rank].proc, launchers[rank].output) for rank in (1, 2)])
         launchers[0] = cluster.start(nodes, 0, env=env, **overrides)
 
         master = launchers[0]  # its console output is this start's alone (latest_node0.log is the newest)
@@ -123,19 +121,6 @@ def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Pa
                 record.unlink()
         cluster.port = free_port()  # the killed store's port may linger in TIME_WAIT
     raise AssertionError(f"three starts in a row had a worker join after the first round:\n{master.text()[-3000:]}")
-
-
-def all_waiting_for_the_master(launchers: list[Launcher]) -> bool:
-    """Whether each worker node's launcher has passed its own health checks, the one it runs next
-    waiting for the master's rendezvous store (purrsight/launcher/health.py, "master reachable"),
-    or one has ended or failed a check (then the master would wait for it in vain)."""
-    if any(ended_or_failed_a_check(launcher) for launcher in launchers):
-        return True
-    return all("health: PASS  output writable" in launcher.text() for launcher in launchers)
-
-
-def ended_or_failed_a_check(launcher: Launcher) -> bool:
-    return launcher.proc.poll() is not None or "health: FAIL" in launcher.text()
 
 
 def three_held_at_7_then_one_lost(cluster: Cluster, tmp_path: Path, lost: int, last_call_s: int) -> dict[int, Launcher]:
