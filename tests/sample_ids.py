@@ -61,6 +61,7 @@ class WorkerSettings(Dataset[dict]):
             "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
             "log_format": handlers[0].formatter._fmt if handlers and handlers[0].formatter else "",  # type: ignore[union-attr]
             "lightning": sorted(name for name in ("lightning_fabric", "pytorch_lightning") if name in sys.modules),
+            "main": getattr(sys.modules["__main__"], "__file__", None),  # the parent's script, where multiprocessing ran it
         }
 
 

@@ -177,12 +177,21 @@ def test_an_elastic_job_goes_on_without_the_node_cut_off_the_network_with_the_gl
     assert cut_off_ended_s < WATCHDOG_S + 45, cut_off_ended_s
     assert "global batch 12 = 2 processes x 2 (data.batch_size) x 3 micro-batches per step" in after, after[-4000:]
     assert "elastic round of 2 node(s) [0, 1]" in after, after[-4000:]
-    for node in (0, 1):  # each agent names the node cut off, and its workers never waited for their watchdog
+    # Each survivor's agent names the node cut off, or, where the other survivor's agent noticed
+    # first and killed its workers, this one's worker ends on that closed connection and its agent
+    # restarts it (a race measured once in a full suite: node 1's worker saw node 0's go before its
+    # own agent's second without keep-alives had passed). At least one agent names it; no worker
+    # waited for its watchdog.
+    lost = "torchrun: node(s) 10.231.8.3 stopped sending keep-alives and left rendezvous round 0: lost"
+    named = 0
+    for node in (0, 1):
         survivor = (tmp_path / "logs" / f"latest_node{node}.log").read_text()
         survivor = survivor[survivor.index("rendezvous 0 done") :]
-        lost = "torchrun: node(s) 10.231.8.3 stopped sending keep-alives and left rendezvous round 0: lost"
-        assert survivor.count(lost) == 1, survivor[-4000:]
+        named += survivor.count(lost)
+        assert survivor.count(lost) == 1 or "error: a peer process is gone" in survivor, survivor[-4000:]
+        assert survivor.count(lost) <= 1, survivor[-4000:]
         assert "watchdog: rank" not in survivor, survivor[-4000:]
+    assert named >= 1
     resumed = re.search(r"resuming from checkpoint .*step-(\d+)\.ckpt", after)
     assert resumed, after[-4000:]
     # A bound on a hang, which would wait out the agents' 120 s rendezvous join timeout; the figure is

@@ -392,3 +392,23 @@ def test_the_fork_server_runs_its_preload_and_its_children_under_the_names_we_re
     monkeypatch.delattr(multiprocessing.forkserver, "_serve_one")
     assert not python_forkserver.in_preload()
     assert "fork servers keep the default signals" in capsys.readouterr().err
+
+
+def test_a_fork_servers_children_skip_the_parents_main_where_multiprocessing_names_its_fix_ups(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The two fix-ups spawn.prepare calls to run the parent's __main__ again are the ones replaced
+    (a real worker: tests/unit/test_loader_workers.py); a Python without them keeps them, with one line."""
+    import multiprocessing.spawn
+
+    from purrsight.internals import python_forkserver
+
+    source = inspect.getsource(multiprocessing.spawn.prepare)
+    assert all(f"{name}(" in source for name in python_forkserver.MAIN_FIXUPS), source
+    for name in python_forkserver.MAIN_FIXUPS:
+        monkeypatch.setattr(multiprocessing.spawn, name, getattr(multiprocessing.spawn, name))  # restored after
+    assert python_forkserver.skip_main_in_children()
+    assert all(getattr(multiprocessing.spawn, name) is python_forkserver._keep_this_main for name in python_forkserver.MAIN_FIXUPS)
+    monkeypatch.delattr(multiprocessing.spawn, "_fixup_main_from_name")
+    assert not python_forkserver.skip_main_in_children()
+    assert "run the parent's __main__ again" in capsys.readouterr().err

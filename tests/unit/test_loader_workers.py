@@ -134,6 +134,46 @@ def test_every_process_wide_setting_reaches_a_real_loader_worker(tmp_path: Path)
         assert item["lightning"] == []  # seeded as Lightning seeds, without importing it (1.9 CPU-s a server)
 
 
+# A script that runs the trainer's loader, as train_phase2.py or a user's own script does: each run
+# of its top level leaves a file named by the module name it ran under.
+LOADER_FROM_A_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+
+Path(sys.argv[1], f"{__name__}-{os.getpid()}").touch()
+if __name__ == "__main__":
+    from torch.utils.data import SequentialSampler
+    from purrsight.config import load_config
+    from purrsight.training.datamodule import Phase2DataModule
+    from tests.sample_ids import WorkerSettings, first_item
+
+    config = load_config(sys.argv[2], ["data.num_workers=2", "data.batch_size=1"], check_paths=False)
+    loader = Phase2DataModule(config)._loader(WorkerSettings(str, "-", 4), SequentialSampler(range(4)), shuffle=False)
+    loader.collate_fn = first_item
+    print(json.dumps([[item["pid"], item["main"]] for item in loader]), flush=True)
+    os._exit(0)  # not the interpreter's exit, which waits on the persistent workers' queues
+"""
+
+
+def test_loader_workers_do_not_run_the_trainers_script_again(tmp_path: Path) -> None:
+    """multiprocessing runs the parent's ``__main__`` script in each child before its task, as
+    ``__mp_main__``; the loader's workers skip it (internals/python_forkserver.py): a test's probe
+    script, Lightning at its top, made each worker 2.4 CPU-s instead of 0.3, and under Ray each
+    worker imported Ray again (``default_worker.py``)."""
+    script, marks = tmp_path / "run_loader.py", tmp_path / "marks"
+    script.write_text(LOADER_FROM_A_SCRIPT)
+    marks.mkdir()
+    done = subprocess.run(
+        [sys.executable, str(script), str(marks), str(DEFAULT_CONFIG)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    items = json.loads(done.stdout.splitlines()[-1])
+    assert len({pid for pid, _ in items}) == 2, items  # two workers served the four items
+    assert [main for _, main in items] == [None] * 4, items  # the fork server's __main__, not the script
+    assert sorted(mark.name.split("-")[0] for mark in marks.iterdir()) == ["__main__"], sorted(marks.iterdir())
+
+
 @settings(max_examples=200)
 @given(
     base_seed=st.integers(0, 2**63 - 1), worker_id=st.integers(0, 63), rank=st.integers(0, 1023)
