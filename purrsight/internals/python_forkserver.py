@@ -15,7 +15,10 @@ Each child of a server first runs ``multiprocessing.spawn.prepare``, which runs 
 ``__main__`` script again (``_fixup_main_from_path``, or ``_fixup_main_from_name`` for ``python
 -m``) as ``__mp_main__``, so that objects pickled from ``__main__`` can be found.
 ``skip_main_in_children`` makes a server's children skip it, for a server whose tasks live in
-importable modules only.
+importable modules only. A process has one fork server (``multiprocessing.forkserver``'s module
+state), whatever asked for it: in a trainer that is the loader's, so any other forkserver child a
+trainer started would skip ``__main__`` too (none does; from Python 3.14 forkserver is Linux's
+default start method, so a library's default ``Process`` or ``Pool`` in a trainer would be one).
 """
 
 from __future__ import annotations

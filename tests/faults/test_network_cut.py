@@ -113,7 +113,8 @@ def test_an_elastic_job_goes_on_without_the_node_cut_off_the_network_with_the_gl
     """Issue 51, item 6: three hosts on a bridge, an elastic 2:3 job (one rank each, a global batch
     of 12 = 3 x 2 x 2), host 2's cable pulled past step 8. No connection is reset, so the two
     others' collectives would wait for their watchdog (15 s); but their agents see host 2 leave the
-    round once its keep-alives stop (3 s), kill their workers, meet again without it, and resume
+    round once its keep-alives stop (3 s; one agent at least: the other's worker may end first, on
+    the connection the first one's kill closed), kill their workers, meet again without it, and resume
     from the last checkpoint at 2 x 2 x 3, the global batch kept, and finish: every step trains 12
     samples (an epoch's last window aside), no epoch a sample twice; no watchdog fired on them.
     Host 2 ends too, with the watchdog's 86: its watchdog names
@@ -178,20 +179,25 @@ def test_an_elastic_job_goes_on_without_the_node_cut_off_the_network_with_the_gl
     assert "global batch 12 = 2 processes x 2 (data.batch_size) x 3 micro-batches per step" in after, after[-4000:]
     assert "elastic round of 2 node(s) [0, 1]" in after, after[-4000:]
     # Each survivor's agent names the node cut off, or, where the other survivor's agent noticed
-    # first and killed its workers, this one's worker ends on that closed connection and its agent
-    # restarts it (a race measured once in a full suite: node 1's worker saw node 0's go before its
-    # own agent's second without keep-alives had passed). At least one agent names it; no worker
-    # waited for its watchdog.
+    # first and killed its workers, this one's worker ends on the connection that kill closed (to
+    # the other survivor's address, never the cut-off host's, whose connections nothing resets) and
+    # its agent restarts it: a race seen once in a full suite (2026-11-29), node 1's worker saw node
+    # 0's go before its own agent's second without keep-alives had passed. At least one agent names
+    # the node; no worker waited for its watchdog. Which way each survivor went is printed.
     lost = "torchrun: node(s) 10.231.8.3 stopped sending keep-alives and left rendezvous round 0: lost"
-    named = 0
+    named = []
     for node in (0, 1):
         survivor = (tmp_path / "logs" / f"latest_node{node}.log").read_text()
         survivor = survivor[survivor.index("rendezvous 0 done") :]
-        named += survivor.count(lost)
-        assert survivor.count(lost) == 1 or "error: a peer process is gone" in survivor, survivor[-4000:]
+        other = re.escape(f"10.231.8.{2 - node}")  # the other survivor's address (node n has 10.231.8.n+1)
+        closed_by_other = re.search(rf"error: a peer process is gone \(Connection (closed|reset) by peer \[{other}\]", survivor)
+        assert survivor.count(lost) == 1 or closed_by_other, survivor[-4000:]
         assert survivor.count(lost) <= 1, survivor[-4000:]
         assert "watchdog: rank" not in survivor, survivor[-4000:]
-    assert named >= 1
+        named += [node] if lost in survivor else []
+        how = "its agent named the node cut off" if lost in survivor else f"its worker ended on node {1 - node}'s kill"
+        print(f"node {node}: {how}")
+    assert named, "no agent named the node cut off"
     resumed = re.search(r"resuming from checkpoint .*step-(\d+)\.ckpt", after)
     assert resumed, after[-4000:]
     # A bound on a hang, which would wait out the agents' 120 s rendezvous join timeout; the figure is

@@ -151,7 +151,10 @@ if __name__ == "__main__":
     loader = Phase2DataModule(config)._loader(WorkerSettings(str, "-", 4), SequentialSampler(range(4)), shuffle=False)
     loader.collate_fn = first_item
     print(json.dumps([[item["pid"], item["main"]] for item in loader]), flush=True)
-    os._exit(0)  # not the interpreter's exit, which waits on the persistent workers' queues
+    # Not the interpreter's exit: multiprocessing's exit handler SIGTERMs its daemon children and
+    # joins them, and loader workers ignore SIGTERM by design (loader_worker.py); in a trainer,
+    # Lightning's teardown shuts them down first.
+    os._exit(0)
 """
 
 
