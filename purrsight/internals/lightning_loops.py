@@ -14,7 +14,11 @@ More of the loops' private parts are ours to set:
   (``val_check_interval``), which after a partial window falls inside a window, and it validates
   whenever ``should_stop`` is set, so a stop signal ran a whole validation pass before the exit;
 - when the logger connector hands a step's metrics to the loggers (``update_train_step_metrics``):
-  after every ``on_train_batch_end`` hook, where checkpoints are written (``log_step_then``).
+  after every ``on_train_batch_end`` hook, where checkpoints are written (``log_step_then``);
+- its broadcast of rank 0's SIGTERM flag before every training micro-batch of a multi-process run
+  (``_broadcast_sigterm_tensor``, Lightning 2.5 on): a blocking collective and a host read of its
+  result at each micro-batch, for a flag only Lightning's own SIGTERM handler sets, which the stop
+  vote's replaces for the whole fit (``leave_stops_to_the_stop_vote``).
 
 ``check_layout`` runs when the trainer is built, so a Lightning upgrade that moves any of them
 stops the start with one line instead of resuming with a wrong count.
@@ -48,6 +52,7 @@ def _layout_error(where: str) -> LightningLayoutError:
 
 
 EPOCH_LOOP_PARTS = ("_batches_that_stepped", "_should_check_val_fx", "_should_check_val_epoch", "_should_accumulate")
+SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"  # the epoch loop's per-micro-batch broadcast (Lightning >= 2.5)
 LOGGER_CONNECTOR_STEP = "update_train_step_metrics"
 
 
@@ -85,6 +90,29 @@ def validate_at_optimizer_steps(trainer: pl.Trainer, every_n_steps: int) -> None
         return stepped and trainer.global_step > 0 and trainer.global_step % every_n_steps == 0
 
     loop._should_check_val_fx = should_validate  # type: ignore[method-assign]
+
+
+def leave_stops_to_the_stop_vote(trainer: pl.Trainer) -> bool:
+    """No broadcast of Lightning's SIGTERM flag before each training micro-batch; whether there was one.
+
+    Lightning (2.5 on) broadcasts rank 0's ``received_sigterm`` to every rank before each training
+    micro-batch of a multi-process run, and reads the result on the host (``.item()``): on GPUs a
+    wait for the device at every micro-batch, on any backend a collective that holds every rank to
+    the slowest one's pace between the gradient all-reduces (issue 48: the host must run ahead).
+    Only Lightning's own SIGTERM handler sets the flag, and the checkpoint saver's stop handler
+    replaces it at ``on_train_start`` (runs/checkpoint_saver.py): ranks agree on a stop through the
+    stop vote (distributed/stop_vote.py), one asynchronous all-reduce a step, and the broadcast
+    carried a 0 every time. A Lightning without the method has no such broadcast to skip.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if not callable(getattr(loop, SIGTERM_BROADCAST, None)):
+        return False
+    setattr(loop, SIGTERM_BROADCAST, _no_broadcast)
+    return True
+
+
+def _no_broadcast() -> None:
+    """In place of the epoch loop's SIGTERM broadcast: a stop travels by the stop vote."""
 
 
 def end_validation_now() -> None:

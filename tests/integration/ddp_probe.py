@@ -28,6 +28,8 @@ class Probe(pl.Callback):
         self.allreduces = 0
         self.bucket_bytes = 0
         self.timeout_s = 0.0
+        self.broadcasts = 0  # torch.distributed.broadcast calls while training (Lightning's SIGTERM flag was one a micro-batch)
+        self._broadcast: Any = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ddp = trainer.strategy.model
@@ -44,6 +46,14 @@ class Probe(pl.Callback):
 
             ddp.register_comm_hook(None, counting_allreduce)
 
+        self._broadcast = dist.broadcast
+
+        def counting_broadcast(*args: Any, **kwargs: Any) -> Any:
+            self.broadcasts += 1
+            return self._broadcast(*args, **kwargs)
+
+        dist.broadcast = counting_broadcast  # type: ignore[assignment]  # callers look it up on the module at each call
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.seen.append((trainer.current_epoch, list(batch["ids"])))
         self._since_step += 1
@@ -53,10 +63,12 @@ class Probe(pl.Callback):
         self._since_step = 0
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        dist.broadcast = self._broadcast or dist.broadcast
         weights = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
         probe = {"seen": self.seen, "weights": weights, "allreduces": self.allreduces, "bucket_bytes": self.bucket_bytes}
         probe["timeout_s"] = self.timeout_s
         probe["micro_batches"] = self.micro_batches
+        probe["broadcasts"] = self.broadcasts
         torch.save(probe, self.out / f"rank{trainer.global_rank}.pt")
 
 

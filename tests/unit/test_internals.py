@@ -29,6 +29,25 @@ def test_lightning_keeps_the_batch_counters_a_resume_sets() -> None:
     assert checkpoint["loops"]["fit_loop"][BATCH_PROGRESS]["current"] == {"ready": 4, "started": 4, "processed": 4, "completed": 3}
 
 
+def test_lightnings_per_micro_batch_sigterm_broadcast_is_where_we_skip_it() -> None:
+    """The installed Lightning broadcasts its SIGTERM flag from the epoch loop's advance (what the
+    skip replaces; a real 2-rank run counts no broadcast: tests/integration/test_train_ddp.py); a
+    Lightning without it has nothing to skip."""
+    import inspect
+
+    from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from purrsight.internals import lightning_loops
+
+    assert f"self.{lightning_loops.SIGTERM_BROADCAST}()" in inspect.getsource(_TrainingEpochLoop.advance)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    assert lightning_loops.leave_stops_to_the_stop_vote(trainer)
+    assert getattr(trainer.fit_loop.epoch_loop, lightning_loops.SIGTERM_BROADCAST) is lightning_loops._no_broadcast
+    without = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    setattr(without.fit_loop.epoch_loop, lightning_loops.SIGTERM_BROADCAST, None)  # as a Lightning without the method
+    assert not lightning_loops.leave_stops_to_the_stop_vote(without)
+
+
 def test_a_checkpoint_without_the_counters_is_one_clear_error() -> None:
     with pytest.raises(LightningLayoutError, match=r"pytorch_lightning .* keeps no fit-loop batch counters at .*install"):
         set_batches_done({"loops": {"fit_loop": {}}}, 3)
