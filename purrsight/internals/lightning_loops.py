@@ -16,9 +16,10 @@ More of the loops' private parts are ours to set:
 - when the logger connector hands a step's metrics to the loggers (``update_train_step_metrics``):
   after every ``on_train_batch_end`` hook, where checkpoints are written (``log_step_then``);
 - its broadcast of rank 0's SIGTERM flag before every training micro-batch of a multi-process run
-  (``_broadcast_sigterm_tensor``, Lightning 2.5 on): a blocking collective and a host read of its
+  (``_broadcast_sigterm_tensor``, Lightning 2.5.2 on): a blocking collective and a host read of its
   result at each micro-batch, for a flag only Lightning's own SIGTERM handler sets, which the stop
-  vote's replaces for the whole fit (``leave_stops_to_the_stop_vote``).
+  vote's replaces once training starts (``leave_stops_to_the_stop_vote``); a SIGTERM Lightning's
+  handler noted before that becomes the stop vote's (``take_over_a_noted_sigterm``).
 
 ``check_layout`` runs when the trainer is built, so a Lightning upgrade that moves any of them
 stops the start with one line instead of resuming with a wrong count.
@@ -52,7 +53,8 @@ def _layout_error(where: str) -> LightningLayoutError:
 
 
 EPOCH_LOOP_PARTS = ("_batches_that_stepped", "_should_check_val_fx", "_should_check_val_epoch", "_should_accumulate")
-SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"  # the epoch loop's per-micro-batch broadcast (Lightning >= 2.5)
+SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"  # the epoch loop's per-micro-batch broadcast (Lightning >= 2.5.2)
+SIGNAL_CONNECTOR = "_signal_connector"  # the trainer's, whose received_sigterm Lightning's handler sets
 LOGGER_CONNECTOR_STEP = "update_train_step_metrics"
 
 
@@ -95,14 +97,15 @@ def validate_at_optimizer_steps(trainer: pl.Trainer, every_n_steps: int) -> None
 def leave_stops_to_the_stop_vote(trainer: pl.Trainer) -> bool:
     """No broadcast of Lightning's SIGTERM flag before each training micro-batch; whether there was one.
 
-    Lightning (2.5 on) broadcasts rank 0's ``received_sigterm`` to every rank before each training
+    Lightning (2.5.2 on) broadcasts rank 0's ``received_sigterm`` to every rank before each training
     micro-batch of a multi-process run, and reads the result on the host (``.item()``): on GPUs a
-    wait for the device at every micro-batch, on any backend a collective that holds every rank to
-    the slowest one's pace between the gradient all-reduces (issue 48: the host must run ahead).
-    Only Lightning's own SIGTERM handler sets the flag, and the checkpoint saver's stop handler
-    replaces it at ``on_train_start`` (runs/checkpoint_saver.py): ranks agree on a stop through the
-    stop vote (distributed/stop_vote.py), one asynchronous all-reduce a step, and the broadcast
-    carried a 0 every time. A Lightning without the method has no such broadcast to skip.
+    wait for the device at every micro-batch (issue 48: the host must run ahead). Only Lightning's
+    own SIGTERM handler sets the flag, and the checkpoint saver's stop handler replaces it at
+    ``on_train_start`` (runs/checkpoint_saver.py), where a signal that handler noted earlier is
+    taken over (``take_over_a_noted_sigterm``): from the first micro-batch on, ranks agree on a stop
+    through the stop vote (distributed/stop_vote.py), an asynchronous all-reduce a micro-batch read
+    at the next, and the broadcast carried a 0 every time. A Lightning without the method has no
+    such broadcast to skip.
     """
     loop = trainer.fit_loop.epoch_loop
     if not callable(getattr(loop, SIGTERM_BROADCAST, None)):
@@ -113,6 +116,19 @@ def leave_stops_to_the_stop_vote(trainer: pl.Trainer) -> bool:
 
 def _no_broadcast() -> None:
     """In place of the epoch loop's SIGTERM broadcast: a stop travels by the stop vote."""
+
+
+def take_over_a_noted_sigterm(trainer: pl.Trainer) -> bool:
+    """Whether Lightning's SIGTERM handler noted a signal before the stop vote's replaced it (between
+    Lightning's registration and ``on_train_start``: its barriers, the loaders' first workers); the
+    note is cleared, for the caller to request the stop the stop vote agrees on. Left, it would end
+    this rank alone after its first micro-batch, without a checkpoint, and the others at their next
+    collective (the broadcast that carried it to every rank is skipped)."""
+    connector = getattr(trainer, SIGNAL_CONNECTOR, None)
+    if not getattr(connector, "received_sigterm", False):
+        return False
+    connector.received_sigterm = False  # type: ignore[union-attr]  # a bool attribute on Lightning's connector
+    return True
 
 
 def end_validation_now() -> None:

@@ -26,7 +26,7 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from purrsight.atomic_file import publish, stale_temp_files
 from purrsight.distributed.stop_vote import StopRequest, StopVote
 from purrsight.errors import UserError
-from purrsight.internals.lightning_loops import end_validation_now, log_step_then
+from purrsight.internals.lightning_loops import end_validation_now, log_step_then, take_over_a_noted_sigterm
 from purrsight.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,8 @@ class CheckpointSaver(pl.Callback):
         # Installed here, after Lightning registered its own SIGTERM handler (which
         # abandons the run without a checkpoint), so ours wins for the whole fit.
         self.stop.install()
+        if take_over_a_noted_sigterm(trainer):  # arrived while Lightning's handler was the one
+            self.stop.request(signal.SIGTERM)
         self.vote.setup()
         self.last_saved_step = trainer.global_step  # a resumed run's start is already saved
         self._step_before, self._stop_agreed = trainer.global_step, False

@@ -65,8 +65,8 @@ def test_two_ranks_train_on_disjoint_shards_with_identical_weights_and_all_reduc
     for rank, probe in enumerate(ranks):
         assert len(probe["seen"]) == 240  # micro-batches: both ranks take the same number
         assert probe["allreduces"] == 120  # optimizer steps: the other micro-batches skip the all-reduce (no_sync)
-        # and no other collective a micro-batch: Lightning's broadcast of its SIGTERM flag (one before
-        # each, with a host read) is skipped; the stop vote's all-reduce is one a step, asynchronous
+        # and no broadcast: Lightning's of its SIGTERM flag (one before each micro-batch, with a host
+        # read) is skipped; ranks agree on a stop by the stop vote's asynchronous all-reduce
         assert probe["broadcasts"] == 0
         assert probe["bucket_bytes"] == 100 * 2**20
         assert probe["timeout_s"] == 1234

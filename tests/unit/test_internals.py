@@ -48,6 +48,26 @@ def test_lightnings_per_micro_batch_sigterm_broadcast_is_where_we_skip_it() -> N
     assert not lightning_loops.leave_stops_to_the_stop_vote(without)
 
 
+def test_a_sigterm_lightnings_handler_noted_before_training_is_taken_over_once() -> None:
+    """Lightning's handler notes a SIGTERM on its signal connector (what the take-over reads and
+    clears); the checkpoint saver then requests the stop the stop vote agrees on
+    (runs/checkpoint_saver.py, on_train_start)."""
+    import inspect
+
+    from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
+
+    from purrsight.internals import lightning_loops
+
+    assert "self.received_sigterm = True" in inspect.getsource(_SignalConnector._sigterm_notifier_fn)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    assert not lightning_loops.take_over_a_noted_sigterm(trainer)
+    getattr(trainer, lightning_loops.SIGNAL_CONNECTOR).received_sigterm = True  # as the handler leaves it
+    assert trainer.received_sigterm
+    assert lightning_loops.take_over_a_noted_sigterm(trainer)
+    assert not trainer.received_sigterm  # Lightning's own checks no longer end this rank alone
+    assert not lightning_loops.take_over_a_noted_sigterm(trainer)
+
+
 def test_a_checkpoint_without_the_counters_is_one_clear_error() -> None:
     with pytest.raises(LightningLayoutError, match=r"pytorch_lightning .* keeps no fit-loop batch counters at .*install"):
         set_batches_done({"loops": {"fit_loop": {}}}, 3)
