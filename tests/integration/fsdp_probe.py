@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -34,6 +35,7 @@ class FsdpProbe(Probe):
         self.lora_gathered = ""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)  # the broadcasts counted, as under DDP
         model: Any = pl_module.model
         assert model is not None
         self.units = units_with_gradients(model)
@@ -53,12 +55,14 @@ class FsdpProbe(Probe):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.peak is not None and pl_module.model is not None
+        dist.broadcast = self._broadcast or dist.broadcast
         weights = {
             n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
             for n, p in pl_module.named_parameters()
             if p.requires_grad
         }  # every rank joins each gather
         probe: dict[str, Any] = {"seen": self.seen, "weights": weights, "micro_batches": self.micro_batches}
+        probe["broadcasts"] = self.broadcasts
         probe |= {"reduce_scatters": self.per_step, "units_with_gradients": self.units, "lora_gathered": self.lora_gathered}
         probe |= {"gathered_peak": self.peak.peak, "one_unit_bound": one_unit_bound(cast(nn.Module, pl_module.model))}
         if torch.cuda.is_available():
