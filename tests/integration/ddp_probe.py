@@ -54,6 +54,11 @@ class Probe(pl.Callback):
 
         dist.broadcast = counting_broadcast  # type: ignore[assignment]  # callers look it up on the module at each call
 
+    def stop_counting_broadcasts(self) -> int:
+        """The real broadcast back (validation and export follow training); the count while training."""
+        dist.broadcast = self._broadcast or dist.broadcast
+        return self.broadcasts
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.seen.append((trainer.current_epoch, list(batch["ids"])))
         self._since_step += 1
@@ -63,12 +68,12 @@ class Probe(pl.Callback):
         self._since_step = 0
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        dist.broadcast = self._broadcast or dist.broadcast
+        broadcasts = self.stop_counting_broadcasts()
         weights = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
         probe = {"seen": self.seen, "weights": weights, "allreduces": self.allreduces, "bucket_bytes": self.bucket_bytes}
         probe["timeout_s"] = self.timeout_s
         probe["micro_batches"] = self.micro_batches
-        probe["broadcasts"] = self.broadcasts
+        probe["broadcasts"] = broadcasts
         torch.save(probe, self.out / f"rank{trainer.global_rank}.pt")
 
 

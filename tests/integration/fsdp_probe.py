@@ -13,7 +13,6 @@ from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -55,14 +54,14 @@ class FsdpProbe(Probe):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.peak is not None and pl_module.model is not None
-        dist.broadcast = self._broadcast or dist.broadcast
+        broadcasts = self.stop_counting_broadcasts()
         weights = {
             n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
             for n, p in pl_module.named_parameters()
             if p.requires_grad
         }  # every rank joins each gather
         probe: dict[str, Any] = {"seen": self.seen, "weights": weights, "micro_batches": self.micro_batches}
-        probe["broadcasts"] = self.broadcasts
+        probe["broadcasts"] = broadcasts
         probe |= {"reduce_scatters": self.per_step, "units_with_gradients": self.units, "lora_gathered": self.lora_gathered}
         probe |= {"gathered_peak": self.peak.peak, "one_unit_bound": one_unit_bound(cast(nn.Module, pl_module.model))}
         if torch.cuda.is_available():
