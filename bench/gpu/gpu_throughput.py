@@ -49,6 +49,7 @@ from purrsight.config import Config, load_config
 from purrsight.estimate.auto_fit import auto_choice, with_choices
 from purrsight.estimate.memory import estimate
 from purrsight.model.llm import leave_lora_casts_to_autocast
+from purrsight.model.lora_compute_copies import installed_compute_copies, use_adapter_compute_copies
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.observability.flops import gpu_peak_tflops, model_flops_per_token
 from purrsight.training.auto_settings import device_memory
@@ -92,10 +93,13 @@ def settle_auto(config: Config, seq_len: int, device: torch.device) -> Config:
     return with_choices(config, choice.batch_size, choice.gradient_checkpointing)
 
 
-def build(preset: str | None, overrides: list[str], device: torch.device, seq_len: int) -> tuple[Config, PurrSightModel]:
+def build(
+    preset: str | None, overrides: list[str], device: torch.device, seq_len: int, compiled: bool = False
+) -> tuple[Config, PurrSightModel]:
     """A preset's model (``None``: the tiny default's), random-initialised from its config dicts,
-    on ``device``, its frozen weights in the dtype training holds them in there; settings left
-    auto chosen for ``seq_len`` tokens."""
+    on ``device``, its frozen weights in the dtype training holds them in there, its LoRA adapters
+    set up as the trainer sets them up for ``compiled`` or eager; settings left auto chosen for
+    ``seq_len`` tokens."""
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         tokenizer = synthetic_tokenizer(Path(tmp) / "synthetic")
         if preset is None:
@@ -107,6 +111,8 @@ def build(preset: str | None, overrides: list[str], device: torch.device, seq_le
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"  # make_step's autocast
         model = build_model(config, frozen_dtype(precision)).model
         leave_lora_casts_to_autocast(model, precision)  # as the trainer builds it (training/module.py)
+        if not compiled:
+            use_adapter_compute_copies(model, precision)
         return config, model.to(device)
 
 
@@ -144,17 +150,22 @@ def make_step(config: Config, model: PurrSightModel, data: dict[str, Any], optim
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     clip = config.trainer.gradient_clip_val
     graphs = config.trainer.cuda_graphs
+    copies = installed_compute_copies(model)
 
     def step() -> None:
         if graphs:  # a new iteration for the graph trees, as the trainer marks each micro-batch
             torch.compiler.cudagraph_mark_step_begin()
         with autocast:
+            if copies is not None:  # the adapters' bf16 copies, one cast a layer (training/module.py)
+                copies.refresh(device.type)
             loss = model(data).loss
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(trainable, clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if copies is not None:
+            copies.release()
 
     return step
 
@@ -217,7 +228,7 @@ def main() -> int:
         raise SystemExit("bench.gpu.gpu_throughput: no CUDA device; run it on a GPU machine (or --cpu / --smoke on CPU)")
     device = torch.device("cpu" if args.cpu else "cuda")
 
-    config, model = build(None if args.cpu else args.preset, args.overrides, device, max(args.seq_lens))
+    config, model = build(None if args.cpu else args.preset, args.overrides, device, max(args.seq_lens), args.compile)
     if args.compile:  # as the trainer does (training/module.py)
         compile_trainable_path(model, padded_shapes(config), cuda_graphs=config.trainer.cuda_graphs)
     model.train()

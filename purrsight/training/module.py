@@ -16,6 +16,7 @@ from purrsight.data.media import SampleError
 from purrsight.distributed.process_group import computed_on_rank_zero
 from purrsight.errors import UserError
 from purrsight.model.llm import leave_lora_casts_to_autocast
+from purrsight.model.lora_compute_copies import AdapterComputeCopies, use_adapter_compute_copies
 from purrsight.model.multimodal import PurrSightModel
 from purrsight.runs.checkpoint_files import AUTO_CHOSEN_KEY
 from purrsight.runs.checkpoint_saver import validation_cut_by_stop
@@ -44,6 +45,7 @@ class Phase2Module(pl.LightningModule):
         self._fingerprints_then: dict[int, str] = {}  # earlier versions computed at the build (version 3)
         self.skipped_samples = 0
         self._validation_sums = torch.zeros(3, dtype=torch.float64)
+        self._adapter_copies: AdapterComputeCopies | None = None  # eager ddp under a mixed precision
         # Checkpoints hold trainable weights only; frozen ones are rebuilt from their source.
         self.strict_loading = False
 
@@ -62,6 +64,10 @@ class Phase2Module(pl.LightningModule):
                 # Every rank hashes its share of the frozen rows for the fingerprint (fingerprint.py).
                 everyone = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
                 built, how = build_model(self.config, dtype, fingerprint_group=everyone), "whole"
+                if not self.config.trainer.compile:
+                    # Not under fsdp, whose all-gather hands the layers bf16 weights, nor compiled,
+                    # where the casts are graph ops: model/lora_compute_copies.py.
+                    self._adapter_copies = use_adapter_compute_copies(built.model, precision)
             # Before compiling: the layers' code reads the switch (model/llm.py says why).
             leave_lora_casts_to_autocast(built.model, precision)
             if self.config.trainer.compile:
@@ -114,6 +120,7 @@ class Phase2Module(pl.LightningModule):
                 f"above data.max_bad_samples={self.config.data.max_bad_samples}; fix the data or raise the cap"
             )
         self._new_graph_step()
+        self._refresh_adapter_copies()
         loss = self.model(batch).loss
         size = batch["input_ids"].shape[0]
         # Only on the steps the loggers and the progress line write: every self.log call
@@ -136,12 +143,26 @@ class Phase2Module(pl.LightningModule):
         if self.config.trainer.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
+    def _refresh_adapter_copies(self) -> None:
+        if self._adapter_copies is not None:
+            self._adapter_copies.refresh(self.device.type)  # under the precision's autocast, as the forward
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # The micro-batch's backward (its recomputation read the copies) and optimizer step are done.
+        if self._adapter_copies is not None:
+            self._adapter_copies.release()
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._adapter_copies is not None:
+            self._adapter_copies.release()
+
     def on_validation_epoch_start(self) -> None:
         self._validation_sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss x samples, correct, samples
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         assert self.model is not None
         self._new_graph_step()
+        self._refresh_adapter_copies()
         loss, right = self.model(batch, accuracy=True)
         assert right is not None
         size = batch["input_ids"].shape[0]

@@ -19,7 +19,10 @@ from bench.gpu.step_profile import count_ops
 # 2026-11-29, the same command: 21,313 (from 22,321), peft's copy of each LoRA input to float32
 # left to autocast under the mixed precisions (model/llm.py, leave_lora_casts_to_autocast): 1,008
 # `_to_copy` fewer, six an adapter (forward, recomputation, backward).
-CEILING = 21_313
+# 2026-11-29, the same command: 21,025 (from 21,313), the adapters' bf16 copies made in one list
+# copy a decoder layer each way (model/lora_compute_copies.py): 1,008 `_to_copy` fewer, 672
+# `empty_like` (no kernel) and 48 `_foreach_copy_` more; on a GPU 960 launches fewer.
+CEILING = 21_025
 
 
 def test_one_optimizer_step_issues_no_more_ops_than_the_ceiling(tmp_path: Path) -> None:
@@ -31,3 +34,4 @@ def test_one_optimizer_step_issues_no_more_ops_than_the_ceiling(tmp_path: Path) 
     # in the recomputation and in backward, and the optimizer's update of each.
     assert ops["mm"] >= 24 * 7 * 2 * 3 and ops["addcdiv_"] >= 24 * 7 * 2
     assert ops["bernoulli_"] == 24 * 7 * 2  # LoRA's dropout (0.05 in the preset) in forward and recomputation
+    assert ops["_foreach_copy_"] == 24 * 2  # the adapters' bf16 copies: one list copy a layer, each way
