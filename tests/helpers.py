@@ -19,6 +19,8 @@ import torch
 from purrsight.config import Config, load_config
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+
     from tests.preloaded import PreloadedTrainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -269,3 +271,27 @@ NOISE = (
 
 def noise_in(text: str) -> list[str]:
     return [message for message in NOISE if message in text]
+
+
+def small_lora_llm(frozen: torch.dtype, *, dropout: float, use_dora: bool = False) -> PeftModel:
+    """Two Qwen2 layers (vocabulary 64), LoRA on the seven projections, checkpointed as the presets
+    train, its frozen weights in ``frozen``; lora_B random (peft starts it at zero, where A would
+    get no gradient). In training mode."""
+    from peft import LoraConfig
+
+    from purrsight.model.llm import load_llm
+    from purrsight.training.model_builder import hold_frozen_in
+
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
+    lora = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=dropout, target_modules=projections, bias="none", task_type="CAUSAL_LM", use_dora=use_dora
+    )
+    llm, _ = load_llm(64, 0, lora, config=small, gradient_checkpointing=True)
+    hold_frozen_in(llm, frozen)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in llm.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return llm.train()

@@ -11,35 +11,24 @@ import pytorch_lightning as pl
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from peft import LoraConfig, PeftModel
+from peft import PeftModel
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from purrsight.model.llm import leave_lora_casts_to_autocast, load_llm
+from purrsight.model.llm import leave_lora_casts_to_autocast
 from purrsight.model.lora_compute_copies import AdapterComputeCopies, AdapterLinear, use_adapter_compute_copies
-from purrsight.training.model_builder import hold_frozen_in
+from tests import helpers
 
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
 ADAPTERS = 2 * 7 * 2  # two layers, seven projections, A and B
 VOCAB = 64
 
 
 def small_lora_llm(*, use_dora: bool = False) -> PeftModel:
-    """Two Qwen2 layers in bf16, LoRA on the seven projections, checkpointed as the presets train,
-    the inputs left to autocast as the trainer leaves them; lora_B random (peft starts it at zero)."""
-    lora = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=PROJECTIONS, bias="none", task_type="CAUSAL_LM", use_dora=use_dora
-    )
-    llm, _ = load_llm(VOCAB, 0, lora, config=SMALL, gradient_checkpointing=True)
-    hold_frozen_in(llm, torch.bfloat16)
+    """Two Qwen2 layers in bf16 with LoRA (tests/helpers.py), the inputs left to autocast as the
+    trainer leaves them; no dropout, so runs draw no random numbers."""
+    llm = helpers.small_lora_llm(torch.bfloat16, dropout=0.0, use_dora=use_dora)
     leave_lora_casts_to_autocast(llm, "bf16-mixed")
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in llm.named_parameters():
-            if ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    return llm.train()
+    return llm
 
 
 def accumulate(

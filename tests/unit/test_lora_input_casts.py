@@ -6,28 +6,16 @@ changes under the precisions without autocast."""
 from __future__ import annotations
 
 import torch
-from peft import LoraConfig, PeftModel
+from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from purrsight.model.llm import leave_lora_casts_to_autocast, load_llm
-from purrsight.training.model_builder import hold_frozen_in
-
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
+from purrsight.model.llm import leave_lora_casts_to_autocast
+from tests import helpers
 
 
 def small_lora_llm(frozen: torch.dtype) -> PeftModel:
-    """Two Qwen2 layers, LoRA with dropout on the seven projections, checkpointed as the presets
-    train; lora_B random (peft starts it at zero, where A would get no gradient)."""
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=PROJECTIONS, bias="none", task_type="CAUSAL_LM")
-    llm, _ = load_llm(64, 0, lora, config=SMALL, gradient_checkpointing=True)
-    hold_frozen_in(llm, frozen)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in llm.named_parameters():
-            if ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    return llm.train()
+    """Two Qwen2 layers, LoRA with dropout 0.1 on the seven projections (tests/helpers.py)."""
+    return helpers.small_lora_llm(frozen, dropout=0.1)
 
 
 def loss_and_lora_grads(llm: PeftModel, autocast: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
