@@ -21,9 +21,11 @@ The hook that makes them is a forward pre-hook, which transformers runs outside 
 checkpoint (once a forward, not again in the recomputation).
 
 Copies exist from ``refresh`` until ``release``, which the trainer calls around each micro-batch
-(``release`` when its backward and any optimizer step are done): outside that window the adapters
-read their own weights and autocast casts them, so a forward outside a training or validation step
-never sees copies older than the weights. Not installed under fsdp, whose all-gather hands the
+(``release`` when its backward and any optimizer step are done); an optimizer step (the trainer's
+hook) and a state-dict load release them too, so one that an exception left behind is gone
+before the weights change. Outside a window the adapters read their own weights and autocast
+casts them: a forward outside a training or validation step never sees copies older than the
+weights. Not installed under fsdp, whose all-gather hands the
 layers bf16 weights already (training/fsdp.py), outside a mixed precision, or under
 trainer.compile, where the casts are ops of each layer's compiled graph (and of its CUDA graph).
 Should peft ever read an adapter's weight itself instead of calling its module, the copies would go
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn.functional import linear
 
 
@@ -45,13 +48,17 @@ class _CastAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, dtype: torch.dtype, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # An adapter no forward used (another peft adapter, inactive) gets None, as under
+        # autocast, not zeros: AdamW would decay it and DDP would not see it unused.
+        ctx.set_materialize_grads(False)
         copies = [torch.empty_like(weight, dtype=dtype) for weight in weights]
         torch._foreach_copy_(copies, list(weights))
         return tuple(copies)
 
     @staticmethod
+    @once_differentiable  # no double backward through the copies (autocast's casts had one): said, not wrong
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        present = [grad for grad in grads if grad is not None]  # an adapter no forward used has none
+        present = [grad for grad in grads if grad is not None]
         widened = [torch.empty_like(grad, dtype=torch.float32) for grad in present]
         if present:
             torch._foreach_copy_(widened, present)
@@ -95,16 +102,36 @@ class AdapterComputeCopies:
             self.current = [None] * self._count
 
     def make_group(self, group: int) -> None:
-        """The copies of ``group``'s adapters, unless the window is shut or they are made already."""
+        """The copies of ``group``'s adapters, unless the window is shut or they are made already
+        (in a mode that serves this forward: copies made without a graph serve no training one)."""
         current, first = self.current, self._first[group]
-        if current is None or current[first] is not None:
+        if current is None:
             return
-        made = _CastAll.apply(self._dtype, *(adapter.weight for adapter in self.groups[group]))
-        current[first : first + len(made)] = made
+        made = current[first]
+        if made is not None and (made.requires_grad or not torch.is_grad_enabled()):
+            return
+        copies = _CastAll.apply(self._dtype, *(adapter.weight for adapter in self.groups[group]))
+        current[first : first + len(copies)] = copies
 
-    def release(self) -> None:
-        """After the micro-batch's backward: the weights may change now."""
+    def release(self, *_: object) -> None:
+        """After the micro-batch's backward: the weights may change now. Takes and ignores a hook's
+        arguments (an optimizer's step post-hook, a state-dict load's post-hook)."""
         self.current = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copied or pickled model starts with its window shut (an open one holds graph tensors).
+        return {**self.__dict__, "current": None}
+
+
+class _MakeGroupCopies:
+    """The forward pre-hook of a group's layer: an object, not a closure, so that a deep copy of
+    the model gets hooks that make the copy's own copies."""
+
+    def __init__(self, copies: AdapterComputeCopies, group: int) -> None:
+        self.copies, self.group = copies, group
+
+    def __call__(self, *_: object) -> None:
+        self.copies.make_group(self.group)
 
 
 def use_adapter_compute_copies(model: nn.Module, precision: str) -> AdapterComputeCopies | None:
@@ -129,9 +156,10 @@ def use_adapter_compute_copies(model: nn.Module, precision: str) -> AdapterCompu
     if not groups:
         return None
     copies = AdapterComputeCopies(list(groups.values()))
+    model.register_load_state_dict_post_hook(copies.release)
     index = 0
     for group, (owner, adapters) in enumerate(groups.items()):
-        model.get_submodule(owner).register_forward_pre_hook(lambda *_, group=group: copies.make_group(group))
+        model.get_submodule(owner).register_forward_pre_hook(_MakeGroupCopies(copies, group))
         for member in adapters:
             member.compute_copies, member.compute_index = copies, index
             index += 1

@@ -189,6 +189,8 @@ class Phase2Module(pl.LightningModule):
         scaled = self._trainer is not None and self._trainer.precision == "16-mixed"
         trainable, steps = self.model.trainable_parameters(), self.config.trainer.max_steps
         optimizer, scheduler = build_optimizer(trainable, self.config.optim, steps, scaled_gradients=scaled)
+        if self._adapter_copies is not None:  # weights that change end any copies of them (an exception skips release)
+            optimizer.register_step_post_hook(self._adapter_copies.release)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_gradient_clipping(

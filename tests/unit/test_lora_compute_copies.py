@@ -31,6 +31,14 @@ def small_lora_llm(*, use_dora: bool = False) -> PeftModel:
     return llm
 
 
+def with_copies(length: int) -> tuple[PeftModel, AdapterComputeCopies, torch.Tensor]:
+    """The small model with its compute copies installed, and a row of ``length`` token ids."""
+    llm = small_lora_llm()
+    copies = use_adapter_compute_copies(llm, "bf16-mixed")
+    assert copies is not None
+    return llm, copies, torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(0))
+
+
 def accumulate(
     llm: PeftModel, copies: AdapterComputeCopies | None, batches: list[torch.Tensor]
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -105,10 +113,7 @@ def test_one_micro_batch_casts_the_adapters_in_two_list_copies_not_three_casts_e
 def test_outside_refresh_and_release_the_layers_use_their_own_weights() -> None:
     """A forward after ``release`` (or with none refreshed, or outside autocast) reads the weights
     as they are now: copies made before an optimizer step are never used after it."""
-    llm = small_lora_llm()
-    copies = use_adapter_compute_copies(llm, "bf16-mixed")
-    assert copies is not None
-    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    llm, copies, ids = with_copies(7)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         copies.refresh("cpu")
         assert copies.current == [None] * ADAPTERS  # each layer's made as it begins
@@ -131,10 +136,7 @@ def test_outside_refresh_and_release_the_layers_use_their_own_weights() -> None:
 def test_copies_made_under_inference_mode_carry_no_graph_and_the_next_refresh_does() -> None:
     """Validation (inference mode) between training micro-batches: its copies are inference tensors;
     the training forward after it refreshes, and the gradients reach the float32 weights."""
-    llm = small_lora_llm()
-    copies = use_adapter_compute_copies(llm, "bf16-mixed")
-    assert copies is not None
-    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    llm, copies, ids = with_copies(5)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         copies.refresh("cpu")
         llm(input_ids=ids, labels=ids)
@@ -185,8 +187,9 @@ def test_the_trainer_under_bf16_mixed_trains_bit_identically_with_the_copies(
     synthetic_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The real trainer, as a user runs it: bf16-mixed, gradient checkpointing, LoRA dropout, 3
-    micro-batches a step (the tiny set's 16 a pass do not divide by 3), a validation pass between
-    steps (copies made under inference mode, then training's again). With the copies and without,
+    micro-batches a step over a pass of 16 (the first pass ends in a window of one, and 7 steps
+    run into the second), validation passes between steps (copies made without a graph, under
+    no_grad on CPU, then training's again). With the copies and without,
     the same checkpoint to the bit."""
     import purrsight.training.module as trainer_module
     from purrsight.training.run import train
@@ -195,8 +198,10 @@ def test_the_trainer_under_bf16_mixed_trains_bit_identically_with_the_copies(
     class Installed(pl.Callback):
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             installed.append(getattr(pl_module, "_adapter_copies", None) is not None)
+            passes.append(trainer.num_training_batches)
 
     installed: list[bool] = []
+    passes: list[int | float] = []
     settings = {
         "trainer__precision": "bf16-mixed",
         "model__llm__gradient_checkpointing": "true",
@@ -212,7 +217,7 @@ def test_the_trainer_under_bf16_mixed_trains_bit_identically_with_the_copies(
     monkeypatch.setattr(trainer_module, "use_adapter_compute_copies", lambda model, precision: None)
     without = tiny_config(synthetic_dir, tmp_path / "without", **settings)
     train(without, None, callbacks=[Installed()])
-    assert installed == [True, False]
+    assert installed == [True, False] and passes == [16, 16]
     weights = [
         torch.load(config.run.run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
         for config in (with_copies, without)
@@ -235,3 +240,77 @@ def test_the_trainer_installs_them_when_eager_and_leaves_them_to_the_compiled_gr
     module.configure_model()  # compiles lazily: nothing is compiled until a call
     assert module.model is not None
     assert (installed_compute_copies(module.model) is not None) is installed
+
+
+def test_a_forward_without_gradients_inside_the_window_does_not_leave_the_training_one_without() -> None:
+    """A no_grad forward (a reference or accuracy pass) first in a window makes copies without a
+    graph; the training forward after it makes its own, and every adapter gets its gradient."""
+    llm, copies, ids = with_copies(6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        copies.refresh("cpu")
+        with torch.no_grad():
+            llm(input_ids=ids, labels=ids)
+        llm(input_ids=ids, labels=ids).loss.backward()
+    copies.release()
+    grads = [p.grad for n, p in llm.named_parameters() if ".lora_" in n]
+    assert len(grads) == ADAPTERS and all(grad is not None and grad.abs().sum() > 0 for grad in grads)
+
+
+def test_an_adapter_no_forward_used_gets_no_gradient_as_under_autocast() -> None:
+    """A second peft adapter, trainable but inactive: None, not zeros (AdamW would decay zeros and
+    DDP would not see the parameter unused)."""
+    from peft import LoraConfig
+
+    llm = small_lora_llm()
+    second = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], bias="none", task_type="CAUSAL_LM")
+    llm.add_adapter("second", second)
+    for name, param in llm.named_parameters():
+        param.requires_grad_(".lora_" in name)
+    copies = use_adapter_compute_copies(llm, "bf16-mixed")
+    assert copies is not None and sum(len(group) for group in copies.groups) == ADAPTERS + 2 * 2
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    accumulate(llm, copies, [ids])
+    grads = {name: param.grad for name, param in llm.named_parameters() if ".lora_" in name}
+    assert all(grads[name] is None for name in grads if ".second." in name)
+    assert sum(grad is not None for grad in grads.values()) == ADAPTERS
+
+
+def test_weights_that_change_end_the_copies_even_when_the_window_was_left_open() -> None:
+    """An exception between ``refresh`` and ``release`` leaves copies behind; the optimizer step the
+    trainer hooks and any state-dict load end them before a later forward could read them."""
+    llm = small_lora_llm()
+    copies = use_adapter_compute_copies(llm, "bf16-mixed")
+    assert copies is not None
+    optimizer = torch.optim.SGD([p for p in llm.parameters() if p.requires_grad], lr=1.0)
+    optimizer.register_step_post_hook(copies.release)  # as training/module.py's configure_optimizers
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    for change in ("step", "load"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            copies.refresh("cpu")
+            llm(input_ids=ids, labels=ids).loss.backward()  # and no release: as if the step raised
+        assert copies.current is not None and copies.current[0] is not None
+        if change == "step":
+            optimizer.step()
+        else:
+            llm.load_state_dict(llm.state_dict())
+        assert copies.current is None, change
+
+
+def test_a_deep_copy_makes_its_own_copies_with_its_own_weights() -> None:
+    """The pre-hooks are objects, so a deep copy's hooks fill the copy's table, never the
+    original's; a copy taken with a window open starts with it shut."""
+    import copy
+
+    llm, copies, ids = with_copies(6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        copies.refresh("cpu")
+        llm(input_ids=ids, labels=ids)
+        twin = copy.deepcopy(llm)  # with the original's window open
+        twin_copies = next(m.compute_copies for m in twin.modules() if isinstance(m, AdapterLinear))
+        assert twin_copies is not copies and twin_copies.current is None
+        twin_copies.refresh("cpu")
+        twin(input_ids=ids, labels=ids)
+    assert twin_copies.current is not None and all(made is not None for made in twin_copies.current)
+    assert copies.current is not None and not any(
+        made is twin_made for made, twin_made in zip(copies.current, twin_copies.current, strict=True)
+    )
