@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU work of a session lent a GPU machine, as one script (bench/gpu/README.md): profile the
-# 0.5B preset's step, measure throughput, MFU and peak memory against the estimate (0.5B eager and
+# 0.5B preset's step (and time it with the LoRA adapters' compute copies against autocast's
+# per-use casts, side by side), measure throughput, MFU and peak memory against the estimate (0.5B eager and
 # compiled at 1,024 and 4,096 tokens, the auto micro-batch, 7B eager at 1,024), run tests/gpu, then
 # what no GPU has run yet: the compiled layers as CUDA graphs and the loss's scorer eager against compiled. Each part has its
 # own time limit and all of them one deadline, so a part that hangs leaves time for the rest.

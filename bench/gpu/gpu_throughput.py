@@ -143,14 +143,18 @@ def write_rows(
     path.write_text(json.dumps(table, indent=2) + "\n")
 
 
-def make_step(config: Config, model: PurrSightModel, data: dict[str, Any], optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-    """One optimizer step as the trainer takes it: bf16 autocast on a GPU, clipping, AdamW."""
+def make_step(
+    config: Config, model: PurrSightModel, data: dict[str, Any], optimizer: torch.optim.Optimizer, adapter_copies: bool = True
+) -> Callable[[], None]:
+    """One optimizer step as the trainer takes it: bf16 autocast on a GPU, clipping, AdamW.
+    ``adapter_copies=False``: autocast casts each LoRA weight at each use, as before the copies
+    (model/lora_compute_copies.py), for a side-by-side measure of what they give."""
     device = next(model.parameters()).device
     trainable = model.trainable_parameters()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     clip = config.trainer.gradient_clip_val
     graphs = config.trainer.cuda_graphs
-    copies = installed_compute_copies(model)
+    copies = installed_compute_copies(model) if adapter_copies else None
 
     def step() -> None:
         if graphs:  # a new iteration for the graph trees, as the trainer marks each micro-batch

@@ -15,7 +15,9 @@ Two measures, one script:
 - ``profile`` (a GPU): one optimizer step of the 0.5B or the 7B preset (random init from their
   config dicts, batch and length as bench/gpu/gpu_throughput.py trains them) under
   ``torch.profiler``: the top ops by self CUDA time and by self CPU time, the kernels launched per
-  step, and the share of the step's wall time in which no kernel ran on the GPU.
+  step, and the share of the step's wall time in which no kernel ran on the GPU. Then the same
+  step with the LoRA adapters' compute copies and with autocast's per-use casts instead
+  (model/lora_compute_copies.py), alternating, so that lever is measured side by side.
 
     .venv/bin/python -m bench.gpu.step_profile count                  # CPU: ops per optimizer step
     .venv/bin/python -m bench.gpu.step_profile count model.llm.lora.dropout=0.0
@@ -32,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +161,7 @@ def profile(preset: str, seq_len: int, batch: int) -> dict[str, Any]:
             reach = end
     launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     table = prof.key_averages()
-    return {
+    result = {
         "preset": preset,
         "seq_len": seq_len,
         "batch": batch,
@@ -168,6 +171,34 @@ def profile(preset: str, seq_len: int, batch: int) -> dict[str, Any]:
         "by_cuda": table.table(sort_by="self_cuda_time_total", row_limit=15),
         "by_cpu": table.table(sort_by="self_cpu_time_total", row_limit=15),
     }
+    autocast_casts = make_step(config, model, random_batch(config, model, batch, seq_len, device), optimizer, adapter_copies=False)
+    try:  # a failure here keeps the profile above
+        result["step_s_by_casts"] = alternating_medians({"adapter copies": step, "autocast's casts": autocast_casts}, 5)
+    except Exception as error:  # a bench reports what failed and goes on
+        result["step_s_by_casts"] = f"failed: {error!r}"
+    return result
+
+
+def alternating_medians(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    """Each of ``steps`` once a round, in turn, for ``rounds`` rounds after one warm-up each: the
+    median seconds of each, the GPU waited for around every call (side by side, so a GPU that
+    warms or throttles touches all alike)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for warm_up in steps.values():
+        warm_up()
+    for _ in range(rounds):
+        for name, step in steps.items():
+            synchronize()
+            started = time.perf_counter()
+            step()
+            synchronize()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def main() -> int:
@@ -198,6 +229,7 @@ def main() -> int:
           f"{result['kernel_launches']} kernel launches, GPU idle {result['gpu_idle_share']:.1%} of the step")  # fmt: skip
     print("top ops by self CUDA time\n" + result["by_cuda"])
     print("top ops by self CPU time\n" + result["by_cpu"])
+    print(f"step by how LoRA weights reach bf16 (median of 5, alternating): {result['step_s_by_casts']}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0
