@@ -25,11 +25,13 @@ Copies exist from ``refresh`` until ``release``, which the trainer calls around 
 hook) and a state-dict load release them too, so one that an exception left behind is gone
 before the weights change. Outside a window the adapters read their own weights and autocast
 casts them: a forward outside a training or validation step never sees copies older than the
-weights. Not installed under fsdp, whose all-gather hands the
-layers bf16 weights already (training/fsdp.py), outside a mixed precision, or under
-trainer.compile, where the casts are ops of each layer's compiled graph (and of its CUDA graph).
-Should peft ever read an adapter's weight itself instead of calling its module, the copies would go
-unused and autocast would cast as before: slower, never wrong (the tests count the casts).
+weights.
+
+Not installed under fsdp, whose all-gather hands the layers bf16 weights already
+(training/fsdp.py), outside a mixed precision, or under trainer.compile, where the casts are ops
+of each layer's compiled graph (and of its CUDA graph). Should peft ever read an adapter's weight
+itself instead of calling its module, the copies would go unused and autocast would cast as
+before: slower, never wrong (the tests count the casts).
 """
 
 from __future__ import annotations
