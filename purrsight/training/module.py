@@ -68,6 +68,13 @@ class Phase2Module(pl.LightningModule):
                     # Not under fsdp, whose all-gather hands the layers bf16 weights, nor compiled,
                     # where the casts are graph ops: model/lora_compute_copies.py.
                     self._adapter_copies = use_adapter_compute_copies(built.model, precision)
+                    if self._adapter_copies is not None:
+                        log.info(
+                            "LoRA: %d adapter matrices cast to %s once a decoder layer a micro-batch (%d layers), not at each use",
+                            sum(len(group) for group in self._adapter_copies.groups),
+                            "bf16" if precision.startswith("bf16") else "fp16",
+                            len(self._adapter_copies.groups),
+                        )
             # Before compiling: the layers' code reads the switch (model/llm.py says why).
             leave_lora_casts_to_autocast(built.model, precision)
             if self.config.trainer.compile:

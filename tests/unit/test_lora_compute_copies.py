@@ -229,7 +229,7 @@ def test_the_trainer_under_bf16_mixed_trains_bit_identically_with_the_copies(
 
 @pytest.mark.parametrize(("compiled", "installed"), [(False, True), (True, False)])
 def test_the_trainer_installs_them_when_eager_and_leaves_them_to_the_compiled_graphs(
-    synthetic_dir: Path, tmp_path: Path, compiled: bool, installed: bool
+    synthetic_dir: Path, tmp_path: Path, compiled: bool, installed: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     from purrsight.model.lora_compute_copies import installed_compute_copies
     from purrsight.training.module import Phase2Module
@@ -237,9 +237,12 @@ def test_the_trainer_installs_them_when_eager_and_leaves_them_to_the_compiled_gr
 
     module = Phase2Module(tiny_config(synthetic_dir, tmp_path, trainer__compile=str(compiled).lower()))
     module.trainer = pl.Trainer(precision="bf16-mixed", accelerator="cpu", logger=False, enable_progress_bar=False)
-    module.configure_model()  # compiles lazily: nothing is compiled until a call
+    with caplog.at_level("INFO", logger="purrsight.training.module"):
+        module.configure_model()  # compiles lazily: nothing is compiled until a call
     assert module.model is not None
     assert (installed_compute_copies(module.model) is not None) is installed
+    said = "LoRA: 28 adapter matrices cast to bf16 once a decoder layer a micro-batch (2 layers), not at each use"
+    assert (said in caplog.messages) is installed, caplog.messages  # the tiny default: 2 layers x 7 projections x A and B
 
 
 def test_a_forward_without_gradients_inside_the_window_does_not_leave_the_training_one_without() -> None:
