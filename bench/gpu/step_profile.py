@@ -131,8 +131,11 @@ def count_ops(overrides: list[str], run_dir: Path, steps: int = 6) -> tuple[Coun
     return counter.ops, statistics.median(counter.cpu_s)
 
 
-def profile(preset: str, seq_len: int, batch: int) -> dict[str, Any]:
-    """One optimizer step of a preset on the GPU under torch.profiler (after two warm-up steps)."""
+def profile(preset: str, seq_len: int, batch: int) -> tuple[dict[str, Any], Callable[[int], dict[str, list[float]]]]:
+    """One optimizer step of a preset on the GPU under torch.profiler (after two warm-up steps),
+    and a function that times, for a number of rounds, that step with the LoRA adapters' compute
+    copies against the same step with autocast's per-use casts (``alternating_steps``): called
+    after the profile is printed, so that a time limit cut there loses no profile."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -171,18 +174,22 @@ def profile(preset: str, seq_len: int, batch: int) -> dict[str, Any]:
         "by_cuda": table.table(sort_by="self_cuda_time_total", row_limit=15),
         "by_cpu": table.table(sort_by="self_cpu_time_total", row_limit=15),
     }
-    autocast_casts = make_step(config, model, random_batch(config, model, batch, seq_len, device), optimizer, adapter_copies=False)
-    try:  # a failure here keeps the profile above
-        result["step_s_by_casts"] = alternating_medians({"adapter copies": step, "autocast's casts": autocast_casts}, 5)
-    except Exception as error:  # a bench reports what failed and goes on
-        result["step_s_by_casts"] = f"failed: {error!r}"
-    return result
+
+    def by_casts(rounds: int) -> dict[str, list[float]]:
+        other_batch = random_batch(config, model, batch, seq_len, device)
+        autocast_casts = make_step(config, model, other_batch, optimizer, adapter_copies=False)
+        return alternating_steps({COPIES: step, CASTS: autocast_casts}, rounds)
+
+    return result, by_casts
 
 
-def alternating_medians(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+COPIES, CASTS = "adapter copies", "autocast's casts"
+
+
+def alternating_steps(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
     """Each of ``steps`` once a round, in turn, for ``rounds`` rounds after one warm-up each: the
-    median seconds of each, the GPU waited for around every call (side by side, so a GPU that
-    warms or throttles touches all alike)."""
+    seconds of each call, the GPU waited for around every one (side by side, so a GPU that warms
+    or throttles touches all alike)."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for warm_up in steps.values():
         warm_up()
@@ -193,7 +200,7 @@ def alternating_medians(steps: dict[str, Callable[[], None]], rounds: int) -> di
             step()
             synchronize()
             times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
+    return times
 
 
 def synchronize() -> None:
@@ -212,6 +219,7 @@ def main() -> int:
     prof.add_argument("--seq-len", type=int, default=1024)
     prof.add_argument("--batch", type=int, default=8)
     prof.add_argument("--json", type=Path)
+    prof.add_argument("--rounds", type=int, default=12, help="rounds of the side-by-side after the profile")
     args = parser.parse_args()
     if args.command == "count":
         ops, cpu_s = count_ops(args.overrides, Path(tempfile.mkdtemp(prefix="step-profile-")))
@@ -224,14 +232,21 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("error: profile needs a CUDA GPU; on this machine run `count`", file=sys.stderr)
         return 2
-    result = profile(args.preset, args.seq_len, args.batch)
+    result, by_casts = profile(args.preset, args.seq_len, args.batch)
     print(f"{args.preset}, {args.batch} x {args.seq_len}: step {result['step_s']:.3f} s, "
           f"{result['kernel_launches']} kernel launches, GPU idle {result['gpu_idle_share']:.1%} of the step")  # fmt: skip
     print("top ops by self CUDA time\n" + result["by_cuda"])
-    print("top ops by self CPU time\n" + result["by_cpu"])
-    print(f"step by how LoRA weights reach bf16 (median of 5, alternating): {result['step_s_by_casts']}")
+    print("top ops by self CPU time\n" + result["by_cpu"], flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    times = by_casts(args.rounds)
+    copies, casts = statistics.median(times[COPIES]), statistics.median(times[CASTS])
+    print(f"the step, {args.rounds} rounds alternating: with the adapters' compute copies {copies:.4f} s, "
+          f"with autocast's per-use casts {casts:.4f} s (median); casts / copies {casts / copies:.3f}")  # fmt: skip
+    for name, seconds in times.items():
+        print(f"  {name}: " + " ".join(f"{s:.4f}" for s in seconds))
+    if args.json:
+        args.json.write_text(json.dumps(result | {"step_s_by_casts": times}, indent=1))
     return 0
 
 
