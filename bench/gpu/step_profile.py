@@ -23,6 +23,7 @@ Two measures, one script:
     .venv/bin/python -m bench.gpu.step_profile count model.llm.lora.dropout=0.0
     .venv/bin/python -m bench.gpu.step_profile profile --preset 0.5b  # on a GPU machine
     .venv/bin/python -m bench.gpu.step_profile profile --preset 7b --seq-len 1024
+    .venv/bin/python -m bench.gpu.step_profile profile --device cpu --seq-len 16 --batch 1 --rounds 2  # checks the script (40 s)
 """
 
 from __future__ import annotations
@@ -131,29 +132,33 @@ def count_ops(overrides: list[str], run_dir: Path, steps: int = 6) -> tuple[Coun
     return counter.ops, statistics.median(counter.cpu_s)
 
 
-def profile(preset: str, seq_len: int, batch: int) -> tuple[dict[str, Any], Callable[[int], dict[str, list[float]]]]:
+def profile(
+    preset: str, seq_len: int, batch: int, device_type: str = "cuda"
+) -> tuple[dict[str, Any], Callable[[int], dict[str, list[float]]]]:
     """One optimizer step of a preset on the GPU under torch.profiler (after two warm-up steps),
     and a function that times, for a number of rounds, that step with the LoRA adapters' compute
     copies against the same step with autocast's per-use casts (``alternating_steps``): called
-    after the profile is printed, so that a time limit cut there loses no profile."""
+    after the profile is printed, so that a time limit cut there loses no profile. ``device_type``
+    "cpu" checks the script where no GPU is (float32, so no autocast and no copies: the two steps
+    are the same there, and no kernel is counted)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from bench.gpu.gpu_throughput import build, make_step, random_batch
     from purrsight.training.optim import build_optimizer
 
-    device = torch.device("cuda")
+    device = torch.device(device_type)
     config, model = build(preset, [], device, seq_len)
     model.train()
     optimizer, _ = build_optimizer(model.trainable_parameters(), config.optim, 10)
     step = make_step(config, model, random_batch(config, model, batch, seq_len, device), optimizer)
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
+    synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        synchronize()
         wall_s = time.perf_counter() - started
     events = prof.events()
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -218,6 +223,7 @@ def main() -> int:
     prof.add_argument("--preset", choices=("0.5b", "7b"), default="0.5b")
     prof.add_argument("--seq-len", type=int, default=1024)
     prof.add_argument("--batch", type=int, default=8)
+    prof.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: check the script, measure nothing")
     prof.add_argument("--json", type=Path)
     prof.add_argument("--rounds", type=int, default=12, help="rounds of the side-by-side after the profile")
     args = parser.parse_args()
@@ -229,10 +235,10 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps({"total": sum(ops.values()), "cpu_s": cpu_s, "ops": dict(ops)}, indent=1))
         return 0
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("error: profile needs a CUDA GPU; on this machine run `count`", file=sys.stderr)
         return 2
-    result, by_casts = profile(args.preset, args.seq_len, args.batch)
+    result, by_casts = profile(args.preset, args.seq_len, args.batch, args.device)
     print(f"{args.preset}, {args.batch} x {args.seq_len}: step {result['step_s']:.3f} s, "
           f"{result['kernel_launches']} kernel launches, GPU idle {result['gpu_idle_share']:.1%} of the step")  # fmt: skip
     print("top ops by self CUDA time\n" + result["by_cuda"])
