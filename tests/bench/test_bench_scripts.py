@@ -194,3 +194,24 @@ def test_the_elastic_change_bench_refuses_steps_that_leave_no_window_to_measure(
         main(argv)
     assert ended.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_every_option_the_gpu_session_passes_is_one_its_script_takes() -> None:
+    """bench/gpu_session.sh runs only where a GPU is lent, minutes a session: an option a script
+    renamed would cost a part of that time, and nothing on a CPU runs the session. Each part's
+    options must appear in its script's ``--help`` (``profile``'s for step_profile's subcommand)."""
+    session = (Path(__file__).resolve().parents[2] / "bench" / "gpu_session.sh").read_text()
+    parts = re.findall(r'^part \S+ \d+ "\$\{PY\}" -m (bench\.[\w.]+) (.*)$', session, flags=re.MULTILINE)
+    assert {module for module, _ in parts} == {"bench.gpu.step_profile", "bench.gpu.gpu_throughput", "bench.gpu.loss_scorer"}
+    helps: dict[tuple[str, str], str] = {}
+    for module, line in parts:
+        words = line.split("#")[0].split()
+        command = [module, *(["profile"] if words and words[0] == "profile" else [])]
+        if tuple(command) not in helps:
+            shown = run_python(["-m", *command, "--help"], timeout=120)
+            assert shown.returncode == 0, shown.stderr[-2000:]
+            helps[tuple(command)] = shown.stdout
+        for option in (word.split("=")[0] for word in words if word.startswith("--")):
+            assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", helps[tuple(command)]), (
+                f"{module}: {option} not in its --help"
+            )
