@@ -174,20 +174,21 @@ def make_step(
     return step
 
 
+def synchronize(device: torch.device) -> None:
+    """Waits for the work queued on ``device`` (a CPU's is done when its call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure(
     config: Config, model: PurrSightModel, seq_len: int, batch: int, steps: int, warmup: int, device: torch.device
 ) -> dict[str, float]:
     optimizer, _ = build_optimizer(model.trainable_parameters(), config.optim, steps + warmup)
     data = random_batch(config, model, batch, seq_len, device)
     step = make_step(config, model, data, optimizer)
-
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
     first = time.perf_counter()
     step()
-    synchronize()
+    synchronize(device)
     first_step_s = time.perf_counter() - first
     for _ in range(warmup - 1):
         step()
@@ -197,8 +198,7 @@ def measure(
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     elapsed = time.perf_counter() - start
     tokens_per_s = batch * seq_len * steps / elapsed
     prefix = config.model.prefix_tokens * 2

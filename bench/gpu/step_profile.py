@@ -144,7 +144,7 @@ def profile(
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from bench.gpu.gpu_throughput import build, make_step, random_batch
+    from bench.gpu.gpu_throughput import build, make_step, random_batch, synchronize
     from purrsight.training.optim import build_optimizer
 
     device = torch.device(device_type)
@@ -154,11 +154,11 @@ def profile(
     step = make_step(config, model, random_batch(config, model, batch, seq_len, device), optimizer)
     for _ in range(2):
         step()
-    synchronize()
+    synchronize(device)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
         step()
-        synchronize()
+        synchronize(device)
         wall_s = time.perf_counter() - started
     events = prof.events()
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -183,7 +183,7 @@ def profile(
     def by_casts(rounds: int) -> dict[str, list[float]]:
         other_batch = random_batch(config, model, batch, seq_len, device)
         autocast_casts = make_step(config, model, other_batch, optimizer, adapter_copies=False)
-        return alternating_steps({COPIES: step, CASTS: autocast_casts}, rounds)
+        return alternating_steps({COPIES: step, CASTS: autocast_casts}, rounds, device)
 
     return result, by_casts
 
@@ -191,26 +191,23 @@ def profile(
 COPIES, CASTS = "adapter copies", "autocast's casts"
 
 
-def alternating_steps(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+def alternating_steps(steps: dict[str, Callable[[], None]], rounds: int, device: torch.device) -> dict[str, list[float]]:
     """Each of ``steps`` once a round, in turn, for ``rounds`` rounds after one warm-up each: the
-    seconds of each call, the GPU waited for around every one (side by side, so a GPU that warms
+    seconds of each call, ``device`` waited for around every one (side by side, so a GPU that warms
     or throttles touches all alike)."""
+    from bench.gpu.gpu_throughput import synchronize
+
     times: dict[str, list[float]] = {name: [] for name in steps}
     for warm_up in steps.values():
         warm_up()
     for _ in range(rounds):
         for name, step in steps.items():
-            synchronize()
+            synchronize(device)
             started = time.perf_counter()
             step()
-            synchronize()
+            synchronize(device)
             times[name].append(time.perf_counter() - started)
     return times
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def main() -> int:

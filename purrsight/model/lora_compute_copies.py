@@ -89,10 +89,13 @@ class AdapterComputeCopies:
 
     def __init__(self, groups: list[list[AdapterLinear]]) -> None:
         self.groups = groups
-        self.current: list[torch.Tensor | None] | None = None  # indexed by AdapterLinear.compute_index
+        adapters = [adapter for group in groups for adapter in group]
+        for index, adapter in enumerate(adapters):  # each adapter's place in ``current``
+            adapter.compute_copies, adapter.compute_index = self, index
+        self.count = len(adapters)
+        self._first = [group[0].compute_index for group in groups]
+        self.current: list[torch.Tensor | None] | None = None
         self._dtype = torch.bfloat16
-        self._first = [sum(len(group) for group in groups[:g]) for g in range(len(groups))]
-        self._count = sum(len(group) for group in groups)
 
     def refresh(self, device_type: str) -> None:
         """Opens the window for the forward about to run: each layer's copies are made, in the
@@ -101,7 +104,7 @@ class AdapterComputeCopies:
         self.current = None
         if torch.is_autocast_enabled(device_type):
             self._dtype = torch.get_autocast_dtype(device_type)
-            self.current = [None] * self._count
+            self.current = [None] * self.count
 
     def make_group(self, group: int) -> None:
         """The copies of ``group``'s adapters, unless the window is shut or they are made already
@@ -159,12 +162,8 @@ def use_adapter_compute_copies(model: nn.Module, precision: str) -> AdapterCompu
         return None
     copies = AdapterComputeCopies(list(groups.values()))
     model.register_load_state_dict_post_hook(copies.release)
-    index = 0
-    for group, (owner, adapters) in enumerate(groups.items()):
+    for group, owner in enumerate(groups):
         model.get_submodule(owner).register_forward_pre_hook(_MakeGroupCopies(copies, group))
-        for member in adapters:
-            member.compute_copies, member.compute_index = copies, index
-            index += 1
     return copies
 
 

@@ -71,7 +71,7 @@ class Phase2Module(pl.LightningModule):
                     if self._adapter_copies is not None:
                         log.info(
                             "LoRA: %d adapter matrices cast to %s once a decoder layer a micro-batch (%d layers), not at each use",
-                            sum(len(group) for group in self._adapter_copies.groups),
+                            self._adapter_copies.count,
                             "bf16" if precision.startswith("bf16") else "fp16",
                             len(self._adapter_copies.groups),
                         )
