@@ -86,8 +86,11 @@ def test_the_compiled_scorer_gives_the_eager_loss_gradients_and_predictions_what
     assert torch.allclose(total, eager_total, rtol=1e-5, atol=1e-5)
     assert torch.equal(predicted, eager_predicted) and predicted.numel() == (count if validation else 0)
     assert (grad_hidden is None) == validation and (grad_weight is None) == (not head_trains)
+    # A row's gradient sums 31 terms of magnitude ~2 in another order than eager's: fp32 rounding
+    # of about 1e-6 where the sum cancels to near 0 (count=21, rows=1 and one label gave 1.3e-6
+    # against an element of -0.025), so the tolerance is absolute at 1e-5, as for the head's.
     if grad_hidden is not None:
-        assert eager_hidden is not None and torch.allclose(grad_hidden, eager_hidden, atol=1e-6)
+        assert eager_hidden is not None and torch.allclose(grad_hidden, eager_hidden, atol=1e-5)
     if grad_weight is not None:
         assert eager_weight is not None and torch.allclose(grad_weight, eager_weight, atol=1e-5)
 
