@@ -65,8 +65,8 @@ class StepLines(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
-        if not trainer.is_global_zero or step == self._last_logged or step % self.every_n_steps:
-            return
+        if step % self.every_n_steps or step == self._last_logged or not trainer.is_global_zero:
+            return  # the cheap tests first: the rank is a chain of properties down to the environment
         self._last_logged = step
         elapsed = time.monotonic() - self._start
         rate = (step - self._first_step) / elapsed if elapsed > 0 else 0.0

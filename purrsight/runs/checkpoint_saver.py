@@ -26,7 +26,7 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from purrsight.atomic_file import publish, stale_temp_files
 from purrsight.distributed.stop_vote import StopRequest, StopVote
 from purrsight.errors import UserError
-from purrsight.internals.lightning_loops import end_validation_now, log_step_then, take_over_a_noted_sigterm
+from purrsight.internals.lightning_loops import end_validation_now, log_step_then, skip_empty_batch_hooks, take_over_a_noted_sigterm
 from purrsight.run_folder import LAST_NAME, link_or_copy, step_checkpoints, step_name
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class CheckpointSaver(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.at_step_end not in trainer.callbacks:  # type: ignore[attr-defined]
             trainer.callbacks.append(self.at_step_end)  # type: ignore[attr-defined]  # last: after every other hook
+            skip_empty_batch_hooks([self.at_step_end])  # as the trainer's builder did for the others
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and self.folder.is_dir():

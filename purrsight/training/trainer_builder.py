@@ -16,7 +16,12 @@ from purrsight.config import Config
 from purrsight.distributed.preflight_callback import Preflight
 from purrsight.distributed.watchdog import ProgressWatchdog
 from purrsight.errors import UserError
-from purrsight.internals.lightning_loops import check_layout, leave_stops_to_the_stop_vote, validate_at_optimizer_steps
+from purrsight.internals.lightning_loops import (
+    check_layout,
+    leave_stops_to_the_stop_vote,
+    skip_empty_batch_hooks,
+    validate_at_optimizer_steps,
+)
 from purrsight.observability.loggers import build_loggers
 from purrsight.observability.profiler import StepProfiler
 from purrsight.observability.progress_bar import StepBar, StepLines, use_progress_bar
@@ -189,4 +194,5 @@ def build_trainer(
     check_layout(trainer)  # a resume sets its loop counters: an upgrade that moved them stops here
     validate_at_optimizer_steps(trainer, trainer_cfg.val_every_n_steps)
     leave_stops_to_the_stop_vote(trainer)  # no collective and host read before each micro-batch
+    skip_empty_batch_hooks(trainer.callbacks)  # type: ignore[attr-defined]  # no call of an empty hook a micro-batch
     return trainer

@@ -48,6 +48,65 @@ def test_lightnings_per_micro_batch_sigterm_broadcast_is_where_we_skip_it() -> N
     assert not lightning_loops.leave_stops_to_the_stop_vote(without)
 
 
+def test_empty_per_batch_hooks_are_skipped_and_overridden_ones_still_run() -> None:
+    """A real fit on the installed Lightning: the hooks a callback overrides run at every batch
+    (training and validation), those it leaves as pl.Callback's are hidden and Lightning's
+    dispatcher passes over them (a dispatcher that called them would raise on None)."""
+    from pytorch_lightning.demos.boring_classes import BoringModel
+
+    from purrsight.internals.lightning_loops import PER_BATCH_HOOKS, skip_empty_batch_hooks
+
+    class Counting(pl.Callback):
+        def __init__(self) -> None:
+            self.calls: dict[str, int] = {}
+
+        def on_train_batch_end(self, *args: object) -> None:
+            self.calls["train"] = self.calls.get("train", 0) + 1
+
+        def on_validation_batch_start(self, *args: object) -> None:
+            self.calls["validation"] = self.calls.get("validation", 0) + 1
+
+    counting, idle = Counting(), pl.Callback()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        limit_val_batches=3,
+        val_check_interval=4,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[counting, idle],
+    )
+    assert skip_empty_batch_hooks([counting, idle]) == 2 * len(PER_BATCH_HOOKS) - 2
+    assert counting.on_before_backward is None and idle.on_train_batch_end is None  # type: ignore[comparison-overlap]
+    assert callable(counting.on_train_batch_end) and callable(counting.on_validation_batch_start)
+    trainer.fit(BoringModel())
+    assert counting.calls == {"train": 5, "validation": 3}
+    assert skip_empty_batch_hooks([counting]) == 0  # hidden once: a second pass finds nothing left to hide
+
+
+def test_a_dispatcher_that_would_call_a_hidden_hook_gets_none_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guarded: a Lightning whose dispatcher calls every hook attribute (no ``callable`` test) would
+    raise on None at the first batch, so then every hook stays as it is."""
+    from pytorch_lightning.trainer import call
+
+    from purrsight.internals import lightning_loops
+
+    def calls_every_hook(trainer: object, hook_name: str, *args: object, **kwargs: object) -> None:
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            getattr(callback, hook_name)(trainer, None, *args, **kwargs)
+
+    monkeypatch.setattr(call, "_call_callback_hooks", calls_every_hook)
+    lightning_loops._dispatcher_skips_uncallable.cache_clear()
+    try:
+        idle = pl.Callback()
+        assert lightning_loops.skip_empty_batch_hooks([idle]) == 0 and callable(idle.on_train_batch_end)
+    finally:
+        lightning_loops._dispatcher_skips_uncallable.cache_clear()  # the installed dispatcher's answer again
+
+
 def test_a_sigterm_lightnings_handler_noted_before_training_is_taken_over_once() -> None:
     """Lightning's handler notes a SIGTERM on its signal connector (what the take-over reads and
     clears); the checkpoint saver then requests the stop the stop vote agrees on

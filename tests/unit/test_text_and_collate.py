@@ -66,6 +66,35 @@ def test_collate_pads_and_masks_missing_media() -> None:
     assert (batch["num_samples"], batch["num_tokens"], batch["padded"]) == (2, 5, True)
 
 
+def test_the_trainer_moves_the_collators_batch_as_lightning_would() -> None:
+    """Phase2Module's flat move of a collated batch (media_at included) against Lightning's generic
+    one, onto the meta device (a device that is not the host's): every tensor moved with its dtype
+    and shape, every Python value kept as the same object; a batch of another shape goes the
+    generic way."""
+    from lightning_fabric.utilities.apply_func import move_data_to_device
+
+    from purrsight.training.module import Phase2Module
+
+    samples = [
+        Sample("a", [5, 6, 7], [IGNORE_INDEX, 6, 7], torch.ones(3, 4, 4), None, skipped=0, media_at={"image": 1}),
+        Sample("b", [5, 6], [IGNORE_INDEX, 6], None, torch.ones(10), skipped=1),
+    ]
+    batch = Collator(0, torch.zeros(3, 4, 4), torch.zeros(10))(samples)
+    assert "media_at" in batch
+    meta = torch.device("meta")
+    module = Phase2Module.__new__(Phase2Module)  # no model, no trainer: the move reads neither
+    ours, lightnings = module.transfer_batch_to_device(batch, meta, 0), move_data_to_device(batch, meta)
+    assert ours.keys() == lightnings.keys() == batch.keys()
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            assert ours[key].device == meta and (ours[key].dtype, ours[key].shape) == (value.dtype, value.shape)
+        else:
+            assert ours[key] is value and lightnings[key] == value
+    nested = {"tensors": [torch.ones(2)], "ids": ["a"]}
+    moved = module.transfer_batch_to_device(nested, meta, 0)
+    assert moved["tensors"][0].device == meta
+
+
 def test_collate_knows_when_nothing_is_masked() -> None:
     samples = [Sample(x, [5, 6], [IGNORE_INDEX, 6], torch.ones(3, 4, 4), torch.ones(10), skipped=0) for x in "ab"]
     batch = Collator(0, torch.zeros(3, 4, 4), torch.zeros(10))(samples)
