@@ -266,6 +266,7 @@ NOISE = (
     "Pre-processing sequences",  # the tokenizer trainer's bar when the synthetic set is generated
     "Epoch ",
     "dataloader is not resumable",  # Lightning's warning on a mid-epoch resume: ours restores the position
+    "You have overridden `",  # Lightning: a LightningModule's hook shadowing the DataModule's (the batch move)
 )
 
 

@@ -176,6 +176,30 @@ class Collator:
         return batch
 
 
+def moved_batch(batch: Any, device: torch.device) -> dict[str, Any] | None:
+    """A batch of ``Collator``'s shape (a flat dict of tensors and plain Python values) with its
+    tensors on ``device``, the rest as it is; None for any other shape, for a generic move.
+
+    Lightning's generic move walks every value, each sample id included, with its checks at each:
+    0.2% of the tiny model's step on CPU (bench/results/launch.md). ``non_blocking`` as Lightning's:
+    a copy from pinned host memory to a GPU goes on while the host prepares the next step.
+    """
+    if type(batch) is not dict or not all(_plain(value) for value in batch.values()):
+        return None
+    non_blocking = device.type not in ("cpu", "mps")
+    return {
+        key: value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
+        for key, value in batch.items()
+    }
+
+
+def _plain(value: Any) -> bool:
+    """A tensor, or a value no device move touches: a number, a flag, a string, None, a list of strings."""
+    if isinstance(value, torch.Tensor | int | float | str) or value is None:  # bool is an int
+        return True
+    return type(value) is list and all(isinstance(item, str) for item in value)
+
+
 def check_prompt_lengths(
     index: str | Path,
     records: list[dict[str, Any]],

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from purrsight.config import Config
-from purrsight.data.dataset import Collator, Sample, raw_conversations
+from purrsight.data.dataset import Collator, Sample, moved_batch, raw_conversations
 from purrsight.data.formats.records import read_options
 from purrsight.data.formats.sources import file_digest, sources_digest
 from purrsight.data.loader_worker import init_loader_worker
@@ -122,6 +122,13 @@ class Phase2DataModule(pl.LightningDataModule):
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer
         return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """The collator's batches moved directly (``moved_batch``), any other the generic way. Here, not
+        in the LightningModule: Lightning takes a DataModule's override silently, and warns on every
+        run when the module's would shadow the DataModule it was given."""
+        moved = moved_batch(batch, device)
+        return moved if moved is not None else super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def _loader(self, dataset: Dataset[Sample], sampler: Sampler[int], shuffle: bool) -> DataLoader[Sample]:
         data = self.config.data

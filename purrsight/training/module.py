@@ -36,16 +36,6 @@ class CheckpointMismatchError(UserError):
     """A checkpoint made for another model; the message names the difference."""
 
 
-def _flat(batch: Any) -> bool:
-    """A dict whose values are tensors or plain Python values (numbers, flags, a list of sample ids)."""
-    if not isinstance(batch, dict):
-        return False
-    for value in batch.values():
-        if isinstance(value, dict | tuple) or (isinstance(value, list) and not all(isinstance(v, str) for v in value)):
-            return False
-    return True
-
-
 class Phase2Module(pl.LightningModule):
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -111,18 +101,6 @@ class Phase2Module(pl.LightningModule):
             self._fingerprints_then = built.earlier_fingerprints
 
     # ------------------------------------------------------------------ steps
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """The collator's batch, a flat dict of tensors and Python values: its tensors moved, the rest as
-        it is. Lightning's generic move walks every value, each sample id included, with
-        isinstance checks at each: 0.2% of the tiny model's step (bench/results/launch.md)."""
-        if not _flat(batch):
-            return super().transfer_batch_to_device(batch, device, dataloader_idx)  # not the collator's
-        non_blocking = device.type not in ("cpu", "mps")  # as Lightning's: pinned memory copies while the host goes on
-        return {
-            key: value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
-            for key, value in batch.items()
-        }
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # The RNG stream (LoRA dropout and the like) is a pure function of seed, position

@@ -9,6 +9,7 @@ import inspect
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -85,6 +86,28 @@ def test_empty_per_batch_hooks_are_skipped_and_overridden_ones_still_run() -> No
     trainer.fit(BoringModel())
     assert counting.calls == {"train": 5, "validation": 3}
     assert skip_empty_batch_hooks([counting]) == 0  # hidden once: a second pass finds nothing left to hide
+
+
+def test_the_trainers_builder_and_the_saver_hide_the_empty_hooks_of_every_callback_they_add(
+    synthetic_dir: Path, tmp_path: Path
+) -> None:
+    """The wiring: build_trainer hides them for the callbacks it builds, the saver for the
+    SaveAtStepEnd it appends at setup (after the build); an overridden hook stays callable."""
+    from purrsight.internals.lightning_loops import PER_BATCH_HOOKS
+    from purrsight.runs.checkpoint_saver import CheckpointSaver
+    from purrsight.training.trainer_builder import build_trainer
+    from tests.helpers import tiny_config
+
+    config = tiny_config(synthetic_dir, tmp_path)
+    saver = CheckpointSaver(tmp_path / "checkpoints", 5, 2)
+    trainer = build_trainer(config, saver)
+    saver.setup(trainer, pl.LightningModule(), "fit")
+    assert saver.at_step_end in trainer.callbacks  # type: ignore[attr-defined]
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        for hook in PER_BATCH_HOOKS:
+            overridden = getattr(type(callback), hook) is not getattr(pl.Callback, hook)
+            assert callable(getattr(callback, hook)) == overridden, (type(callback).__name__, hook)
+    assert saver.on_train_batch_end is not None and saver.at_step_end.on_before_backward is None  # type: ignore[comparison-overlap]
 
 
 def test_a_dispatcher_that_would_call_a_hidden_hook_gets_none_hidden(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,13 +66,19 @@ def test_collate_pads_and_masks_missing_media() -> None:
     assert (batch["num_samples"], batch["num_tokens"], batch["padded"]) == (2, 5, True)
 
 
-def test_the_trainer_moves_the_collators_batch_as_lightning_would() -> None:
-    """Phase2Module's flat move of a collated batch (media_at included) against Lightning's generic
-    one, onto the meta device (a device that is not the host's): every tensor moved with its dtype
-    and shape, every Python value kept as the same object; a batch of another shape goes the
-    generic way."""
-    from lightning_fabric.utilities.apply_func import move_data_to_device
+def test_the_collators_batch_is_moved_as_lightning_would_and_any_other_shape_is_left_to_lightning() -> None:
+    """``moved_batch`` (the DataModule's transfer hook) against Lightning's generic move, onto the
+    meta device (one that is not the host's): every tensor moved with its dtype and shape, every
+    Python value kept as the same object. A value it does not know (one with its own ``.to``, a
+    list of tensors, a dict subclass) makes it answer None, for Lightning's move; and Lightning
+    takes the DataModule's hook, without the warning a LightningModule's override gives."""
+    import warnings
 
+    from lightning_fabric.utilities.apply_func import move_data_to_device
+    from pytorch_lightning.trainer.connectors.data_connector import _DataHookSelector
+
+    from purrsight.data.dataset import moved_batch
+    from purrsight.training.datamodule import Phase2DataModule
     from purrsight.training.module import Phase2Module
 
     samples = [
@@ -80,19 +86,30 @@ def test_the_trainer_moves_the_collators_batch_as_lightning_would() -> None:
         Sample("b", [5, 6], [IGNORE_INDEX, 6], None, torch.ones(10), skipped=1),
     ]
     batch = Collator(0, torch.zeros(3, 4, 4), torch.zeros(10))(samples)
-    assert "media_at" in batch
+    assert "media_at" in batch and batch["padded"] is True
     meta = torch.device("meta")
-    module = Phase2Module.__new__(Phase2Module)  # no model, no trainer: the move reads neither
-    ours, lightnings = module.transfer_batch_to_device(batch, meta, 0), move_data_to_device(batch, meta)
-    assert ours.keys() == lightnings.keys() == batch.keys()
+    ours, lightnings = moved_batch(batch, meta), move_data_to_device(batch, meta)
+    assert ours is not None and ours.keys() == lightnings.keys() == batch.keys()
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
             assert ours[key].device == meta and (ours[key].dtype, ours[key].shape) == (value.dtype, value.shape)
         else:
             assert ours[key] is value and lightnings[key] == value
-    nested = {"tensors": [torch.ones(2)], "ids": ["a"]}
-    moved = module.transfer_batch_to_device(nested, meta, 0)
-    assert moved["tensors"][0].device == meta
+
+    class Movable:
+        def to(self, device: torch.device) -> Movable:
+            return self
+
+    class Batch(dict):  # type: ignore[type-arg]
+        pass
+
+    for other in ({**batch, "extra": Movable()}, {**batch, "crops": [torch.ones(2)]}, Batch(batch), [batch["labels"]]):
+        assert moved_batch(other, meta) is None
+    module, datamodule = Phase2Module.__new__(Phase2Module), Phase2DataModule.__new__(Phase2DataModule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "You have overridden `transfer_batch_to_device` in `LightningModule` ..."
+        chosen = _DataHookSelector(module, datamodule).get_instance("transfer_batch_to_device")
+    assert chosen is datamodule
 
 
 def test_collate_knows_when_nothing_is_masked() -> None:
