@@ -5,6 +5,7 @@
   before; the trainer (its telemetry CSV) or the plain loop (its JSON) notes the wall clock after
   given optimizer steps. From those: launch -> first optimizer step, and samples/s over a window
   of steps that holds no validation and no checkpoint (both happen only at the last step).
+- **A device's queued work waited for** (``synchronize``), around every GPU bench's timed call.
 - **CPU seconds by part of the stack** (``ProcessTreeCPU``) and **a process's memory**
   (``/proc/PID/status``).
 - **The real-size model** (config/qwen2.5-0.5b.yaml as config dicts), its training FLOPs per
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 if TYPE_CHECKING:
+    import torch
     from PIL import Image
 
     from purrsight.config import Config
@@ -52,6 +54,15 @@ ROW_EVERY = 10  # telemetry.every_n_steps in every timed run
 class Timing:
     first_step_s: float  # launch -> end of the first optimizer step
     samples_per_s: float  # global, over steps WINDOW_START .. last - ROW_EVERY
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the work queued on ``device`` (a CPU's is done when its call returns): every GPU
+    bench times its calls with it."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
 
 
 def free_port() -> int:

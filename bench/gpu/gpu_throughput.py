@@ -43,6 +43,7 @@ from bench.common import (
     SIGLIP_BASE_224,
     TINY_CONFIG,
     random_init_overrides,
+    synchronize,
     synthetic_tokenizer,
 )
 from purrsight.config import Config, load_config
@@ -174,12 +175,6 @@ def make_step(
     return step
 
 
-def synchronize(device: torch.device) -> None:
-    """Waits for the work queued on ``device`` (a CPU's is done when its call returns)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(
     config: Config, model: PurrSightModel, seq_len: int, batch: int, steps: int, warmup: int, device: torch.device
 ) -> dict[str, float]:
@@ -192,8 +187,8 @@ def measure(
     first_step_s = time.perf_counter() - first
     for _ in range(warmup - 1):
         step()
+    synchronize(device)
     if device.type == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(steps):

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from bench.common import synchronize
 from purrsight.labels import IGNORE_INDEX
 from purrsight.model.linear_cross_entropy import Scorer, chunk_rows, compiled_scorer, linear_cross_entropy, score_chunk
 
@@ -30,8 +31,7 @@ def seconds_per_call(score: Scorer, hidden: torch.Tensor, weight: torch.Tensor, 
     with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=hidden.device.type == "cuda"):
         loss, _ = linear_cross_entropy(hidden, weight, targets, rows, False, score)
     loss.backward()
-    if hidden.is_cuda:
-        torch.cuda.synchronize()
+    synchronize(hidden.device)
     return time.perf_counter() - start
 
 

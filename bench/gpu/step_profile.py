@@ -144,7 +144,8 @@ def profile(
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from bench.gpu.gpu_throughput import build, make_step, random_batch, synchronize
+    from bench.common import synchronize
+    from bench.gpu.gpu_throughput import build, make_step, random_batch
     from purrsight.training.optim import build_optimizer
 
     device = torch.device(device_type)
@@ -195,7 +196,7 @@ def alternating_steps(steps: dict[str, Callable[[], None]], rounds: int, device:
     """Each of ``steps`` once a round, in turn, for ``rounds`` rounds after one warm-up each: the
     seconds of each call, ``device`` waited for around every one (side by side, so a GPU that warms
     or throttles touches all alike)."""
-    from bench.gpu.gpu_throughput import synchronize
+    from bench.common import synchronize
 
     times: dict[str, list[float]] = {name: [] for name in steps}
     for warm_up in steps.values():
