@@ -86,11 +86,19 @@ def ray_processes_seen(job: str) -> dict[int, str]:
     return processes_using(temp_prefix(job))
 
 
-def no_ray_left(job: str, seen: dict[int, str]) -> None:
-    """None of the job's Ray processes seen while it ran, renamed workers included, nor any other
-    holding its temp dirs, nor any with the job's SLURM_JOB_ID in its environment (every process of
-    the job inherits it: a daemon that left the temp dirs and closed its files still has it), is
-    alive; and the temp dirs are gone."""
+def no_ray_left(slurm: SlurmCluster, job: str, seen: dict[int, str]) -> None:
+    """Once SLURM is done with the job, none of the job's Ray processes seen while it ran, renamed
+    workers included, nor any other holding its temp dirs, nor any with the job's SLURM_JOB_ID in
+    its environment (every process of the job inherits it: a daemon that left the temp dirs and
+    closed its files still has it), is alive; and the temp dirs are gone.
+
+    Done means ended (scontrol shows COMPLETING until every node has reported its end) and its
+    slurmstepd gone: they outlive that report while they clean up, and a start that had begun when
+    a cancel came tears its Ray down from them."""
+    deadline = time.monotonic() + 120
+    while slurm.job_field(job, "JobState") not in ENDED or step_daemons(job):
+        assert time.monotonic() < deadline, (slurm.job_field(job, "JobState"), step_daemons(job))
+        time.sleep(1)
     assert any(title.startswith("ray::") for title in seen.values()), seen  # the check sees renamed workers
     alive = {pid: title for pid, title in seen.items() if Path(f"/proc/{pid}").exists() and title in _title(pid)}
     assert not alive and not ray_processes_seen(job), (alive, ray_processes_seen(job))
@@ -115,10 +123,10 @@ def wait_for_text(path: Path, text: str, slurm: SlurmCluster, job: str, seen: di
         time.sleep(1)
 
 
-def step_daemons() -> list[str]:
-    """The slurmstepd processes alive (each names its job: ``slurmstepd: [12.batch]``)."""
+def step_daemons(job: str = "") -> list[str]:
+    """The slurmstepd processes alive (each names its job: ``slurmstepd: [12.batch]``), ``job``'s alone when given."""
     done = subprocess.run(["pgrep", "-a", "slurmstepd"], capture_output=True, text=True, check=False)
-    return done.stdout.splitlines()
+    return [line for line in done.stdout.splitlines() if f"[{job}." in line or not job]
 
 
 def wait_for_file(path: Path, slurm: SlurmCluster, job: str, seen: dict[int, str], timeout: float = 300) -> None:
@@ -232,7 +240,7 @@ def test_two_ray_jobs_on_the_same_nodes_a_qdel_and_a_preemption_each_stop_one_wi
             sized = re.search(rf"at {address}: 1 CPUs \(affinity mask\), 0 GPUs \({source}\), object store 0\.3 GiB", log)
             assert sized, log[-2000:]
             assert f"stopping this job's Ray on {node}" in log
-        no_ray_left(job, seen[job])
+        no_ray_left(slurm, job, seen[job])
     assert JobPorts.of(first).base != JobPorts.of(second).base
     watch.assert_clean(set(SECRETS.values()))
     assert len(watch.seen) >= len(SECRETS) + 3, "the scans never saw the jobs' Ray tokens"  # A's, B's and B's requeued run's
@@ -346,4 +354,4 @@ def test_a_node_whose_ray_fails_to_start_is_excluded_then_usr1_requeues_the_job(
     for node in run2_nodes:
         log = (tmp_path / "logs" / f"ray-{job}" / f"{node}.log").read_text()
         assert re.search(r"at 127\.0\.1\.\d: 2 CPUs \(affinity mask\)", log), log[-2000:]
-    no_ray_left(job, seen)
+    no_ray_left(slurm, job, seen)

@@ -93,11 +93,17 @@ def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Pa
     workers whatever their preparation took); the round then closes without it and restarts when it
     arrives, which is right for a job but not the start these tests build on (their record of
     attempts begins with one round of three). Such a start is ended whole and made again in a clean
-    folder, at most twice."""
-    for attempt in range(3):
-        launchers = {rank: cluster.start(nodes, rank, env=env, **overrides) for rank in (1, 2)}
+    folder, at most twice, with a last call 3 and then 6 times as long: a machine that slow stays
+    that slow for minutes (CI, 2026-11-29: three late starts in a row at 10 s). A round's deadline
+    is set by the join that brings it to MIN (c10d's ``_add_to_participants``), with that node's
+    own last call; so every node gets the longer one. The rounds after a loss wait as long for a
+    third node that does not come; no test asserts their length."""
+    for attempt, stretch in enumerate((1, 3, 6)):
+        last_call = int(env.get("RDZV_LAST_CALL_S", "2")) * stretch
+        attempt_env = env | {"RDZV_LAST_CALL_S": str(last_call)}
+        launchers = {rank: cluster.start(nodes, rank, env=attempt_env, **overrides) for rank in (1, 2)}
         wait_for_workers_at_the_master_check([(launchers[rank].proc, launchers[rank].output) for rank in (1, 2)])
-        launchers[0] = cluster.start(nodes, 0, env=env, **overrides)
+        launchers[0] = cluster.start(nodes, 0, env=attempt_env, **overrides)
 
         master = launchers[0]  # its console output is this start's alone (latest_node0.log is the newest)
         held_or_late = functools.partial(all_held_or_joined_late, master, gate)
@@ -105,7 +111,7 @@ def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Pa
         if not joined_late(master):
             assert "elastic round of 3 node(s) [0, 1, 2]" in master.text(), master.text()[-3000:]
             return launchers
-        print(f"start {attempt + 1}: a worker joined after the first round; starting again")
+        print(f"start {attempt + 1}: a worker joined after the first round ({last_call} s last call); starting again")
         doomed = [launcher.proc.pid for launcher in launchers.values()]
         doomed += [process.pid for pid in list(doomed) for process in descendants(pid)]
         for launcher in launchers.values():
@@ -445,7 +451,8 @@ def test_a_second_node_lost_during_the_re_rendezvous_leaves_one_that_goes_on_alo
     assert "global batch 12 = 1 processes x 2 (data.batch_size) x 6 micro-batches per step" in after, after[-4000:]
     resumed = re.findall(r"(\d{4}-\d\d-\d\d [\d:.]{12}) .*resuming from checkpoint .*step-(\d+)\.ckpt", after)
     assert resumed and int(resumed[-1][1]) == SAVED_AT, after[-4000:]
-    print(f"node 0 alone resumed {log_time(resumed[-1][0]) - killed_ns / 1e9:.1f} s after the first kill (a 10 s last call)")
+    waited = log_time(resumed[-1][0]) - killed_ns / 1e9
+    print(f"node 0 alone resumed {waited:.1f} s after the first kill (a 10 s last call; longer after a retried start)")
     assert "Traceback" not in after, after[-4000:]
     trained = steps_trained(records, [(0, 3, 0, SAVED_AT), (killed_ns, 1, SAVED_AT, steps)])
     check_global_batch_and_every_sample_once(trained, steps, cluster.synthetic_dir)
