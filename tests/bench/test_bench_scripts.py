@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import re
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
 
 from bench.common import MEASURED_SETTINGS, run_plain
+from bench.launch import suite_cpu
 from bench.launch.interpreters import child_cpu_s
 from tests.helpers import run_python
 
@@ -134,6 +136,56 @@ def test_interpreters_script_counts_a_childs_cpu_and_names_a_failing_one() -> No
     assert 0.3 <= child_cpu_s([sys.executable, "-c", burn], {}) < 3
     with pytest.raises(SystemExit, match="exited 3"):
         child_cpu_s([sys.executable, "-c", "import sys; sys.exit(3)"], {})
+
+
+def acct_v3(pid: int, ppid: int, started: int, utime: int, stime: int, comm: bytes) -> bytes:
+    """One record as the kernel writes it (linux/acct.h's struct acct_v3), times as comp_t."""
+    return suite_cpu.ACCT_V3.pack(0, 3, 0, 0, 0, 0, pid, ppid, started, 0.0, utime, stime, 0, 0, 0, 0, 0, 0, comm)
+
+
+def test_suite_cpu_reads_the_kernels_records_and_names_each_process_by_its_command_or_its_parents(tmp_path: Path) -> None:
+    """A comp_t with an exponent (13 bits of mantissa, 3 of base-8 exponent), a pid used twice
+    (each use named by the command logged nearest its start), a forked child named after its parent."""
+    records = tmp_path / "pacct"
+    records.write_bytes(
+        acct_v3(40, 1, 1000, (1 << 13) | 150, 50, b"python")  # (150 << 3) + 50 ticks: 12.5 s
+        + acct_v3(41, 40, 1001, 30, 0, b"pt_data_worker")  # forked from 40: no line of its own
+        + acct_v3(40, 1, 2000, 20, 0, b"python")  # pid 40 again, 1000 s later
+        + acct_v3(42, 1, 1000, 7, 0, b"bash")
+    )
+    ended = suite_cpu.read_records(records)
+    assert [(r.pid, r.ppid, r.cpu_s, r.comm) for r in ended] == [
+        (40, 1, 12.5, "python"), (41, 40, 0.3, "pt_data_worker"), (40, 1, 0.2, "python"), (42, 1, 0.07, "bash"),
+    ]  # fmt: skip
+    lines = {40: [(1001, "/v/bin/python -m purrsight.launcher.torchrun --nnodes 2"), (2002, "/v/bin/python -c import torch")]}
+    cpu, count = suite_cpu.by_kind(ended, lines, prefix="/v/")
+    assert dict(cpu) == pytest.approx(
+        {
+            "bin/python -m purrsight.launcher.torchrun": 12.5,
+            "pt_data_worker forked from: bin/python -m purrsight.launcher.torchrun": 0.3,
+            "bin/python -c import": 0.2,
+            "[bash]": 0.07,
+        }
+    )
+    assert sum(count.values()) == 4
+
+
+@pytest.mark.root
+def test_suite_cpu_counts_a_commands_processes_the_forked_ones_too() -> None:
+    """bench/launch/suite_cpu.py on a Python process that burns 0.4 CPU-s and forks a child that
+    burns as much: both counted, the child under its parent's command; its logger gone after. (The
+    kernel's records count CPU in clock ticks, sampled: 0.30 of the 0.4 once, beside a full suite.)"""
+    burner = (
+        "burner=1; import os, time\n"
+        "def spin():\n    end = time.process_time() + 0.4\n    while time.process_time() < end: pass\n"
+        "child = os.fork()\nspin()\nif child == 0: os._exit(0)\nos.waitpid(child, 0)\n"
+    )
+    done = run_python(["-m", "bench.launch.suite_cpu", "--top", "50", "--", sys.executable, "-c", burner], timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split(None, 4)[4]: float(line.split()[0]) for line in done.stdout.splitlines()[2:]}
+    parent = next(kind for kind in rows if kind.endswith("-c burner=1;"))
+    assert rows[parent] >= 0.2 and rows[f"python forked from: {parent}"] >= 0.2, done.stdout
+    assert not list(Path(sysconfig.get_paths()["purelib"]).glob("_purrsight_cmdline_log*")), "the logger was left installed"
 
 
 def test_prepare_memory_script_small_run() -> None:
