@@ -8,8 +8,7 @@
 # System tools (shellcheck, bats, iproute2, slurm-wlm + munge for the real SLURM cluster
 # that tests/cluster starts, slurm-wlm-torque for PBS's qsub/qdel/qrerun over it, openssh-server
 # for the sshd that PBS_LAUNCHER=ssh's test starts, and alsa-utils + sound-theme-freedesktop for
-# the real speech and sound recordings that tests/unit/test_real_media.py decodes, and acct for the kernel's
-# process accounting that bench/launch/suite_cpu.py reads, checked in tests/bench) come from
+# the real speech and sound recordings that tests/unit/test_real_media.py decodes) come from
 # Debian's packages when missing and we are root. The CPU build of torch is pinned (torch==2.13.0) in the same pip
 # run as the requirements: requirements.txt holds a range (right for GPU users) that it meets,
 # so pip fetches nothing larger.
@@ -21,7 +20,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 readonly VENV_DIR="${VENV_DIR:-.venv}"
 readonly WORKERS="${PYTEST_WORKERS:-2}"
 readonly SYSTEM_PACKAGES=(shellcheck bats iproute2 slurm-wlm slurm-wlm-torque munge alsa-utils sound-theme-freedesktop
-  openssh-server acct)
+  openssh-server)
 
 log() { printf '[test.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }
 die() { printf '[test.sh] error: %s\n' "$*" >&2; exit 1; }

@@ -86,15 +86,20 @@ def ray_processes_seen(job: str) -> dict[int, str]:
     return processes_using(temp_prefix(job))
 
 
-def no_ray_left(slurm: SlurmCluster, job: str, seen: dict[int, str]) -> None:
-    """Once SLURM is done with the job, none of the job's Ray processes seen while it ran, renamed
-    workers included, nor any other holding its temp dirs, nor any with the job's SLURM_JOB_ID in
-    its environment (every process of the job inherits it: a daemon that left the temp dirs and
-    closed its files still has it), is alive; and the temp dirs are gone.
+def no_ray_left(slurm: SlurmCluster, job: str, seen: dict[int, str], node_logs: Path) -> None:
+    """Our teardown stopped every process of the job's Ray (no node log in ``node_logs`` says it
+    could not), and once SLURM is done with the job, none of the job's Ray processes seen while it
+    ran, renamed workers included, nor any other holding its temp dirs, nor any with the job's
+    SLURM_JOB_ID in its environment (every process of the job inherits it: a daemon that left the
+    temp dirs and closed its files still has it), is alive; and the temp dirs are gone.
 
     Done means ended (scontrol shows COMPLETING until every node has reported its end) and its
     slurmstepd gone: they outlive that report while they clean up, and a start that had begun when
     a cancel came tears its Ray down from them."""
+    logs = sorted(node_logs.glob("*.log"))
+    assert logs, f"no node log in {node_logs}"
+    unstopped = [path.name for path in logs if "could not stop pids" in path.read_text(errors="replace")]
+    assert not unstopped, f"our teardown left processes of job {job}'s Ray: {unstopped}"
     deadline = time.monotonic() + 120
     while slurm.job_field(job, "JobState") not in ENDED or step_daemons(job):
         assert time.monotonic() < deadline, (slurm.job_field(job, "JobState"), step_daemons(job))
@@ -240,7 +245,7 @@ def test_two_ray_jobs_on_the_same_nodes_a_qdel_and_a_preemption_each_stop_one_wi
             sized = re.search(rf"at {address}: 1 CPUs \(affinity mask\), 0 GPUs \({source}\), object store 0\.3 GiB", log)
             assert sized, log[-2000:]
             assert f"stopping this job's Ray on {node}" in log
-        no_ray_left(slurm, job, seen[job])
+        no_ray_left(slurm, job, seen[job], tmp_path / name / "logs" / f"ray-{job}")
     assert JobPorts.of(first).base != JobPorts.of(second).base
     watch.assert_clean(set(SECRETS.values()))
     assert len(watch.seen) >= len(SECRETS) + 3, "the scans never saw the jobs' Ray tokens"  # A's, B's and B's requeued run's
@@ -354,4 +359,4 @@ def test_a_node_whose_ray_fails_to_start_is_excluded_then_usr1_requeues_the_job(
     for node in run2_nodes:
         log = (tmp_path / "logs" / f"ray-{job}" / f"{node}.log").read_text()
         assert re.search(r"at 127\.0\.1\.\d: 2 CPUs \(affinity mask\)", log), log[-2000:]
-    no_ray_left(slurm, job, seen)
+    no_ray_left(slurm, job, seen, tmp_path / "logs" / f"ray-{job}")

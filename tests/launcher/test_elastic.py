@@ -93,13 +93,15 @@ def start_three_held(cluster: Cluster, nodes: str, env: dict[str, str], gate: Pa
     workers whatever their preparation took); the round then closes without it and restarts when it
     arrives, which is right for a job but not the start these tests build on (their record of
     attempts begins with one round of three). Such a start is ended whole and made again in a clean
-    folder, at most twice, with a last call 3 and then 6 times as long: a machine that slow stays
-    that slow for minutes (CI, 2026-11-29: three late starts in a row at 10 s). A round's deadline
-    is set by the join that brings it to MIN (c10d's ``_add_to_participants``), with that node's
-    own last call; so every node gets the longer one. The rounds after a loss wait as long for a
-    third node that does not come; no test asserts their length."""
+    folder, at most twice, with a last call 3 and then 6 times as long (60 s at most: a node's join
+    must stay within the rendezvous' join timeout, RDZV_TIMEOUT 120 here): a machine that slow
+    stays that slow for minutes (CI, 2026-11-29: three late starts in a row at 10 s). A round's
+    deadline is set by the join that brings it to MIN (c10d's ``_add_to_participants``), with that
+    node's own last call; so every node gets the longer one. Rounds after a loss may then wait that
+    long for a third node that does not come (a node the test starts again later has the test's
+    own last call); no test asserts their length."""
     for attempt, stretch in enumerate((1, 3, 6)):
-        last_call = int(env.get("RDZV_LAST_CALL_S", "2")) * stretch
+        last_call = min(int(env.get("RDZV_LAST_CALL_S", "2")) * stretch, 60)
         attempt_env = env | {"RDZV_LAST_CALL_S": str(last_call)}
         launchers = {rank: cluster.start(nodes, rank, env=attempt_env, **overrides) for rank in (1, 2)}
         wait_for_workers_at_the_master_check([(launchers[rank].proc, launchers[rank].output) for rank in (1, 2)])
