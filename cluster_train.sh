@@ -157,7 +157,9 @@ validate_args() {
   is_uint "${NODE_RANK}" || die_usage "node_rank '${NODE_RANK}' must be a non-negative integer"
   ((10#${NODE_RANK} < NODES_MAX)) ||
     die_usage "node_rank ${NODE_RANK} is out of range for num_nodes ${NUM_NODES} (expected 0..$((NODES_MAX - 1)))"
-  [[ "${RDZV_LAST_CALL_S:=2}" =~ ^[0-9]+$ ]] || die_usage "RDZV_LAST_CALL_S '${RDZV_LAST_CALL_S}' must be a number of seconds"
+  # Positive: c10d's rendezvous refuses a last call of 0 with a traceback, after the health checks.
+  [[ "${RDZV_LAST_CALL_S:=2}" =~ ^[1-9][0-9]*$ ]] ||
+    die_usage "RDZV_LAST_CALL_S '${RDZV_LAST_CALL_S}' must be a positive number of seconds"
   if ! is_uint "${PORT}" || ((10#${PORT} < 1 || 10#${PORT} > 65535)); then
     die_usage "master_port '${PORT}' must be an integer in 1..65535"
   fi

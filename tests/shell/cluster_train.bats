@@ -55,7 +55,9 @@ assert_usage_error() {
   run ./cluster_train.sh config/train_config.yaml 2:
   assert_usage_error "num_nodes '2:' must be a positive integer, or MIN:MAX for an elastic job"
   RDZV_LAST_CALL_S=soon run ./cluster_train.sh config/train_config.yaml 2:3 1
-  assert_usage_error "RDZV_LAST_CALL_S 'soon' must be a number of seconds"
+  assert_usage_error "RDZV_LAST_CALL_S 'soon' must be a positive number of seconds"
+  RDZV_LAST_CALL_S=0 run ./cluster_train.sh config/train_config.yaml 2:3 1
+  assert_usage_error "RDZV_LAST_CALL_S '0' must be a positive number of seconds"
   RDZV_STORE_TIMEOUT=0 run ./cluster_train.sh config/train_config.yaml 2:3 1
   assert_usage_error "RDZV_STORE_TIMEOUT '0' must be a positive number of seconds"
   # --dry-run: torchrun gets MIN:MAX and the fast rendezvous; a fixed count keeps torchrun's timings
