@@ -131,8 +131,12 @@ class Kinds:
     def __init__(self, records: list[Ended], lines: dict[int, list[tuple[int, str]]], prefix: str) -> None:
         self.lines, self.prefix = lines, prefix
         self.by_pid: dict[int, list[Ended]] = defaultdict(list)  # pids are reused: every record of each
+        self.logged: dict[int, str] = {}  # id(record) -> its own kind, for a record with a logged line
         for record in records:
             self.by_pid[record.pid].append(record)
+            command = command_of(record, lines)
+            if command is not None:
+                self.logged[id(record)] = kind(command, prefix)
 
     def parent_of(self, child: Ended) -> Ended | None:
         """The record of the process ``child.ppid`` that was alive when the child started (a second
@@ -140,14 +144,9 @@ class Kinds:
         alive = [r for r in self.by_pid.get(child.ppid, []) if r.started - 1 <= child.started <= r.started + r.alive_s + 1]
         return max(alive, key=lambda r: r.started) if alive else None
 
-    def logged_kind(self, record: Ended) -> str | None:
-        command = command_of(record, self.lines)
-        return kind(command, self.prefix) if command is not None else None
-
     def of(self, record: Ended) -> str:
-        own = self.logged_kind(record)
-        if own is not None:
-            return own
+        if id(record) in self.logged:
+            return self.logged[id(record)]
         process, hops = record, 0
         while process.forked and hops < 8:
             parent = self.parent_of(process)
@@ -156,9 +155,8 @@ class Kinds:
                 if not started:
                     break
                 return f"{record.comm} forked from: {kind(max(started)[1], self.prefix)}"
-            ancestor = self.logged_kind(parent)
-            if ancestor is not None:
-                return f"{record.comm} forked from: {ancestor}"
+            if id(parent) in self.logged:
+                return f"{record.comm} forked from: {self.logged[id(parent)]}"
             process, hops = parent, hops + 1
         return f"[{record.comm}]"
 

@@ -101,8 +101,9 @@ def no_ray_left(slurm: SlurmCluster, job: str, seen: dict[int, str], node_logs: 
     unstopped = [path.name for path in logs if "could not stop pids" in path.read_text(errors="replace")]
     assert not unstopped, f"our teardown left processes of job {job}'s Ray: {unstopped}"
     deadline = time.monotonic() + 120
-    while slurm.job_field(job, "JobState") not in ENDED or step_daemons(job):
-        assert time.monotonic() < deadline, (slurm.job_field(job, "JobState"), step_daemons(job))
+    slurm.wait_state(job, ENDED, timeout=120)
+    while step_daemons(job):
+        assert time.monotonic() < deadline, step_daemons(job)
         time.sleep(1)
     assert any(title.startswith("ray::") for title in seen.values()), seen  # the check sees renamed workers
     alive = {pid: title for pid, title in seen.items() if Path(f"/proc/{pid}").exists() and title in _title(pid)}
