@@ -25,7 +25,17 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import ROLES, ProcessTreeCPU, Timing, ensure_synthetic_set, machine, median_timing, run_plain, run_stack
+from bench.common import (
+    ROLES,
+    ProcessTreeCPU,
+    Timing,
+    ensure_synthetic_set,
+    machine,
+    median_interval,
+    median_timing,
+    run_plain,
+    run_stack,
+)
 
 
 def main() -> int:
@@ -62,13 +72,17 @@ def main() -> int:
     medians = {name: median_timing(timings) for name, timings in runs.items()}
     print(f"\nmachine: {machine()}")
     print(f"{args.repeats} repeats, {args.steps} steps, 2 processes x batch {args.batch_size}; medians")
-    print("(ratios: the median of each repeat's ratio; a repeat runs them back to back, each first in turn)\n")
-    print("| run | launch -> first step (s) | ratio to plain | samples/s | ratio to plain |")
-    print("|---|---|---|---|---|")
+    print("(ratios: the median of each repeat's ratio; a repeat runs them back to back, each first in turn;")
+    print("the interval: 90% of the medians of the repeats resampled, a percentile bootstrap; too narrow")
+    print("under some ten repeats, as it never reaches past the ratios themselves)\n")
+    print("| run | launch -> first step (s) | ratio to plain | samples/s | ratio to plain | its 90% interval |")
+    print("|---|---|---|---|---|---|")
     for name, m in medians.items():
         start_ratio = statistics.median(t.first_step_s / p.first_step_s for t, p in zip(runs[name], runs["plain"], strict=True))
-        rate_ratio = statistics.median(t.samples_per_s / p.samples_per_s for t, p in zip(runs[name], runs["plain"], strict=True))
-        print(f"| {name} | {m.first_step_s:.2f} | {start_ratio:.2f} | {m.samples_per_s:.1f} | {rate_ratio:.3f} |")
+        rate_ratios = [t.samples_per_s / p.samples_per_s for t, p in zip(runs[name], runs["plain"], strict=True)]
+        rate_ratio, (low, high) = statistics.median(rate_ratios), median_interval(rate_ratios)
+        row = f"| {name} | {m.first_step_s:.2f} | {start_ratio:.2f} | {m.samples_per_s:.1f} | {rate_ratio:.3f} |"
+        print(f"{row} {low:.3f} - {high:.3f} |")
     print("\nCPU seconds per run, by part (medians):\n")
     print("| run | " + " | ".join(ROLES) + " |")
     print("|---|" + "---|" * len(ROLES))

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from bench.common import MEASURED_SETTINGS, run_plain
+from bench.common import MEASURED_SETTINGS, median_interval, run_plain
 from bench.launch import suite_cpu
 from bench.launch.interpreters import child_cpu_s
 from tests.helpers import run_python
@@ -22,6 +25,31 @@ from tests.helpers import run_python
 
 def table_rows(output: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in output.splitlines() if re.match(r"\| \d", line)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.5, 1.5), min_size=1, max_size=40))
+def test_the_median_interval_holds_the_median_and_narrows_with_more_repeats(ratios: list[float]) -> None:
+    """bench/launch/stack_vs_plain.py's interval: around the median, within the values, reproducible;
+    the same spread over four times the repeats gives an interval no wider."""
+    low, high = median_interval(ratios)
+    assert min(ratios) <= low <= statistics.median(ratios) <= high <= max(ratios)
+    assert median_interval(ratios) == (low, high)
+    if len(set(ratios)) == 1:
+        assert low == high == ratios[0]
+    more_low, more_high = median_interval(ratios * 4)
+    assert more_high - more_low <= high - low + 1e-12
+
+
+def test_a_spread_of_noise_leaves_a_two_percent_difference_unresolved() -> None:
+    """Seven repeats spread as this host's (±12%) cannot place a median against 0.98; sixty tight ones can."""
+    noisy = [0.89, 1.27, 0.81, 1.03, 0.91, 0.89, 0.99]
+    low, high = median_interval(noisy)
+    assert low < 0.98 < high
+    tight = [0.99 + 0.0005 * (i % 9) for i in range(60)]
+    assert median_interval(tight)[0] > 0.98
+    with pytest.raises(ValueError):
+        median_interval([])
 
 
 def test_gpu_script_smoke_run_on_cpu() -> None:
