@@ -23,6 +23,7 @@ import csv
 import json
 import os
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -151,19 +152,19 @@ def median_timing(timings: list[Timing]) -> Timing:
 
 
 def median_interval(values: list[float], confidence: float = 0.9, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """The percentile bootstrap interval of the median of ``values``: where the median of repeats
-    like these falls ``confidence`` of the time. A target within it is not resolved by the set,
-    however near the median is: more repeats narrow it (as one over their square root). It never
-    reaches past the values themselves, so over a handful of repeats it is too narrow: read it
-    from some ten repeats on."""
-    import random  # here: the module's imports stay cheap
-
+    """The percentile bootstrap interval of the median of ``values``: an approximate ``confidence``
+    interval for the median such repeats measure. A target within it is not resolved by the set,
+    however near the median is; more repeats narrow it (as one over their square root). Over a
+    handful of repeats it is the values' own range or close to it, which says little: read it from
+    some ten repeats on."""
     if not values:
         raise ValueError("no values")
+    if not 0 < confidence < 1 or resamples < 1:
+        raise ValueError(f"confidence {confidence} must be in (0, 1) and resamples {resamples} at least 1")
     draw = random.Random(seed)
     medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
-    cut = (1 - confidence) / 2
-    return medians[int(cut * resamples)], medians[min(resamples - 1, int((1 - cut) * resamples))]
+    outside = round((1 - confidence) / 2 * resamples)  # resamples left out at each end, the same count at both
+    return medians[outside], medians[resamples - 1 - outside]
 
 
 def run_stack(

@@ -37,6 +37,8 @@ from bench.common import (
     run_stack,
 )
 
+RELIABLE_INTERVAL = 10  # repeats from which the median's interval is worth printing (bench.common.median_interval)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,8 +75,8 @@ def main() -> int:
     print(f"\nmachine: {machine()}")
     print(f"{args.repeats} repeats, {args.steps} steps, 2 processes x batch {args.batch_size}; medians")
     print("(ratios: the median of each repeat's ratio; a repeat runs them back to back, each first in turn;")
-    print("the interval: 90% of the medians of the repeats resampled, a percentile bootstrap; too narrow")
-    print("under some ten repeats, as it never reaches past the ratios themselves)\n")
+    print("the interval: a 90% percentile bootstrap of the median, shown from")
+    print(f"{RELIABLE_INTERVAL} repeats on: over fewer it is little more than the ratios' own range)\n")
     print("| run | launch -> first step (s) | ratio to plain | samples/s | ratio to plain | its 90% interval |")
     print("|---|---|---|---|---|---|")
     for name, m in medians.items():
@@ -82,7 +84,7 @@ def main() -> int:
         rate_ratios = [t.samples_per_s / p.samples_per_s for t, p in zip(runs[name], runs["plain"], strict=True)]
         rate_ratio, (low, high) = statistics.median(rate_ratios), median_interval(rate_ratios)
         row = f"| {name} | {m.first_step_s:.2f} | {start_ratio:.2f} | {m.samples_per_s:.1f} | {rate_ratio:.3f} |"
-        print(f"{row} {low:.3f} - {high:.3f} |")
+        print(f"{row} {f'{low:.3f} - {high:.3f}' if len(rate_ratios) >= RELIABLE_INTERVAL else '-'} |")
     print("\nCPU seconds per run, by part (medians):\n")
     print("| run | " + " | ".join(ROLES) + " |")
     print("|---|" + "---|" * len(ROLES))
