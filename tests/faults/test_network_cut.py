@@ -168,7 +168,10 @@ def test_an_elastic_job_goes_on_without_the_node_cut_off_the_network_with_the_gl
     print(f"host 2 cut off: the two others trained again {again_s:.1f} s after the cut; host 2 ended after {cut_off_ended_s:.0f} s")
     assert "unreachable: node 0 (10.231.8.1), node 1 (10.231.8.2)" in cut_off, cut_off[-4000:]
     assert cut_off.count("torchrun: the rendezvous store at 10.231.8.1:29913 is gone") == 1, cut_off[-4000:]
-    assert re.search(r"\[torchrun\] rendezvous 1 failed after [\d.]+ s\n", cut_off), cut_off[-4000:]
+    # Its restart's rendezvous, round 1, or 2 where a node joined the first one late (its last call,
+    # 4 s, ran out on a crowded host before the third node's agent came: a round more, seen once in a
+    # full suite on 2026-11-30). The rounds below are counted the same way.
+    assert re.search(r"\[torchrun\] rendezvous [12] failed after [\d.]+ s\n", cut_off), cut_off[-4000:]
     assert "torchrun: rank 2 (local rank 0, pid " in cut_off and ") exited with code 86" in cut_off, cut_off[-4000:]
     # the store clients' noise: a TCPStore client's retries (a C++ stack each); the agent's
     # requests to a store already gone, every second (three remain: a keep-alive, the restart's
@@ -184,18 +187,19 @@ def test_an_elastic_job_goes_on_without_the_node_cut_off_the_network_with_the_gl
     # its agent restarts it: a race seen once in a full suite (2026-11-29), node 1's worker saw node
     # 0's go before its own agent's second without keep-alives had passed. At least one agent names
     # the node; no worker waited for its watchdog. Which way each survivor went is printed.
-    lost = "torchrun: node(s) 10.231.8.3 stopped sending keep-alives and left rendezvous round 0: lost"
+    lost = re.compile(r"torchrun: node\(s\) 10\.231\.8\.3 stopped sending keep-alives and left rendezvous round [01]: lost")
     named = []
     for node in (0, 1):
         survivor = (tmp_path / "logs" / f"latest_node{node}.log").read_text()
         survivor = survivor[survivor.index("rendezvous 0 done") :]
         other = re.escape(f"10.231.8.{2 - node}")  # the other survivor's address (node n has 10.231.8.n+1)
         closed_by_other = re.search(rf"error: a peer process is gone \(Connection (closed|reset) by peer \[{other}\]", survivor)
-        assert survivor.count(lost) == 1 or closed_by_other, survivor[-4000:]
-        assert survivor.count(lost) <= 1, survivor[-4000:]
+        times_named = len(lost.findall(survivor))
+        assert times_named == 1 or closed_by_other, survivor[-4000:]
+        assert times_named <= 1, survivor[-4000:]
         assert "watchdog: rank" not in survivor, survivor[-4000:]
-        named += [node] if lost in survivor else []
-        how = "its agent named the node cut off" if lost in survivor else f"its worker ended on node {1 - node}'s kill"
+        named += [node] if times_named else []
+        how = "its agent named the node cut off" if times_named else f"its worker ended on node {1 - node}'s kill"
         print(f"node {node}: {how}")
     assert named, "no agent named the node cut off"
     resumed = re.search(r"resuming from checkpoint .*step-(\d+)\.ckpt", after)
