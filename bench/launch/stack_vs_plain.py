@@ -82,9 +82,14 @@ def main() -> int:
     for name, m in medians.items():
         start_ratio = statistics.median(t.first_step_s / p.first_step_s for t, p in zip(runs[name], runs["plain"], strict=True))
         rate_ratios = [t.samples_per_s / p.samples_per_s for t, p in zip(runs[name], runs["plain"], strict=True)]
-        rate_ratio, (low, high) = statistics.median(rate_ratios), median_interval(rate_ratios)
-        row = f"| {name} | {m.first_step_s:.2f} | {start_ratio:.2f} | {m.samples_per_s:.1f} | {rate_ratio:.3f} |"
-        print(f"{row} {f'{low:.3f} - {high:.3f}' if len(rate_ratios) >= RELIABLE_INTERVAL else '-'} |")
+        interval = "-"
+        if len(rate_ratios) >= RELIABLE_INTERVAL:
+            low, high = median_interval(rate_ratios)
+            interval = f"{low:.3f} - {high:.3f}"
+        print(
+            f"| {name} | {m.first_step_s:.2f} | {start_ratio:.2f} | {m.samples_per_s:.1f} | "
+            f"{statistics.median(rate_ratios):.3f} | {interval} |"
+        )
     print("\nCPU seconds per run, by part (medians):\n")
     print("| run | " + " | ".join(ROLES) + " |")
     print("|---|" + "---|" * len(ROLES))
